@@ -1,0 +1,253 @@
+"""Typed parameters: one section per stage, named presets, and the experiment grid.
+
+`load_params("params.yaml")` returns a validated `Params` or raises `ParamsError` listing
+every problem at once, each naming the dotted key, what was wrong, and the valid choices
+("did you mean ...?" for misspelt keys). Unknown keys are errors everywhere: a typo must
+never silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+# ---------------------------------------------------------------------------- presets
+class ModelPreset(Section):
+    path: str = Field(description="local directory (relative to the repo) or Hugging Face hub id")
+    revision: str | None = Field(None, description="hub commit or tag; pin a commit to reproduce")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    device_map: str | None = None
+    quantization: Literal["4bit", "8bit"] | None = None
+    trust_remote_code: bool = False
+    chat_template: bool = False
+
+
+class DatasetPreset(Section):
+    loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file"]
+    path: str | None = Field(None, description="local file for loaders that read one")
+    hf_id: str | None = None
+    hf_config: str | None = None
+    hf_split: str | None = None
+    revision: str | None = None
+    max_questions: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> DatasetPreset:
+        if self.loader in ("world", "bioasq", "file") and not self.path:
+            raise ValueError(f"loader '{self.loader}' reads a local file: set 'path'")
+        return self
+
+
+# ----------------------------------------------------------------------------- stages
+class WorldParams(Section):
+    seed: int = 0
+    n_people: PositiveInt = 400
+    exposures: list[Annotated[int, Field(ge=0)]] = [0, 0, 1, 3, 10, 30]
+    relations: list[str] = ["birth_city", "job", "instrument"]
+    qa_fraction: Fraction = 0.5
+    vocab_size: PositiveInt = 1024
+    hidden_size: PositiveInt = 128
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    intermediate_size: PositiveInt = 384
+    epochs: PositiveInt = 12
+    batch_size: PositiveInt = 64
+    lr: Annotated[float, Field(gt=0)] = 3e-3
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> WorldParams:
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}")
+        return self
+
+
+class PrepareParams(Section):
+    seed: int = 0
+    train: Fraction = 0.5
+    val: Fraction = 0.2
+    test: Fraction = 0.3
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> PrepareParams:
+        total = self.train + self.val + self.test
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"train + val + test must be 1, got {total:g}")
+        return self
+
+
+class GenerateParams(Section):
+    n_samples: PositiveInt = 5
+    temperature: Annotated[float, Field(gt=0)] = 0.5
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    max_new_tokens: PositiveInt = 64
+    stop: list[str] = ["\n", "Question:"]
+    batch_size: PositiveInt = 64
+    seed: int = 0
+    device: str = "auto"
+
+
+class DumpParams(Section):
+    layers: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    positions: Literal["predicting", "generated"] = "predicting"
+    dtype: Literal["float16", "float32", "bfloat16"] = "float16"
+    batch_size: PositiveInt = 32
+    device: str = "auto"
+
+
+class MatchJudgeParams(Section):
+    lenient_recall: Fraction = 0.5
+
+
+class JudgeParams(Section):
+    backend: Literal["match"] = "match"
+    two_pass: bool = True
+    match: MatchJudgeParams = MatchJudgeParams()
+
+
+class ClusterParams(Section):
+    backend: Literal["exact"] = "exact"
+    equivalence: Literal["paper", "strict"] = "paper"
+    likelihood: Literal["mean", "sum"] = "mean"
+
+
+class PoolingParams(Section):
+    dim: PositiveInt = 256
+    dropout: Fraction = 0.2
+    lr: Annotated[float, Field(gt=0)] = 2e-4
+    weight_decay: Annotated[float, Field(ge=0)] = 5e-3
+
+
+class DetectorsParams(Section):
+    mean: PoolingParams = PoolingParams()
+    max: PoolingParams = PoolingParams()
+
+
+class TrainParams(Section):
+    epochs: PositiveInt = 100
+    batch_size: PositiveInt = 128
+    seeds: list[int] = [0]
+    device: str = "cpu"
+
+
+class EvaluateParams(Section):
+    bootstrap: Annotated[int, Field(ge=0)] = 1000
+    seed: int = 0
+
+
+class GridParams(Section):
+    models: list[str]
+    datasets: list[str]
+    methods: list[str]
+
+
+class Params(Section):
+    grid: GridParams
+    models: dict[str, ModelPreset]
+    datasets: dict[str, DatasetPreset]
+    world: WorldParams = WorldParams()
+    prepare: PrepareParams = PrepareParams()
+    generate: GenerateParams = GenerateParams()
+    dump: DumpParams = DumpParams()
+    judge: JudgeParams = JudgeParams()
+    cluster: ClusterParams = ClusterParams()
+    detectors: DetectorsParams = DetectorsParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    @model_validator(mode="after")
+    def _grid_names_exist(self) -> Params:
+        problems = []
+        for key, names, choices in (
+            ("grid.models", self.grid.models, self.models),
+            ("grid.datasets", self.grid.datasets, self.datasets),
+            ("grid.methods", self.grid.methods, DetectorsParams.model_fields),
+        ):
+            for name in names:
+                if name not in choices:
+                    problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def model(self, name: str) -> ModelPreset:
+        return _lookup("models", name, self.models)
+
+    def dataset(self, name: str) -> DatasetPreset:
+        return _lookup("datasets", name, self.datasets)
+
+
+class ParamsError(ValueError):
+    """Every problem in a params file, one per line, each naming its dotted key."""
+
+
+def _suggest(name: str, choices) -> str:
+    choices = sorted(choices)
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} valid: {', '.join(choices)}"
+
+
+def _lookup(section: str, name: str, presets: dict):
+    if name not in presets:
+        raise ParamsError(f"{section}: no preset named '{name}'{_suggest(name, presets)}")
+    return presets[name]
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model owning the keys at `loc`, following fields and dict values."""
+    model: Any = Params
+    for part in loc:
+        if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
+            model = model.model_fields[part].annotation
+        elif get_origin(model) is dict:
+            model = get_args(model)[1]  # a preset name: step into the dict's value type
+        else:
+            return None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after",))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc[:-1])
+            valid = sorted(owner.model_fields) if owner else []
+            lines.append(f"{key}: unknown key{_suggest(str(loc[-1]), valid)}")
+        elif e["type"] == "missing":
+            lines.append(f"{key}: required key is missing")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{key}: {msg}")
+    return f"{source}: {len(lines)} problem(s)\n  " + "\n  ".join(lines)
+
+
+def parse_params(data: dict, source: str = "params") -> Params:
+    try:
+        return Params.model_validate(data)
+    except ValidationError as err:
+        raise ParamsError(format_errors(err, source)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: no such params file (run from the repository root)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level")
+    return parse_params(data, str(path))

@@ -1,0 +1,57 @@
+"""Detector registry. Every detector maps (x [B, T, d], mask [B, T]) -> logits z [B].
+
+Positive logits mean hallucination. Pooling is always masked: padded positions never
+change a score.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def masked_mean(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """u [B, T, D], mask [B, T] -> [B, D]: mean over real tokens."""
+    m = mask.unsqueeze(-1).to(u.dtype)  # [B, T, 1]
+    return (u * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def masked_max(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """u [B, T, D], mask [B, T] -> [B, D]: max over real tokens."""
+    return u.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(1)
+
+
+POOLINGS = {"mean": masked_mean, "max": masked_max}
+
+
+class PoolingNet(nn.Module):
+    """Embedding-based MIL (the paper's max-pooling network and its mean twin):
+    per token u = Dropout(ReLU(W h)), bag v = pool_t(u), z = w^T v + b."""
+
+    def __init__(self, d: int, dim: int, dropout: float, pool: str):
+        super().__init__()
+        self.feature = nn.Sequential(nn.Linear(d, dim), nn.ReLU(), nn.Dropout(dropout))
+        self.head = nn.Linear(dim, 1)
+        self.pool = POOLINGS[pool]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        u = self.feature(x)  # [B, T, D]
+        return self.head(self.pool(u, mask)).squeeze(-1)  # [B]
+
+
+DETECTORS: dict[str, Callable[..., nn.Module]] = {
+    "mean": lambda d, p: PoolingNet(d, p.dim, p.dropout, "mean"),
+    "max": lambda d, p: PoolingNet(d, p.dim, p.dropout, "max"),
+}
+
+
+def build_detector(method: str, d: int, params) -> nn.Module:
+    """`params` is the method's section of params.yaml (detectors.<method>)."""
+    if method not in DETECTORS:
+        close = difflib.get_close_matches(method, DETECTORS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise KeyError(f"unknown detector '{method}'{hint} valid: {', '.join(sorted(DETECTORS))}")
+    return DETECTORS[method](d, params)

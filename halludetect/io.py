@@ -1,0 +1,71 @@
+"""Atomic outputs: everything is written to a temporary sibling, then renamed into place.
+
+A stage killed mid-way therefore leaves either the previous output or nothing, never a
+half-written file that DVC or the next stage would take for a result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success move it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if is_dir:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if is_dir:
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_parquet(path: str | Path, df: pl.DataFrame) -> None:
+    # No statistics timestamps are written by polars, so equal frames give equal bytes.
+    with atomic_path(path) as tmp:
+        df.write_parquet(tmp)
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    with atomic_path(path) as tmp, tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

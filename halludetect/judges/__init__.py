@@ -1,0 +1,9 @@
+"""LLM-as-judge backends (registry) and the paper's two-pass labelling protocol."""
+
+from halludetect.judges import match  # noqa: F401  (registers the backend)
+from halludetect.judges.base import JUDGES, Judge, JudgeItem, Verdict, get_judge
+from halludetect.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass
+
+__all__ = [
+    "JUDGES", "JUDGMENTS_SCHEMA", "Judge", "JudgeItem", "Verdict", "get_judge", "label_distribution", "two_pass",
+]

@@ -1,0 +1,54 @@
+"""The judge interface and its registry.
+
+A judge answers, for a batch of (question, answer, references) items, "is the answer
+correct?" either with the reference answers (pass 1) or without them (pass 2, the paper's
+prompt 2). A verdict is "yes", "no" or "invalid"; an invalid verdict is never read as a
+label.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+VerdictValue = Literal["yes", "no", "invalid"]
+
+
+@dataclass(frozen=True)
+class JudgeItem:
+    question: str
+    answer: str
+    references: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: VerdictValue
+    raw: str  # the backend's raw reply (or, for rule-based judges, the rule that fired)
+
+
+class Judge(Protocol):
+    name: str
+
+    def judge(self, items: list[JudgeItem], with_reference: bool) -> list[Verdict]: ...
+
+
+JUDGES: dict[str, Callable[..., Judge]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        JUDGES[name] = factory
+        return factory
+
+    return deco
+
+
+def get_judge(name: str, **kwargs) -> Judge:
+    if name not in JUDGES:
+        close = difflib.get_close_matches(name, JUDGES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise KeyError(f"unknown judge backend '{name}'{hint} valid: {', '.join(sorted(JUDGES))}")
+    return JUDGES[name](**kwargs)

@@ -1,0 +1,53 @@
+"""Entailment backends: given a question and ordered answer pairs (A, B), does A entail B?
+
+Each returns one of "entailment", "neutral", "contradiction" per pair.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from halludetect.text import normalise
+
+Relation = Literal["entailment", "neutral", "contradiction"]
+
+
+class NLI(Protocol):
+    name: str
+
+    def relations(self, question: str, pairs: list[tuple[str, str]]) -> list[Relation]: ...
+
+
+NLI_BACKENDS: dict[str, Callable[..., NLI]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        NLI_BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def get_nli(name: str, **kwargs) -> NLI:
+    if name not in NLI_BACKENDS:
+        close = difflib.get_close_matches(name, NLI_BACKENDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise KeyError(f"unknown NLI backend '{name}'{hint} valid: {', '.join(sorted(NLI_BACKENDS))}")
+    return NLI_BACKENDS[name](**kwargs)
+
+
+@register("exact")
+class ExactNLI:
+    """Offline: A entails B iff their normalised texts are equal; otherwise neutral.
+
+    It cannot see paraphrases, so it under-merges; on the demo world, where answers are
+    templated sentences, equal normalised text is what "same meaning" means.
+    """
+
+    name = "exact"
+
+    def relations(self, question: str, pairs: list[tuple[str, str]]) -> list[Relation]:
+        return ["entailment" if normalise(a) == normalise(b) else "neutral" for a, b in pairs]

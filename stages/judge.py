@@ -1,0 +1,32 @@
+"""Label answers with the two-pass judge protocol (hallucination = 1)."""
+
+import polars as pl
+
+from halludetect import cli
+from halludetect.activations import select_for_dump
+from halludetect.datasets import read_questions
+from halludetect.io import write_json, write_parquet
+from halludetect.judges import get_judge, label_distribution, two_pass
+
+
+def run(args, params):
+    jp = params.judge
+    backend_params = getattr(jp, jp.backend).model_dump()
+    judge = get_judge(jp.backend, **backend_params)
+    # The answers the detectors see: train sample 0, all val/test samples (as dump selects).
+    selected, excluded = select_for_dump(pl.read_parquet(args.generations))
+    df = two_pass(judge, read_questions(args.questions), selected, second_pass=jp.two_pass)
+    write_parquet(args.out, df)
+    dist = label_distribution(df)
+    write_json(args.metrics, {"backend": jp.backend, "excluded_empty_answers": excluded["empty_answer"],
+                              "splits": dist})
+    cli.log.info("judge: %s", {s: (d["kept"], d["hallucination_rate"]) for s, d in dist.items()})
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    p.add_argument("--questions", required=True, help="questions Parquet")
+    p.add_argument("--generations", required=True, help="generations Parquet")
+    p.add_argument("--out", required=True, help="judgments Parquet")
+    p.add_argument("--metrics", required=True, help="label distribution JSON")
+    cli.main(run, p)

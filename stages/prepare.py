@@ -1,0 +1,22 @@
+"""Load a dataset into the common QA schema with a question-level train/val/test split."""
+
+from halludetect import cli
+from halludetect.datasets import prepare
+from halludetect.io import write_json, write_parquet
+
+
+def run(args, params):
+    df, report = prepare(params.dataset(args.dataset), params.prepare)
+    write_parquet(args.out, df)
+    counts = {s: int(n) for s, n in df.group_by("split").len().iter_rows()}
+    write_json(args.metrics, {"read": report.read, "dropped": report.dropped, "questions": df.height,
+                              "splits": counts, "mean_answers": float(df["answers"].list.len().mean())})
+    cli.log.info("prepare %s: %d questions %s, dropped %s", args.dataset, df.height, counts, report.dropped)
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    p.add_argument("--dataset", required=True, help="dataset preset name (params: datasets.<name>)")
+    p.add_argument("--out", required=True, help="questions Parquet")
+    p.add_argument("--metrics", required=True, help="counts JSON")
+    cli.main(run, p)

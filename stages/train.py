@@ -1,0 +1,47 @@
+"""Train one detector method on every dumped layer of a grid cell, for every seed."""
+
+import json
+from pathlib import Path
+
+import polars as pl
+from safetensors.torch import save_file
+
+from halludetect import cli
+from halludetect.activations import layer_files, read_layer
+from halludetect.io import atomic_path
+from halludetect.training import split_data, train_detector
+
+
+def run(args, params):
+    tp = params.train
+    method_params = getattr(params.detectors, args.method)
+    judgments = pl.read_parquet(args.judgments)
+    curves, summary = {}, {}
+    with atomic_path(Path(args.out), is_dir=True) as tmp:
+        for layer, path in layer_files(args.activations).items():
+            data = read_layer(path)
+            train = split_data(data, judgments, "train", str(path))
+            val = split_data(data, judgments, "val", str(path))
+            for seed in tp.seeds:
+                res = train_detector(args.method, method_params, train, val, epochs=tp.epochs,
+                                     batch_size=tp.batch_size, seed=seed)
+                key = f"layer_{layer:02d}_seed_{seed}"
+                save_file(res.state_dict, tmp / f"{key}.safetensors",
+                          metadata={"method": args.method, "layer": str(layer), "seed": str(seed),
+                                    "best_epoch": str(res.best_epoch), "d": str(train.x.shape[-1])})
+                curves[key] = res.curve
+                summary[key] = {"layer": layer, "seed": seed, "best_epoch": res.best_epoch,
+                                "val_auroc": res.best_val_auroc, "n_train": len(train.y), "n_val": len(val.y)}
+                cli.log.info("%s %s: best epoch %d, val AUROC %.3f", args.method, key, res.best_epoch,
+                             res.best_val_auroc)
+        (tmp / "curves.json").write_text(json.dumps(curves, indent=1))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
+    p.add_argument("--activations", required=True, help="directory of layer_XX.h5 files")
+    p.add_argument("--judgments", required=True, help="judgments Parquet (labels)")
+    p.add_argument("--out", required=True, help="output directory of detector weights")
+    cli.main(run, p)

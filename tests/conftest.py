@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny randomly initialised Llama with a real BPE tokenizer, saved locally."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from halludetect.world.kb import build_people, corpus
+    from halludetect.world.model import train_tokenizer
+
+    docs = corpus(build_people(30, [1, 3], ["birth_city", "job"], seed=1), qa_fraction=0.5, seed=1)
+    tok = train_tokenizer(docs, vocab_size=400)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir):
+    from halludetect.config import ModelPreset
+    from halludetect.modeling import load_model, load_tokenizer
+
+    preset = ModelPreset(path=str(tiny_model_dir), dtype="float32")
+    return load_model(preset, "cpu"), load_tokenizer(preset)

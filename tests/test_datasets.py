@@ -1,0 +1,93 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from halludetect.config import DatasetPreset, PrepareParams
+from halludetect.datasets import DatasetError, assign_splits, md5_id, prepare
+
+SAMPLES = Path(__file__).parent / "fixtures" / "qa_samples"
+SPLIT = PrepareParams(seed=0, train=0.5, val=0.2, test=0.3)
+
+
+def test_trivia_qa_sample():
+    df, report = prepare(DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl")), SPLIT)
+    assert df.height == 500 and report.dropped == {}
+    row = df.filter(df["question"].str.starts_with("What type of animal is a dik-dik")).row(0, named=True)
+    assert row["answers"][0] == "Antelope" and "Antelopes" in row["answers"]
+    assert row["id"] == md5_id(row["question"])  # the semantic-entropy id scheme
+
+
+def test_squad_keeps_answerable_only():
+    df, report = prepare(DatasetPreset(loader="squad", path=str(SAMPLES / "squad.jsonl")), SPLIT)
+    assert df.height == 263
+    assert report.dropped == {"squad: unanswerable (no reference answer)": 237}
+    assert df["context"].null_count() == 0  # SQuAD keeps its passage
+
+
+def test_nq_appends_question_mark():
+    df, _ = prepare(DatasetPreset(loader="nq", path=str(SAMPLES / "nq_open.jsonl")), SPLIT)
+    assert df.height == 500
+    assert df["question"].str.ends_with("?").all()
+    assert "when was the last time anyone was on the moon?" in df["question"].to_list()
+
+
+def test_bioasq_local_file(tmp_path):
+    data = {"questions": [
+        {"id": "a1", "type": "factoid", "body": "Which gene is mutated?", "exact_answer": [["BRCA1", "brca-1"]]},
+        {"id": "a2", "type": "list", "body": "Name two drugs.", "exact_answer": [["aspirin"], ["ibuprofen"]]},
+        {"id": "a3", "type": "yesno", "body": "Is it?", "exact_answer": "yes"},
+        {"id": "a4", "type": "summary", "body": "Explain."},
+    ]}
+    path = tmp_path / "training11b.json"
+    path.write_text(json.dumps(data))
+    df, report = prepare(DatasetPreset(loader="bioasq", path=str(path)), SPLIT)
+    answers = dict(zip(df["id"], df["answers"].to_list()))
+    assert answers == {"a1": ["BRCA1"], "a2": ["aspirin", "ibuprofen"], "a3": ["yes"]}
+    assert report.dropped == {"bioasq: no exact_answer": 1}
+
+
+def test_bioasq_missing_file_says_how_to_get_it(tmp_path):
+    with pytest.raises(DatasetError, match="register at bioasq.org.*training11b.json"):
+        prepare(DatasetPreset(loader="bioasq", path=str(tmp_path / "training11b.json")), SPLIT)
+
+
+def test_generic_file_and_bad_records(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"question": "Q1?", "answers": ["a"]}\n{"question": "Q2?", "answers": "b"}\n'
+                    '{"question": "Q3?", "answers": []}\n')
+    df, report = prepare(DatasetPreset(loader="file", path=str(good)), SPLIT)
+    assert df.height == 2 and report.dropped == {"no reference answer": 1}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "Q1?"}\n')
+    with pytest.raises(DatasetError, match="lacks \\['answers'\\]"):
+        prepare(DatasetPreset(loader="file", path=str(bad)), SPLIT)
+    csv = tmp_path / "x.csv"
+    csv.write_text("question,answers\n")
+    with pytest.raises(DatasetError, match="unsupported file type '.csv'"):
+        prepare(DatasetPreset(loader="file", path=str(csv)), SPLIT)
+
+
+def test_hub_loader_offline_error_names_the_fix(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetError, match="point the dataset preset's 'path' at a local"):
+        prepare(DatasetPreset(loader="nq"), SPLIT)
+
+
+def test_split_sizes_and_stability():
+    ids = [str(i) for i in range(1000)]
+    split = assign_splits(ids, SPLIT)
+    assert [split.count(s) for s in ("train", "val", "test")] == [500, 200, 300]
+    # adding questions never moves existing ones across val/test <-> train much: stable hashing
+    more = assign_splits(ids + [str(i) for i in range(1000, 1100)], SPLIT)
+    moved = sum(a != b for a, b in zip(split, more))
+    assert moved < 60
+    assert assign_splits(ids, SPLIT) == split  # deterministic
+
+
+def test_max_questions_and_schema():
+    preset = DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"), max_questions=100)
+    df, _ = prepare(preset, SPLIT)
+    assert df.height == 100
+    assert df.columns == ["id", "question", "answers", "context", "split"]
+    assert set(df["split"]) == {"train", "val", "test"}

@@ -1,0 +1,122 @@
+"""The whole DAG on a very small world, and DVC's recompute contract.
+
+Runs in a temporary copy of the repository (its own git and DVC repo), so it never touches
+the working tree's data/ or metrics/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = ["halludetect", "stages", "dvc.yaml", "params.yaml", "pyproject.toml", "inputs/README.md", ".dvc/config",
+        ".dvcignore", ".gitignore"]
+
+SMALL = {
+    "world": {"n_people": 60, "exposures": [0, 30], "epochs": 5, "hidden_size": 64, "intermediate_size": 128,
+              "n_heads": 4, "n_layers": 2, "vocab_size": 512},
+    "generate": {"n_samples": 3, "max_new_tokens": 16},
+    "train": {"epochs": 8},
+    "evaluate": {"bootstrap": 20},
+    "detectors": {"mean": {"dim": 16}, "max": {"dim": 16}},
+}
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(cwd)}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = f"{bindir}:{env['PATH']}"  # `python` in dvc.yaml is this interpreter
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return res.stdout + res.stderr
+
+
+def set_params(repo: Path, updates: dict) -> None:
+    path = repo / "params.yaml"
+    data = yaml.safe_load(path.read_text())
+
+    def merge(dst, src):
+        for k, v in src.items():
+            if isinstance(v, dict):
+                merge(dst.setdefault(k, {}), v)
+            else:
+                dst[k] = v
+
+    merge(data, updates)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def changed(repo: Path) -> set[str]:
+    """Stages `dvc status` marks as changed (their own deps or params changed)."""
+    return set(json.loads(run([sys.executable, "-m", "dvc", "status", "--json"], repo) or "{}"))
+
+
+def ran(log: str) -> set[str]:
+    return {line.split("'")[1] for line in log.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    for rel in COPY:
+        src = ROOT / rel
+        if src.exists():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(src, repo / rel) if src.is_dir() else shutil.copy(src, repo / rel)
+    for pycache in repo.rglob("__pycache__"):
+        shutil.rmtree(pycache)
+    set_params(repo, SMALL)
+    run(["git", "init", "-q"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], repo)
+    run([sys.executable, "-m", "dvc", "repro"], repo)
+    return repo
+
+
+def test_dag_writes_the_comparison_table(repo):
+    table = (repo / "metrics/tables/auroc.md").read_text()
+    assert "| mean |" in table and "| max |" in table and "world / world" in table
+    for method in ("mean", "max"):
+        m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
+        assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in (0, 1, 2)
+        assert [r["layer"] for r in m["layers"]] == [0, 1, 2]
+    labels = json.loads((repo / "metrics/labels/world/world.json").read_text())
+    assert labels["splits"]["test"]["kept"] > 0
+    assert changed(repo) == set()  # everything up to date
+
+
+def test_training_param_reruns_only_training_and_after(repo):
+    set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
+    assert changed(repo) == {"train@world-world-max"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    assert ran(log) == {"train@world-world-max", "evaluate@world-world-max", "report"}
+
+
+def test_judge_param_leaves_generation_dump_and_cluster(repo):
+    set_params(repo, {"judge": {"match": {"lenient_recall": 0.9}}})
+    assert changed(repo) == {"judge@world-world"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    assert "judge@world-world" in ran(log)
+    assert not ran(log) & {"generate@world-world", "dump@world-world", "cluster@world-world", "world"}
+
+
+def test_generation_param_reruns_generation_and_everything_after(repo):
+    set_params(repo, {"generate": {"temperature": 0.7}})
+    assert changed(repo) == {"generate@world-world"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    downstream = {"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
+                  "train@world-world-mean", "train@world-world-max", "evaluate@world-world-mean",
+                  "evaluate@world-world-max", "report"}
+    assert ran(log) == downstream
+    assert not ran(log) & {"world", "model@world", "prepare@world"}
