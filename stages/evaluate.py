@@ -4,11 +4,10 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from safetensors.torch import load_file
 
 from halludetect import cli
 from halludetect.activations import layer_files, read_layer
-from halludetect.detectors import build_detector
+from halludetect.detectors import load_detector
 from halludetect.evaluation import split_metrics, throughput
 from halludetect.io import write_json
 from halludetect.training import score, split_data
@@ -16,7 +15,6 @@ from halludetect.training import score, split_data
 
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
-    method_params = getattr(params.detectors, args.method)
     judgments = pl.read_parquet(args.judgments)
     per_layer, scored = [], {}
     for layer, path in layer_files(args.activations).items():
@@ -27,8 +25,9 @@ def run(args, params):
             weights = Path(args.detectors) / f"layer_{layer:02d}_seed_{seed}.safetensors"
             if not weights.exists():
                 raise FileNotFoundError(f"{weights} is missing: train this layer and seed first")
-            model = build_detector(args.method, data.states.shape[-1], method_params)
-            model.load_state_dict(load_file(weights))
+            model, meta = load_detector(weights)
+            if meta["method"] != args.method:
+                raise ValueError(f"{weights} holds a '{meta['method']}' detector, not '{args.method}'")
             models.append(model)
         scores = {s: [score(m, d) for m in models] for s, d in splits.items()}
         val = split_metrics(splits["val"].y.numpy(), scores["val"])

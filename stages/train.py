@@ -28,7 +28,8 @@ def run(args, params):
                 key = f"layer_{layer:02d}_seed_{seed}"
                 save_file(res.state_dict, tmp / f"{key}.safetensors",
                           metadata={"method": args.method, "layer": str(layer), "seed": str(seed),
-                                    "best_epoch": str(res.best_epoch), "d": str(train.x.shape[-1])})
+                                    "best_epoch": str(res.best_epoch), "d": str(train.x.shape[-1]),
+                                    "params": method_params.model_dump_json()})
                 curves[key] = res.curve
                 summary[key] = {"layer": layer, "seed": seed, "best_epoch": res.best_epoch,
                                 "val_auroc": res.best_val_auroc, "n_train": len(train.y), "n_val": len(val.y)}

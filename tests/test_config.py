@@ -78,3 +78,38 @@ def test_unknown_preset_lookup():
     p = load_params("params.yaml")
     with pytest.raises(ParamsError, match="did you mean 'llama3-8b'"):
         p.model("llama3-7b")
+
+
+def test_stage_reports_bad_params_without_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    data = base()
+    data["prepare"]["tran"] = 0.5
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = subprocess.run(
+        [sys.executable, "-m", "stages.prepare", "--params", str(bad), "--dataset", "world",
+         "--out", str(tmp_path / "q.parquet"), "--metrics", str(tmp_path / "m.json")],
+        capture_output=True, text=True,
+    )
+    assert res.returncode == 2
+    assert "prepare.tran: unknown key; did you mean 'train'?" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "q.parquet").exists()  # nothing written
+
+
+def test_stage_missing_dataset_file_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    data = base()
+    data["datasets"]["bioasq"]["path"] = str(tmp_path / "training11b.json")
+    good = tmp_path / "params.yaml"
+    good.write_text(yaml.safe_dump(data))
+    res = subprocess.run(
+        [sys.executable, "-m", "stages.prepare", "--params", str(good), "--dataset", "bioasq",
+         "--out", str(tmp_path / "q.parquet"), "--metrics", str(tmp_path / "m.json")],
+        capture_output=True, text=True,
+    )
+    assert res.returncode == 2 and "register at bioasq.org" in res.stderr and "Traceback" not in res.stderr

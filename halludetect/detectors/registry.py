@@ -48,6 +48,24 @@ DETECTORS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def load_detector(path) -> tuple[nn.Module, dict]:
+    """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from halludetect.config import DetectorsParams
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    method = meta["method"]
+    params = DetectorsParams.model_fields[method].annotation.model_validate(json.loads(meta["params"]))
+    model = build_detector(method, int(meta["d"]), params)
+    model.load_state_dict(load_file(path))
+    return model.eval(), meta
+
+
 def build_detector(method: str, d: int, params) -> nn.Module:
     """`params` is the method's section of params.yaml (detectors.<method>)."""
     if method not in DETECTORS:
