@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# dvc.yaml's commands call `python`: the venv's, whether or not it is activated.
 repro: $(STAMP)
-	$(VENV)/bin/dvc repro
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
