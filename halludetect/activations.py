@@ -224,4 +224,4 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
     finally:
         for writer in writers.values():
             writer.close()
-    log(f"dumped {len(rows)} responses x {len(layers)} layers to {out_dir}")
+    log(f"dumped {len(rows)} responses x {len(layers)} layers")

@@ -11,11 +11,18 @@ from collections.abc import Callable
 import torch
 
 from halludetect.config import Params, ParamsError, load_params
+from halludetect.datasets import DatasetError
+from halludetect.modeling import ModelError
+from halludetect.registry import UnknownName
+from halludetect.training import DataError
 
 log = logging.getLogger("halludetect")
 
 # Errors that describe bad input: printed as one clear message, without a traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ParamsError, FileNotFoundError, KeyError, ValueError)
+# Anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (
+    ParamsError, DatasetError, ModelError, DataError, UnknownName, FileNotFoundError,
+)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -37,6 +44,5 @@ def main(run: Callable[[argparse.Namespace, Params], None], p: argparse.Argument
         params = load_params(args.params)
         run(args, params)
     except USER_ERRORS as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

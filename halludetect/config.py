@@ -8,12 +8,13 @@ never silently fall back to a default.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from halludetect.registry import suggest as _suggest
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -191,13 +192,6 @@ class Params(Section):
 
 class ParamsError(ValueError):
     """Every problem in a params file, one per line, each naming its dotted key."""
-
-
-def _suggest(name: str, choices) -> str:
-    choices = sorted(choices)
-    close = difflib.get_close_matches(name, choices, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{hint} valid: {', '.join(choices)}"
 
 
 def _lookup(section: str, name: str, presets: dict):

@@ -6,11 +6,12 @@ change a score.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from halludetect.registry import lookup
 
 
 def masked_mean(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -68,8 +69,4 @@ def load_detector(path) -> tuple[nn.Module, dict]:
 
 def build_detector(method: str, d: int, params) -> nn.Module:
     """`params` is the method's section of params.yaml (detectors.<method>)."""
-    if method not in DETECTORS:
-        close = difflib.get_close_matches(method, DETECTORS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown detector '{method}'{hint} valid: {', '.join(sorted(DETECTORS))}")
-    return DETECTORS[method](d, params)
+    return lookup("detector", method, DETECTORS)(d, params)

@@ -8,10 +8,11 @@ label.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+from halludetect.registry import lookup
 
 VerdictValue = Literal["yes", "no", "invalid"]
 
@@ -47,8 +48,4 @@ def register(name: str):
 
 
 def get_judge(name: str, **kwargs) -> Judge:
-    if name not in JUDGES:
-        close = difflib.get_close_matches(name, JUDGES, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown judge backend '{name}'{hint} valid: {', '.join(sorted(JUDGES))}")
-    return JUDGES[name](**kwargs)
+    return lookup("judge backend", name, JUDGES)(**kwargs)

@@ -5,10 +5,10 @@ Each returns one of "entailment", "neutral", "contradiction" per pair.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Literal, Protocol
 
+from halludetect.registry import lookup
 from halludetect.text import normalise
 
 Relation = Literal["entailment", "neutral", "contradiction"]
@@ -32,11 +32,7 @@ def register(name: str):
 
 
 def get_nli(name: str, **kwargs) -> NLI:
-    if name not in NLI_BACKENDS:
-        close = difflib.get_close_matches(name, NLI_BACKENDS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown NLI backend '{name}'{hint} valid: {', '.join(sorted(NLI_BACKENDS))}")
-    return NLI_BACKENDS[name](**kwargs)
+    return lookup("NLI backend", name, NLI_BACKENDS)(**kwargs)
 
 
 @register("exact")
