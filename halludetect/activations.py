@@ -97,7 +97,7 @@ class LayerWriter:
 
     def __init__(self, path: Path, hidden_size: int, dtype: str, attrs: dict, chunk_rows: int = 4096):
         self.f = h5py.File(path, "w", libver="latest", track_order=False)
-        self.np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype("float32")
+        self.np_dtype = np.dtype(dtype)
         self.states = self.f.create_dataset(
             "states", shape=(0, hidden_size), maxshape=(None, hidden_size), dtype=self.np_dtype,
             chunks=(min(chunk_rows, 1 << 20), hidden_size), track_times=False,
@@ -195,7 +195,7 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
         for layer in layers
     }
     device = input_device(model)
-    torch_dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype = {"float16": torch.float16, "float32": torch.float32}[dtype]
     try:
         with capture(model, layers) as store:
             for start in tqdm(range(0, len(rows), batch_size), desc="dump", unit="batch"):
@@ -219,7 +219,7 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
                 response_ids = [f"{r['question_id']}/{r['sample_index']}" for r in batch]
                 for layer, writer in writers.items():
-                    h = store[layer].to(torch_dtype if dtype != "bfloat16" else torch.float32).cpu()
+                    h = store[layer].to(torch_dtype).cpu()
                     writer.append([h[i, sl].numpy() for i, sl in enumerate(slices)], response_ids)
     finally:
         for writer in writers.values():

@@ -103,7 +103,7 @@ class GenerateParams(Section):
 class DumpParams(Section):
     layers: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
     positions: Literal["predicting", "generated"] = "predicting"
-    dtype: Literal["float16", "float32", "bfloat16"] = "float16"
+    dtype: Literal["float16", "float32"] = "float16"  # HDF5 has no bfloat16
     batch_size: PositiveInt = 32
     device: str = "auto"
 

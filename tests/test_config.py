@@ -1,3 +1,5 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,19 +82,21 @@ def test_unknown_preset_lookup():
         p.model("llama3-7b")
 
 
-def test_stage_reports_bad_params_without_traceback(tmp_path):
-    import subprocess
-    import sys
-
-    data = base()
-    data["prepare"]["tran"] = 0.5
-    bad = tmp_path / "params.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    res = subprocess.run(
-        [sys.executable, "-m", "stages.prepare", "--params", str(bad), "--dataset", "world",
+def run_prepare(tmp_path, data: dict, dataset: str):
+    """Run the prepare stage as DVC would, with `data` as its params file."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(data))
+    return subprocess.run(
+        [sys.executable, "-m", "stages.prepare", "--params", str(params), "--dataset", dataset,
          "--out", str(tmp_path / "q.parquet"), "--metrics", str(tmp_path / "m.json")],
         capture_output=True, text=True,
     )
+
+
+def test_stage_reports_bad_params_without_traceback(tmp_path):
+    data = base()
+    data["prepare"]["tran"] = 0.5
+    res = run_prepare(tmp_path, data, "world")
     assert res.returncode == 2
     assert "prepare.tran: unknown key; did you mean 'train'?" in res.stderr
     assert "Traceback" not in res.stderr
@@ -100,16 +104,7 @@ def test_stage_reports_bad_params_without_traceback(tmp_path):
 
 
 def test_stage_missing_dataset_file_is_one_clear_line(tmp_path):
-    import subprocess
-    import sys
-
     data = base()
     data["datasets"]["bioasq"]["path"] = str(tmp_path / "training11b.json")
-    good = tmp_path / "params.yaml"
-    good.write_text(yaml.safe_dump(data))
-    res = subprocess.run(
-        [sys.executable, "-m", "stages.prepare", "--params", str(good), "--dataset", "bioasq",
-         "--out", str(tmp_path / "q.parquet"), "--metrics", str(tmp_path / "m.json")],
-        capture_output=True, text=True,
-    )
+    res = run_prepare(tmp_path, data, "bioasq")
     assert res.returncode == 2 and "register at bioasq.org" in res.stderr and "Traceback" not in res.stderr
