@@ -161,20 +161,6 @@ def layer_filename(layer: int) -> str:
 
 
 # ---------------------------------------------------------------------------- dump
-def select_for_dump(generations, n_train_samples: int = 1):
-    """Train split: the first `n_train_samples` samples per question; val/test: all of them.
-
-    Returns (selected rows, excluded counts). Zero-token answers have no bag: they are
-    excluded and counted, never written as empty bags.
-    """
-    import polars as pl
-
-    keep = (pl.col("split") != "train") | (pl.col("sample_index") < n_train_samples)
-    chosen = generations.filter(keep)
-    empty = chosen.filter(pl.col("n_tokens") == 0)
-    return chosen.filter(pl.col("n_tokens") > 0), {"empty_answer": empty.height}
-
-
 @torch.no_grad()
 def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[int], *,
          positions: str, dtype: str, batch_size: int, attrs: dict, chat_template: bool = False, log=print):
@@ -183,6 +169,7 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
 
     from halludetect.generation import encode_prompt
     from halludetect.modeling import input_device
+    from halludetect.responses import response_id
 
     if positions not in POSITIONS:
         raise ValueError(f"unknown positions '{positions}'; choose from {POSITIONS}")
@@ -217,7 +204,7 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
                     ids[i, : len(s)] = torch.tensor(s)
                     mask[i, : len(s)] = 1
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-                response_ids = [f"{r['question_id']}/{r['sample_index']}" for r in batch]
+                response_ids = [response_id(r["question_id"], r["sample_index"]) for r in batch]
                 for layer, writer in writers.items():
                     h = store[layer].to(torch_dtype).cpu()
                     writer.append([h[i, sl].numpy() for i, sl in enumerate(slices)], response_ids)

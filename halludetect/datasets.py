@@ -104,11 +104,8 @@ def _hub_rows(preset: DatasetPreset, default_id: str, default_config: str | None
 
 
 # ------------------------------------------------------------------------- loaders
-def _load_world(preset: DatasetPreset, report: LoadReport) -> list[dict]:
-    return read_records(preset.path)
-
-
 def _load_file(preset: DatasetPreset, report: LoadReport) -> list[dict]:
+    """The world's qa.jsonl and any user file are already in the common schema."""
     return read_records(preset.path)
 
 
@@ -189,7 +186,7 @@ def _load_bioasq(preset: DatasetPreset, report: LoadReport) -> list[dict]:
 
 
 LOADERS: dict[str, Callable[[DatasetPreset, LoadReport], list[dict]]] = {
-    "world": _load_world,
+    "world": _load_file,
     "file": _load_file,
     "trivia_qa": _load_trivia_qa,
     "squad": _load_squad,

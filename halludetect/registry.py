@@ -20,6 +20,19 @@ def suggest(name: str, choices: Iterable[str]) -> str:
     return f"{hint} valid: {', '.join(choices)}"
 
 
+def registrar(table: dict):
+    """A `@register(name)` decorator that adds factories to `table`."""
+
+    def register(name: str):
+        def deco(factory):
+            table[name] = factory
+            return factory
+
+        return deco
+
+    return register
+
+
 def lookup(kind: str, name: str, table: dict):
     if name not in table:
         raise UnknownName(f"unknown {kind} '{name}'{suggest(name, table)}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from halludetect.activations import Layer
 from halludetect.detectors import build_detector, pad_bags
+from halludetect.responses import response_ids
 
 
 class DataError(ValueError):
@@ -38,16 +39,12 @@ class SplitData:
         return self.mask.sum(1)
 
 
-def response_key(df: pl.DataFrame) -> pl.Series:
-    return pl.concat_str([pl.col("question_id"), pl.col("sample_index").cast(pl.String)], separator="/")
-
-
 def labelled_index(
     layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Indices into the layer's bags and labels of the kept, labelled responses of `split`."""
     kept = judgments.filter(pl.col("kept") & (pl.col("split") == split)).select(
-        response_key(judgments).alias("rid"), "label"
+        response_ids(judgments).alias("rid"), "label"
     )
     position = {rid: i for i, rid in enumerate(layer.response_ids)}
     missing = [rid for rid in kept["rid"] if rid not in position]

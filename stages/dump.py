@@ -5,18 +5,19 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import dump, select_for_dump
+from halludetect.activations import dump
 from halludetect.datasets import read_questions
 from halludetect.io import atomic_path
 from halludetect.modeling import check_layers, load_config, load_model, load_tokenizer
 from halludetect.prompts import GENERATION, template_hash
+from halludetect.responses import select_answers
 
 
 def run(args, params):
     preset = params.model(args.model)
     # Check the layers against the config before any weights are loaded.
     layers = check_layers(params.dump.layers, load_config(preset))
-    selected, excluded = select_for_dump(pl.read_parquet(args.generations))
+    selected, excluded = select_answers(pl.read_parquet(args.generations))
     if excluded["empty_answer"]:
         cli.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
     tokenizer = load_tokenizer(preset)

@@ -3,10 +3,10 @@
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import select_for_dump
 from halludetect.datasets import read_questions
 from halludetect.io import write_json, write_parquet
 from halludetect.judges import get_judge, label_distribution, two_pass
+from halludetect.responses import select_answers
 
 
 def run(args, params):
@@ -14,7 +14,7 @@ def run(args, params):
     backend_params = getattr(jp, jp.backend).model_dump()
     judge = get_judge(jp.backend, **backend_params)
     # The answers the detectors see: train sample 0, all val/test samples (as dump selects).
-    selected, excluded = select_for_dump(pl.read_parquet(args.generations))
+    selected, excluded = select_answers(pl.read_parquet(args.generations))
     df = two_pass(judge, read_questions(args.questions), selected, second_pass=jp.two_pass)
     write_parquet(args.out, df)
     dist = label_distribution(df)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from halludetect.registry import lookup
+from halludetect.registry import lookup, registrar
 
 VerdictValue = Literal["yes", "no", "invalid"]
 
@@ -39,12 +39,7 @@ class Judge(Protocol):
 JUDGES: dict[str, Callable[..., Judge]] = {}
 
 
-def register(name: str):
-    def deco(factory):
-        JUDGES[name] = factory
-        return factory
-
-    return deco
+register = registrar(JUDGES)
 
 
 def get_judge(name: str, **kwargs) -> Judge:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, Protocol
 
-from halludetect.registry import lookup
+from halludetect.registry import lookup, registrar
 from halludetect.text import normalise
 
 Relation = Literal["entailment", "neutral", "contradiction"]
@@ -23,12 +23,7 @@ class NLI(Protocol):
 NLI_BACKENDS: dict[str, Callable[..., NLI]] = {}
 
 
-def register(name: str):
-    def deco(factory):
-        NLI_BACKENDS[name] = factory
-        return factory
-
-    return deco
+register = registrar(NLI_BACKENDS)
 
 
 def get_nli(name: str, **kwargs) -> NLI:
