@@ -8,20 +8,23 @@ One HDF5 file per layer (so a colleague can `dvc pull` one layer):
     states      float16 [total_tokens, d]   bags concatenated in response order
     offsets     int64   [n_responses + 1]   bag r is states[offsets[r]:offsets[r+1]]
     response_id string  [n_responses]       "<question_id>/<sample_index>"
-    attrs: model, revision, layer, positions, dtype, prompt_hash, hidden_size
+    attrs: model, revision, layer, positions, dtype, prompt_hash, excluded_empty_answers
 Files are written without timestamps, so the same states give the same bytes and DVC
-sees an unchanged layer as unchanged.
+sees an unchanged layer as unchanged. Writes stream one batch at a time (memory does not
+grow with the number of responses); `LayerReader` streams padded batches back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
+import polars as pl
 import torch
 from torch import nn
 
@@ -92,38 +95,65 @@ def bag_slice(prompt_len: int, n_tokens: int, positions: str) -> slice:
 
 
 # --------------------------------------------------------------------------- store
-class LayerWriter:
-    """Appends bags to one layer file; memory is bounded by one batch."""
+def _chunk_rows(hidden: int, itemsize: int) -> int:
+    # ~1 MiB chunks: small enough for HDF5's chunk cache, large enough for sequential I/O.
+    return max(16, (1 << 20) // (hidden * itemsize))
 
-    def __init__(self, path: Path, hidden_size: int, dtype: str, attrs: dict, chunk_rows: int = 4096):
-        self.f = h5py.File(path, "w", libver="latest", track_order=False)
+
+class LayerWriter:
+    """Appends bags to one layer file; memory is bounded by one chunk plus one appended block.
+
+    States are written to HDF5 in whole chunks only (the remainder at close), so the file's
+    bytes depend on the states alone, not on how they were batched: one process or several,
+    any dump batch size.
+    """
+
+    def __init__(self, path: Path, hidden_size: int, dtype: str, attrs: dict):
+        self.path = Path(path)
+        self.f = h5py.File(self.path, "w", libver="latest", track_order=False)
         self.np_dtype = np.dtype(dtype)
+        self.chunk = _chunk_rows(hidden_size, self.np_dtype.itemsize)
         self.states = self.f.create_dataset(
             "states", shape=(0, hidden_size), maxshape=(None, hidden_size), dtype=self.np_dtype,
-            chunks=(min(chunk_rows, 1 << 20), hidden_size), track_times=False,
+            chunks=(self.chunk, hidden_size), track_times=False,
         )
+        self.pending: list[np.ndarray] = []  # rows not yet written, fewer than a chunk after each append
+        self.n_pending = 0
         self.offsets = [0]
         self.ids: list[str] = []
-        for k, v in attrs.items():
-            self.f.attrs[k] = v
+        for k in sorted(attrs):  # creation order is in the bytes: make it canonical
+            self.f.attrs[k] = attrs[k]
 
-    def append(self, bags: list[np.ndarray], response_ids: list[str]) -> None:
-        if not bags:
+    def append(self, block: np.ndarray, lengths, response_ids: list[str]) -> None:
+        """block: [sum(lengths), d], the bags of `response_ids` concatenated."""
+        if not len(response_ids):
             return
-        block = np.concatenate(bags).astype(self.np_dtype, copy=False)
-        n0 = self.states.shape[0]
-        self.states.resize(n0 + len(block), axis=0)
-        self.states[n0:] = block
-        for b in bags:
-            self.offsets.append(self.offsets[-1] + len(b))
+        self.pending.append(block.astype(self.np_dtype, copy=False))
+        self.n_pending += len(block)
+        self.offsets.extend((self.offsets[-1] + np.cumsum(lengths)).tolist())
         self.ids += response_ids
+        if self.n_pending >= self.chunk:
+            self._flush(whole_chunks=True)
+
+    def _flush(self, whole_chunks: bool) -> None:
+        rows = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        n = len(rows) - len(rows) % self.chunk if whole_chunks else len(rows)
+        n0 = self.states.shape[0]
+        self.states.resize(n0 + n, axis=0)
+        self.states[n0:] = rows[:n]
+        self.pending = [rows[n:]] if n < len(rows) else []
+        self.n_pending = len(rows) - n
 
     def close(self) -> None:
+        if self.n_pending:
+            self._flush(whole_chunks=False)
         self.f.create_dataset("offsets", data=np.asarray(self.offsets, dtype=np.int64), track_times=False)
         self.f.create_dataset(
             "response_id", data=np.asarray(self.ids, dtype=object), dtype=h5py.string_dtype(), track_times=False
         )
         self.f.close()
+        with open(self.path, "rb+") as fh:  # on disk before the directory is renamed into place
+            os.fsync(fh.fileno())
 
 
 @dataclass
@@ -139,14 +169,70 @@ class Layer:
         return np.diff(self.offsets)
 
 
+def _decode(ids) -> list[str]:
+    return [x.decode() if isinstance(x, bytes) else x for x in ids]
+
+
 def read_layer(path: str | Path, dtype=np.float32) -> Layer:
     with h5py.File(path, "r") as f:
         return Layer(
             states=f["states"][:].astype(dtype),
             offsets=f["offsets"][:],
-            response_ids=[x.decode() if isinstance(x, bytes) else x for x in f["response_id"][:]],
+            response_ids=_decode(f["response_id"][:]),
             attrs=dict(f.attrs),
         )
+
+
+class LayerReader:
+    """Streams a layer file as padded batches, reading only the bags asked for.
+
+        with LayerReader(path) as layer:
+            for index, x, mask in layer.batches(128):   # x [B, T, d] float32, mask [B, T]
+                ...
+    """
+
+    def __init__(self, path: str | Path, dtype=np.float32):
+        self.path = Path(path)
+        self.f = h5py.File(self.path, "r")
+        self.states = self.f["states"]
+        self.offsets = self.f["offsets"][:]
+        self.response_ids = _decode(self.f["response_id"][:])
+        self.attrs = dict(self.f.attrs)
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def __enter__(self) -> LayerReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def bags(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bags `index` as x [B, T, d] and mask [B, T] (True at real tokens)."""
+        from halludetect.detectors.bags import pad_bags
+
+        index = np.asarray(index, dtype=np.int64)
+        starts, ends = self.offsets[index], self.offsets[index + 1]
+        lo, hi = int(starts.min()), int(ends.max())
+        if hi - lo <= 2 * int((ends - starts).sum()):
+            # Nearby bags (the usual, in-order case): one contiguous read; offsets shifted into it.
+            return pad_bags(self.states[lo:hi].astype(self.dtype), self.offsets - lo, index)
+        # Scattered bags: one read each, concatenated in the order asked.
+        local = np.concatenate([[0], np.cumsum(ends - starts)])
+        block = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)]).astype(self.dtype)
+        return pad_bags(block, local, np.arange(len(index)))
+
+    def batches(self, batch_size: int, index: np.ndarray | None = None
+                ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        index = np.arange(len(self)) if index is None else np.asarray(index, dtype=np.int64)
+        for start in range(0, len(index), batch_size):
+            part = index[start : start + batch_size]
+            yield (part, *self.bags(part))
 
 
 def layer_files(directory: str | Path) -> dict[int, Path]:
@@ -160,22 +246,54 @@ def layer_filename(layer: int) -> str:
     return f"layer_{layer:02d}.h5"
 
 
+def merge_parts(part_dirs: list[Path], out_dir: Path, layers: list[int], block_rows: int = 1 << 16) -> None:
+    """Concatenate per-process layer files, in process order, streaming blocks of states."""
+    for layer in layers:
+        parts = [d / layer_filename(layer) for d in part_dirs]
+        with h5py.File(parts[0], "r") as first:
+            attrs, hidden, dtype = dict(first.attrs), first["states"].shape[1], first["states"].dtype
+        writer = LayerWriter(out_dir / layer_filename(layer), hidden, dtype.name, attrs)
+        try:
+            for part in parts:
+                with h5py.File(part, "r") as f:
+                    lengths = np.diff(f["offsets"][:])
+                    ids = _decode(f["response_id"][:])
+                    bounds = np.concatenate([[0], np.cumsum(lengths)])
+                    # Whole bags per block: cut at the first bag boundary past each block_rows step.
+                    cuts = np.unique(np.searchsorted(bounds, np.arange(0, bounds[-1], block_rows), side="left"))
+                    cuts = np.append(cuts[cuts < len(lengths)], len(lengths))
+                    for a, b in zip(cuts[:-1], cuts[1:]):
+                        writer.append(f["states"][bounds[a] : bounds[b]], lengths[a:b], ids[a:b])
+        finally:
+            writer.close()
+
+
 # ---------------------------------------------------------------------------- dump
 @torch.no_grad()
 def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[int], *,
-         positions: str, dtype: str, batch_size: int, attrs: dict, chat_template: bool = False, log=print):
-    """Teacher-forced pass over prompt + answer ids; one HDF5 file per layer in `out_dir`."""
+         positions: str, dtype: str, batch_size: int, attrs: dict, chat_template: bool = False,
+         workers=None, log=print) -> None:
+    """Teacher-forced pass over prompt + answer ids; one HDF5 file per layer in `out_dir`.
+
+    Responses go in (question_id, sample_index) order. With several `workers`, this process
+    writes its contiguous block of batches; `merge_parts` joins the blocks in order.
+    """
     from tqdm import tqdm
 
-    from halludetect.generation import encode_prompt
+    from halludetect.generation import check_context, encode_prompt
     from halludetect.modeling import input_device
+    from halludetect.parallel import Workers
     from halludetect.responses import response_id
 
+    workers = workers or Workers()
     if positions not in POSITIONS:
         raise ValueError(f"unknown positions '{positions}'; choose from {POSITIONS}")
+    generations = generations.sort("question_id", "sample_index")
     question_text = dict(zip(questions["id"], questions["question"]))
-    rows = generations.sort("question_id", "sample_index").to_dicts()
-    prompt_cache: dict[str, list[int]] = {}
+    prompts = {q: encode_prompt(tokenizer, question_text[q], chat_template)
+               for q in generations["question_id"].unique().to_list()}
+    longest = generations.group_by("question_id").agg(pl.col("n_tokens").max())
+    check_context(model, {q: len(prompts[q]) + n for q, n in longest.iter_rows()}, 0, "their answers")
     hidden = model.config.get_text_config().hidden_size
     writers = {
         layer: LayerWriter(out_dir / layer_filename(layer), hidden, dtype, {**attrs, "layer": layer})
@@ -183,32 +301,38 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
     }
     device = input_device(model)
     torch_dtype = {"float16": torch.float16, "float32": torch.float32}[dtype]
+    n_batches = -(-generations.height // batch_size)
     try:
         with capture(model, layers) as store:
-            for start in tqdm(range(0, len(rows), batch_size), desc="dump", unit="batch"):
-                batch = rows[start : start + batch_size]
-                seqs, slices = [], []
-                for r in batch:
-                    qid = r["question_id"]
-                    if qid not in prompt_cache:
-                        prompt_cache[qid] = encode_prompt(tokenizer, question_text[qid], chat_template)
-                    prompt = prompt_cache[qid]
-                    seqs.append(prompt + list(r["token_ids"]))
-                    slices.append(bag_slice(len(prompt), r["n_tokens"], positions))
+            for b in tqdm(workers.span(n_batches), desc=f"dump[{workers.rank}]", unit="batch",
+                          disable=not workers.main):
+                # One batch's rows only: memory does not grow with the number of responses.
+                batch = generations.slice(b * batch_size, batch_size).select(
+                    "question_id", "sample_index", "token_ids", "n_tokens").to_dicts()
+                seqs = [prompts[r["question_id"]] + list(r["token_ids"]) for r in batch]
+                starts = np.asarray([bag_slice(len(prompts[r["question_id"]]), r["n_tokens"], positions).start
+                                     for r in batch])  # [B]
+                lengths = np.asarray([r["n_tokens"] for r in batch])  # [B]
                 width = max(map(len, seqs))
                 # Right padding: a plain forward numbers positions from 0, so real tokens keep
                 # the positions they had unpadded and causal attention never sees the pads.
-                ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+                ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, W]
                 mask = torch.zeros_like(ids)
                 for i, s in enumerate(seqs):
                     ids[i, : len(s)] = torch.tensor(s)
                     mask[i, : len(s)] = 1
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+                # Every bag token of the batch as (row, position), gathered on the device at once.
+                row = np.repeat(np.arange(len(batch)), lengths)  # [N]
+                first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [B] first flat index of each bag
+                col = np.repeat(starts, lengths) + np.arange(len(row)) - np.repeat(first, lengths)  # [N]
+                row_t, col_t = torch.from_numpy(row).to(device), torch.from_numpy(col).to(device)
                 response_ids = [response_id(r["question_id"], r["sample_index"]) for r in batch]
                 for layer, writer in writers.items():
-                    h = store[layer].to(torch_dtype).cpu()
-                    writer.append([h[i, sl].numpy() for i, sl in enumerate(slices)], response_ids)
+                    block = store[layer][row_t, col_t].to(torch_dtype).cpu().numpy()  # [N, d]
+                    writer.append(block, lengths, response_ids)
     finally:
         for writer in writers.values():
             writer.close()
-    log(f"dumped {len(rows)} responses x {len(layers)} layers")
+    n_mine = sum(len(w.ids) for w in writers.values()) // max(1, len(writers))
+    log(f"process {workers.rank}: dumped {n_mine} of {generations.height} responses x {len(layers)} layers")

@@ -25,14 +25,31 @@ class Section(BaseModel):
 
 
 # ---------------------------------------------------------------------------- presets
+class QuantizationParams(Section):
+    """bitsandbytes quantization (needs a CUDA GPU). The paper's 70B: 4-bit NF4, double quantization, bf16 compute."""
+
+    bits: Literal[4, 8]
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit only
+    double_quant: bool = True  # 4-bit only
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # 4-bit only
+
+
 class ModelPreset(Section):
     path: str = Field(description="local directory (relative to the repo) or Hugging Face hub id")
     revision: str | None = Field(None, description="hub commit or tag; pin a commit to reproduce")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    device_map: str | None = None
-    quantization: Literal["4bit", "8bit"] | None = None
+    device_map: str | None = Field(None, description="accelerate placement, e.g. 'auto' to split over GPUs")
+    max_memory: dict[int | str, str] | None = Field(None, description="caps for device_map: {0: 70GiB, cpu: 200GiB}")
+    quantization: QuantizationParams | None = None
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
     trust_remote_code: bool = False
-    chat_template: bool = False
+    chat_template: bool = Field(False, description="wrap prompt 1 in the tokenizer's chat template")
+
+    @model_validator(mode="after")
+    def _placement(self) -> ModelPreset:
+        if self.max_memory and not self.device_map:
+            raise ValueError("max_memory only applies with a device_map: set device_map: auto")
+        return self
 
 
 class DatasetPreset(Section):
@@ -92,10 +109,12 @@ class GenerateParams(Section):
     n_samples: PositiveInt = 5
     temperature: Annotated[float, Field(gt=0)] = 0.5
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0  # 1 = off (the paper states none)
     max_new_tokens: PositiveInt = 64
     stop: list[str] = ["\n", "Question:"]
-    batch_size: PositiveInt = 64
+    empty_retries: Annotated[int, Field(ge=0)] = 3  # re-sample an empty answer at most this often
+    batch_size: PositiveInt = 64  # questions per model call (x n_samples rows); also the unit of resume
     seed: int = 0
     device: str = "auto"
 

@@ -7,6 +7,7 @@ half-written file that DVC or the next stage would take for a result.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -69,3 +70,11 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

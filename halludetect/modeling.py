@@ -6,12 +6,12 @@ what differs is the preset in params.yaml.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
 from halludetect.config import ModelPreset
+from halludetect.io import file_sha256
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,38 +96,69 @@ def load_tokenizer(preset: ModelPreset):
     return tok
 
 
+def quantization_config(preset: ModelPreset):
+    """The bitsandbytes config of a preset; a clear error where there is no CUDA GPU."""
+    q = preset.quantization
+    if q is None:
+        return None
+    if not torch.cuda.is_available():
+        raise ModelError(
+            f"preset '{preset.path}' asks for {q.bits}-bit quantization (bitsandbytes), which needs a CUDA GPU; "
+            "this machine has none. Use an unquantized preset here (remove 'quantization')"
+        )
+    from transformers import BitsAndBytesConfig
+
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+    )
+
+
 def load_model(preset: ModelPreset, device: str = "auto"):
+    """Load for inference. `device` places an unsplit model; a preset's `device_map` splits it instead."""
     from transformers import AutoModelForCausalLM
 
     src, kw = _source_kwargs(preset)
-    if preset.quantization:
-        if not torch.cuda.is_available():
-            raise ModelError(
-                f"preset '{preset.path}' asks for {preset.quantization} quantization (bitsandbytes), "
-                "which needs a CUDA GPU; this machine has none. Use an unquantized preset here"
-            )
-        from transformers import BitsAndBytesConfig
-
-        kw["quantization_config"] = (
-            BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
-            )
-            if preset.quantization == "4bit"
-            else BitsAndBytesConfig(load_in_8bit=True)
-        )
+    quant = quantization_config(preset)
+    if quant is not None:
+        kw["quantization_config"] = quant
     if preset.dtype != "auto":
         kw["dtype"] = DTYPES[preset.dtype]
+    if preset.attn_implementation:
+        kw["attn_implementation"] = preset.attn_implementation
     if preset.device_map:
         kw["device_map"] = preset.device_map
+        if preset.max_memory:
+            kw["max_memory"] = dict(preset.max_memory)
+    elif quant is not None:
+        kw["device_map"] = {"": resolve_device(device)}  # bitsandbytes quantizes while placing
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kw)
     except OSError as e:
         raise _hub_hint(preset, e) from None
-    if not preset.device_map and not preset.quantization:
+    if "device_map" not in kw:
         model = model.to(resolve_device(device))
     model.eval()
     return model
+
+
+def context_length(config) -> int | None:
+    """The longest sequence the model was built for (prompt + answer), if the config says."""
+    cfg = getattr(config, "text_config", None) or config
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends an answer: the generation config's EOS list (Llama 3.1 has three) and the tokenizer's."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(ids)
 
 
 def input_device(model) -> torch.device:
@@ -137,14 +168,7 @@ def input_device(model) -> torch.device:
 def dir_fingerprint(path: str | Path) -> dict[str, str]:
     """sha256 of every file of a local model directory (for the model manifest)."""
     path = Path(path)
-    out = {}
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h = hashlib.sha256()
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        out[str(f.relative_to(path))] = h.hexdigest()
-    return out
+    return {str(f.relative_to(path)): file_sha256(f) for f in sorted(p for p in path.rglob("*") if p.is_file())}
 
 
 def resolve_hub_revision(preset: ModelPreset) -> str:

@@ -1,37 +1,65 @@
-"""Teacher-forced hidden states of the selected layers, one HDF5 file per layer."""
+"""Teacher-forced hidden states of the selected layers, one HDF5 file per layer.
 
+Data-parallel like `generate`: with `HALLUDETECT_PROCESSES=N` each process writes a
+contiguous block of batches and process 0 joins the blocks in order, so the files are the
+same as a one-process run's. An interrupted dump leaves no output (everything is written
+under a temporary name first); re-running starts it again.
+"""
+
+import shutil
 from pathlib import Path
 
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import dump
+from halludetect.activations import dump, merge_parts
 from halludetect.datasets import read_questions
 from halludetect.io import atomic_path
-from halludetect.modeling import check_layers, load_config, load_model, load_tokenizer
+from halludetect.modeling import ModelError, check_layers, load_config, load_model, load_tokenizer
+from halludetect.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
 from halludetect.responses import select_answers
 
 
 def run(args, params):
+    me = workers()
     preset = params.model(args.model)
+    if me.size > 1 and preset.device_map:
+        raise ModelError(f"models.{args.model}.device_map and {me.size} processes: use one or the other")
     # Check the layers against the config before any weights are loaded.
     layers = check_layers(params.dump.layers, load_config(preset))
     selected, excluded = select_answers(pl.read_parquet(args.generations))
-    if excluded["empty_answer"]:
+    if excluded["empty_answer"] and me.main:
         cli.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
     tokenizer = load_tokenizer(preset)
-    model = load_model(preset, params.dump.device)
+    model = load_model(preset, me.device or params.dump.device)
     attrs = {"model": preset.path, "revision": preset.revision or "", "positions": params.dump.positions,
              "dtype": params.dump.dtype, "prompt_hash": template_hash(GENERATION),
              "excluded_empty_answers": excluded["empty_answer"]}
-    with atomic_path(Path(args.out), is_dir=True) as tmp:
-        dump(model, tokenizer, read_questions(args.questions), selected, tmp, layers,
-             positions=params.dump.positions, dtype=params.dump.dtype, batch_size=params.dump.batch_size,
-             attrs=attrs, chat_template=preset.chat_template, log=cli.log.info)
+    kw = dict(positions=params.dump.positions, dtype=params.dump.dtype, batch_size=params.dump.batch_size,
+              attrs=attrs, chat_template=preset.chat_template, workers=me, log=cli.log.info)
+    questions = read_questions(args.questions)
+    out = Path(args.out)
+    if me.size == 1:
+        with atomic_path(out, is_dir=True) as tmp:
+            dump(model, tokenizer, questions, selected, tmp, layers, **kw)
+        return
+    parts = out.parent / f".{out.name}.parts"  # shared by the processes; removed at the end
+    if me.main:
+        shutil.rmtree(parts, ignore_errors=True)
+    me.barrier()
+    mine = parts / f"rank_{me.rank:03d}"
+    mine.mkdir(parents=True)
+    dump(model, tokenizer, questions, selected, mine, layers, **kw)
+    me.barrier()
+    if me.main:
+        with atomic_path(out, is_dir=True) as tmp:
+            merge_parts([parts / f"rank_{r:03d}" for r in range(me.size)], tmp, layers)
+        shutil.rmtree(parts)
 
 
 if __name__ == "__main__":
+    relaunch("stages.dump")
     p = cli.parser(__doc__)
     p.add_argument("--model", required=True, help="model preset name")
     p.add_argument("--questions", required=True, help="questions Parquet")

@@ -1,27 +1,81 @@
-"""Sample K answers per question with prompt 1, recording token ids and log-probabilities."""
+"""Sample K answers per question with prompt 1, recording token ids and log-probabilities.
+
+Resumable: finished units go to --progress as they complete; a killed run re-started (by
+`dvc repro`) skips them and gives the same output as an uninterrupted one. Data-parallel:
+`HALLUDETECT_PROCESSES=N` (or `accelerate launch --multi_gpu --num_processes N -m stages.generate ...`)
+shares the units over N processes, one per GPU.
+"""
+
+from pathlib import Path
 
 from halludetect import cli
 from halludetect.datasets import read_questions
 from halludetect.generation import generate
-from halludetect.io import write_parquet
-from halludetect.modeling import load_model, load_tokenizer
+from halludetect.io import file_sha256, write_json, write_parquet
+from halludetect.modeling import ModelError, load_model, load_tokenizer
+from halludetect.parallel import relaunch, workers
+from halludetect.progress import UnitStore
+from halludetect.prompts import GENERATION, template_hash
+
+
+def fingerprint(args, params, preset) -> dict:
+    """What the kept units were computed from: any change discards them."""
+    return {
+        "generate": params.generate.model_dump(),
+        "chat_template": preset.chat_template,
+        "prompt": template_hash(GENERATION),
+        "questions": file_sha256(args.questions),
+        "manifest": file_sha256(args.manifest),
+        "code": file_sha256(Path(__file__).parents[1] / "halludetect" / "generation.py"),
+    }
 
 
 def run(args, params):
+    me = workers()
     preset = params.model(args.model)
+    if me.size > 1 and preset.device_map:
+        raise ModelError(
+            f"models.{args.model}.device_map splits one model over all GPUs, and {me.size} processes "
+            "would each do that: run one process (unset HALLUDETECT_PROCESSES) or remove device_map"
+        )
     questions = read_questions(args.questions)
+    store = UnitStore(args.progress, fingerprint(args, params, preset))
+    if me.main:
+        kept = store.prepare()
+        cli.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
+    me.barrier()
     tokenizer = load_tokenizer(preset)
-    model = load_model(preset, params.generate.device)
-    df = generate(model, tokenizer, questions, params.generate, chat_template=preset.chat_template)
-    write_parquet(args.out, df)
-    empty = int((df["n_tokens"] == 0).sum())
-    cli.log.info("generated %d answers (%d empty) for %d questions", df.height, empty, questions.height)
-
+    model = load_model(preset, me.device or params.generate.device)
+    df = generate(model, tokenizer, questions, params.generate, chat_template=preset.chat_template,
+                  store=store, workers=me, log=cli.log.info)
+    if not me.main:
+        return
+    # Wall times go to the metrics, not the Parquet: the same samples then give the same
+    # bytes on every run, and DVC does not re-run judge, cluster and dump for a timing change.
+    write_parquet(args.out, df.drop("seconds"))
+    store.remove()
+    metrics = {
+        "questions": questions.height, "samples": df.height, "processes": me.size,
+        "device": str(model.device) if not preset.device_map else f"device_map={preset.device_map}",
+        "seconds_total": round(float(df["seconds"].sum()), 3),
+        "seconds_per_sample": float(df["seconds"].mean()) if df.height else 0.0,
+        "resampled_after_empty": int((df["attempts"] > 1).sum()),
+        "still_empty": int((df["n_tokens"] == 0).sum()),
+        "finish_reason": dict(df["finish_reason"].value_counts().iter_rows()),
+        "mean_answer_tokens": float(df["n_tokens"].mean()) if df.height else 0.0,
+    }
+    write_json(args.metrics, metrics)
+    cli.log.info("generated %d answers for %d questions in %.1f s of model time "
+                 "(%d re-sampled after an empty answer, %d still empty)", df.height, questions.height,
+                 metrics["seconds_total"], metrics["resampled_after_empty"], metrics["still_empty"])
 
 if __name__ == "__main__":
+    relaunch("stages.generate")
     p = cli.parser(__doc__)
     p.add_argument("--model", required=True, help="model preset name")
     p.add_argument("--questions", required=True, help="questions Parquet (prepare output)")
-    p.add_argument("--manifest", required=True, help="model manifest (model output); a dependency only")
+    p.add_argument("--manifest", required=True, help="model manifest (model output); also keys the progress")
+    p.add_argument("--progress", required=True, help="directory for finished units (kept until the output is written)")
     p.add_argument("--out", required=True, help="generations Parquet")
+    p.add_argument("--metrics", required=True, help="metrics JSON: counts and model time")
     cli.main(run, p)

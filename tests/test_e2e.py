@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 import yaml
 
@@ -23,7 +26,7 @@ COPY = ["halludetect", "stages", "dvc.yaml", "params.yaml", "pyproject.toml", "i
         ".dvcignore", ".gitignore"]
 
 SMALL = {
-    "world": {"n_people": 60, "exposures": [0, 30], "epochs": 5, "hidden_size": 64, "intermediate_size": 128,
+    "world": {"n_people": 60, "exposures": [0, 30], "epochs": 10, "hidden_size": 64, "intermediate_size": 128,
               "n_heads": 4, "n_layers": 2, "vocab_size": 512},
     "generate": {"n_samples": 3, "max_new_tokens": 16},
     "train": {"epochs": 8},
@@ -32,8 +35,8 @@ SMALL = {
 }
 
 
-def run(cmd: list[str], cwd: Path) -> str:
-    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(cwd)}
+def run(cmd: list[str], cwd: Path, **extra_env: str) -> str:
+    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(cwd), **extra_env}
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = f"{bindir}:{env['PATH']}"  # `python` in dvc.yaml is this interpreter
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
@@ -120,3 +123,63 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
                   "evaluate@world-world-max", "report"}
     assert ran(log) == downstream
     assert not ran(log) & {"world", "model@world", "prepare@world"}
+
+
+def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
+    set_params(repo, {"dump": {"positions": "generated"}})
+    assert changed(repo) == {"dump@world-world"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    assert "dump@world-world" in ran(log)
+    assert not ran(log) & {"generate@world-world", "judge@world-world", "cluster@world-world"}
+
+
+def stage_args(repo: Path, tmp: Path, stage: str) -> list[str]:
+    """The stage's own command from dvc.yaml, with outputs redirected under tmp."""
+    if stage == "generate":
+        return ["--model", "world", "--questions", "data/questions/world.parquet", "--manifest",
+                "data/models/world.json", "--progress", str(tmp / "progress"), "--out", str(tmp / "gen.parquet"),
+                "--metrics", str(tmp / "gen.json")]
+    return ["--model", "world", "--questions", "data/questions/world.parquet", "--generations",
+            "data/generations/world/world.parquet", "--manifest", "data/models/world.json", "--out", str(tmp / "acts")]
+
+
+def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_path):
+    set_params(repo, {"generate": {"batch_size": 4}})  # many small units, so the kill lands mid-way
+    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(repo),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "generate@world-world"], cwd=repo, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    progress = repo / "data/generations/world/.world.progress"
+    deadline = time.monotonic() + 120
+    while len(list(progress.glob("unit_*.parquet"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "generate ended before it could be killed"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: dvc and the stage under it
+    proc.wait()
+    kept = len(list(progress.glob("unit_*.parquet")))
+    n_units = -(-pl.read_parquet(repo / "data/questions/world.parquet").height // 4)
+    assert not (repo / "data/generations/world/world.parquet").exists()
+    log = run([sys.executable, "-m", "dvc", "repro", "generate@world-world"], repo)
+    assert 3 <= kept < n_units and f"resuming: {kept} of {n_units} units already done" in log
+    assert not progress.exists()  # removed once the output is written
+    run([sys.executable, "-m", "stages.generate", *stage_args(repo, tmp_path, "generate")], repo)
+    resumed = (repo / "data/generations/world/world.parquet").read_bytes()
+    assert resumed == (tmp_path / "gen.parquet").read_bytes()
+
+
+def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
+    """`HALLUDETECT_PROCESSES=2` relaunches the stage under `accelerate launch` (gloo on CPU)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        d.mkdir()
+    for stage in ("generate", "dump"):
+        run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, one, stage)], repo)
+        log = run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage)], repo,
+                  HALLUDETECT_PROCESSES="2")
+        assert stage == "generate" or "process 1: dumped" in log
+    assert (one / "gen.parquet").read_bytes() == (two / "gen.parquet").read_bytes()
+    assert json.loads((two / "gen.json").read_text())["processes"] == 2
+    files = sorted(p.name for p in (one / "acts").iterdir())
+    assert files and files == sorted(p.name for p in (two / "acts").iterdir())
+    for name in files:
+        assert (one / "acts" / name).read_bytes() == (two / "acts" / name).read_bytes()

@@ -7,10 +7,22 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect.activations import bag_slice, capture, dump, layer_files, read_layer
+from halludetect.activations import (
+    LayerReader,
+    LayerWriter,
+    bag_slice,
+    capture,
+    dump,
+    layer_files,
+    merge_parts,
+    read_layer,
+)
 from halludetect.config import GenerateParams, ModelPreset
+from halludetect.detectors import pad_bags
 from halludetect.generation import encode_prompt, generate, trim_answer
+from halludetect.io import atomic_path
 from halludetect.modeling import ModelError, check_layers, load_config, load_model
+from halludetect.parallel import Workers
 
 
 def questions(n=4):
@@ -96,11 +108,11 @@ def test_missing_model_and_4bit_without_cuda(tmp_path):
         load_config(ModelPreset(path=str(tmp_path / "nope")))
     if not torch.cuda.is_available():
         with pytest.raises(ModelError, match="needs a CUDA GPU"):
-            load_model(ModelPreset(path=str(tmp_path), quantization="4bit"))
+            load_model(ModelPreset(path=str(tmp_path), quantization={"bits": 4}))
 
 
 @pytest.mark.parametrize("positions", ["predicting", "generated"])
-def test_dump_states_match_sampling_time_states(tiny, tmp_path, positions):
+def test_dump_equals_unbatched_forward(tiny, tmp_path, positions):
     model, tok = tiny
     qs = questions()
     gens = generate(model, tok, qs, GenerateParams(n_samples=2, max_new_tokens=6, stop=[]))
@@ -136,3 +148,120 @@ def test_hdf5_bytes_are_deterministic(tiny, tmp_path):
              attrs={"model": "tiny"}, log=lambda *_: None)
         digests.append(hashlib.sha256((tmp_path / name / "layer_01.h5").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+def sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("positions", ["predicting", "generated"])
+def test_sampling_time_states_equal_teacher_forced_states(tiny, tmp_path, positions):
+    """The states `generate(output_hidden_states=True)` sees (left-padded, KV cache, one step at
+    a time) equal the dump's (right-padded, one full pass) within 1e-4 in float32."""
+    model, tok = tiny
+    qs = questions(3)
+    prompts = [encode_prompt(tok, q, False) for q in qs["question"]]
+    width = max(map(len, prompts))
+    ids = torch.full((3, width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, output_hidden_states=True,
+                             return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    answers = [trim_answer(tok, row.tolist(), [], 6).token_ids for row in out.sequences[:, width:]]
+    assert all(answers)
+    gens = pl.DataFrame({"question_id": qs["id"], "sample_index": [0, 0, 0], "token_ids": answers,
+                         "n_tokens": [len(a) for a in answers]})
+    dump(model, tok, qs, gens, tmp_path, [0, 2, 3], positions=positions, dtype="float32", batch_size=2,
+         attrs={}, log=lambda *_: None)
+    steps = out.hidden_states  # steps[t][layer]: [rows, seq, d]; step t's last position predicts token t
+    for layer in (0, 2, 3):
+        got = read_layer(tmp_path / f"layer_{layer:02d}.h5")
+        for i, a in enumerate(answers):
+            bag = got.states[got.offsets[i] : got.offsets[i + 1]]
+            if positions == "predicting":
+                want = [steps[t][layer][i, -1] for t in range(len(a))]
+            else:  # token t's own state is computed at step t + 1; the last token's only if generation went on
+                want = [steps[t + 1][layer][i, -1] for t in range(min(len(a), len(steps) - 1))]
+                bag = bag[: len(want)]
+            np.testing.assert_allclose(bag, torch.stack(want).numpy(), atol=1e-4)
+
+
+def random_bags(rng, n=40, d=64):
+    lengths = rng.integers(1, 700, n)
+    return rng.standard_normal((int(lengths.sum()), d)).astype(np.float32), lengths
+
+
+def test_layer_file_bytes_do_not_depend_on_how_bags_were_appended(tmp_path):
+    states, lengths = random_bags(np.random.default_rng(0))  # ~14k rows: more than one HDF5 chunk
+    ids = [f"q/{i}" for i in range(len(lengths))]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for name, step in (("one", len(lengths)), ("many", 3), ("each", 1)):
+        w = LayerWriter(tmp_path / f"{name}.h5", 64, "float16", {"b": 1, "a": "x"})
+        for a in range(0, len(lengths), step):
+            b = min(a + step, len(lengths))
+            w.append(states[offsets[a] : offsets[b]], lengths[a:b], ids[a:b])
+        w.close()
+    assert sha(tmp_path / "one.h5") == sha(tmp_path / "many.h5") == sha(tmp_path / "each.h5")
+    layer = read_layer(tmp_path / "one.h5")
+    np.testing.assert_array_equal(layer.offsets, offsets)
+    np.testing.assert_allclose(layer.states, states.astype(np.float16).astype(np.float32))
+
+
+def test_layer_reader_streams_padded_batches(tmp_path):
+    states, lengths = random_bags(np.random.default_rng(1), n=11, d=8)
+    w = LayerWriter(tmp_path / "l.h5", 8, "float32", {})
+    w.append(states, lengths, [f"q/{i}" for i in range(11)])
+    w.close()
+    full = read_layer(tmp_path / "l.h5")
+    with LayerReader(tmp_path / "l.h5") as reader:
+        assert len(reader) == 11 and reader.response_ids == full.response_ids
+        seen = []
+        for index, x, mask in reader.batches(4):
+            want_x, want_mask = pad_bags(full.states, full.offsets, index)
+            torch.testing.assert_close(x, want_x)
+            assert torch.equal(mask, want_mask) and x.shape[1] == lengths[index].max()
+            seen += index.tolist()
+        assert seen == list(range(11))
+        for scattered in ([10, 0, 5], [3, 4, 2]):  # far apart (one read per bag) and nearby (one read)
+            x, mask = reader.bags(np.array(scattered))
+            want_x, want_mask = pad_bags(full.states, full.offsets, np.array(scattered))
+            torch.testing.assert_close(x, want_x)
+            assert torch.equal(mask, want_mask)
+
+
+def test_dump_shards_merge_to_the_one_process_bytes(tiny, tmp_path):
+    model, tok = tiny
+    qs = questions()
+    gens = generate(model, tok, qs, GenerateParams(n_samples=3, max_new_tokens=5, stop=[]))
+    gens = gens.filter(pl.col("n_tokens") > 0)
+    kw = dict(positions="predicting", dtype="float16", batch_size=2, attrs={"model": "tiny"}, log=lambda *_: None)
+    for name, workers in (("single", None), ("rank0", Workers(0, 2)), ("rank1", Workers(1, 2))):
+        (tmp_path / name).mkdir()
+        dump(model, tok, qs, gens, tmp_path / name, [1, 3], workers=workers, **kw)
+    assert len(read_layer(tmp_path / "rank0" / "layer_01.h5").response_ids) == 6  # 3 of 5 batches
+    (tmp_path / "merged").mkdir()
+    merge_parts([tmp_path / "rank0", tmp_path / "rank1"], tmp_path / "merged", [1, 3], block_rows=7)
+    for f in ("layer_01.h5", "layer_03.h5"):
+        assert sha(tmp_path / "merged" / f) == sha(tmp_path / "single" / f)
+
+
+def test_interrupted_dump_leaves_no_output(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    qs = questions()
+    gens = generate(model, tok, qs, GenerateParams(n_samples=2, max_new_tokens=4, stop=[]))
+    calls = []
+    real_forward = model.forward
+
+    def dies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_forward(*a, **k)
+
+    monkeypatch.setattr(model, "forward", dies)
+    with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "acts", is_dir=True) as tmp:
+        dump(model, tok, qs, gens.filter(pl.col("n_tokens") > 0), tmp, [1], positions="predicting",
+             dtype="float16", batch_size=2, attrs={}, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary left behind

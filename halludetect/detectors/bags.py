@@ -18,6 +18,7 @@ def pad_bags(states: np.ndarray, offsets: np.ndarray, index: np.ndarray, max_len
     width = int(lengths.max()) if max_len is None else max_len
     steps = np.arange(width)  # [T]
     mask = steps[None, :] < lengths[:, None]  # [B, T]
-    rows = np.where(mask, starts[:, None] + steps[None, :], 0)  # pads read row 0, then masked
-    x = torch.from_numpy(states[rows])  # [B, T, d]
-    return x, torch.from_numpy(mask)
+    rows = np.where(mask, starts[:, None] + steps[None, :], starts[:, None])  # pads read a real row...
+    x = states[rows]  # [B, T, d]
+    x[~mask] = 0  # ...and are zeroed, so a batch's bytes do not depend on where it was read from
+    return torch.from_numpy(x), torch.from_numpy(mask)
