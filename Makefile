@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv repro test test-fast lint format clean-venv
+.PHONY: venv repro test test-fast bench lint format clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,16 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
+
+# Benchmarks print one JSON object each (last line); they need the demo world's model and questions.
+BENCHES := generation dump
+bench: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world
+	@for b in $(BENCHES); do \
+		echo "== python -m bench.$$b"; \
+		out=$$($(PY) -m bench.$$b 2>&1) || { echo "$$out" | tail -n 30; exit 1; }; \
+		echo "$$out" | tail -n 1; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

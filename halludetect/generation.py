@@ -167,8 +167,9 @@ def trim_answer(tokenizer, ids: list[int], stop: list[str], max_new_tokens: int,
         if t in ends:
             ids, reason = ids[:i], "eos"
             break
-    if stop:
-        # The first token index at which the decoded prefix contains a stop sequence.
+    if stop and any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+        # The first token index at which the decoded prefix contains a stop sequence (the
+        # whole answer is decoded first: most answers end at EOS and need no search).
         for k in range(1, len(ids) + 1):
             prefix = tokenizer.decode(ids[:k], skip_special_tokens=True)
             if any(s in prefix for s in stop):
@@ -179,18 +180,50 @@ def trim_answer(tokenizer, ids: list[int], stop: list[str], max_new_tokens: int,
     return Trimmed(ids, tokenizer.decode(ids, skip_special_tokens=True).strip(), reason)
 
 
-@torch.no_grad()
-def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], params: GenerateParams,
-                eos: list[int], greedy: bool = False) -> tuple[list[Trimmed], list[list[float]], float]:
-    """One `generate` call over rows (prompt ids, random-stream key); returns trimmed answers,
-    their raw token log-probs and the wall time."""
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)  # [R, W]
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [R, W]
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):  # left padding: every row's next token goes at column W
         ids[r, width - len(p) :] = torch.tensor(p)
         mask[r, width - len(p) :] = 1
+    return ids, mask
+
+
+def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, repeats: int):
+    """The KV cache of each prompt's first W-1 tokens, computed once and copied for its `repeats` rows.
+
+    K samples of one question share their prompt, so computing it once saves (K-1)/K of the
+    prefill; `generate` then starts from the cache and runs only the last prompt token.
+    Positions follow the attention mask exactly as `generate` computes them for left padding.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, W]
+    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+          past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(repeats)
+    return cache
+
+
+@torch.no_grad()
+def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], params: GenerateParams,
+                eos: list[int], greedy: bool = False, repeats: int = 1
+                ) -> tuple[list[Trimmed], list[list[float]], float]:
+    """One `generate` call over rows (prompt ids, random-stream key); returns trimmed answers,
+    their raw token log-probs and the wall time. With `repeats` > 1, rows come in runs of
+    `repeats` sharing one prompt, whose prefill is then computed once."""
     device = input_device(model)
+    t0 = time.perf_counter()
+    kw = {}
+    if repeats > 1 and len(prompts[0]) > 1:
+        unique_ids, unique_mask = _left_pad(prompts[::repeats], tokenizer.pad_token_id)
+        kw["past_key_values"] = _shared_prefill(model, unique_ids.to(device), unique_mask.to(device), repeats)
+        ids, mask = unique_ids.repeat_interleave(repeats, 0), unique_mask.repeat_interleave(repeats, 0)
+    else:
+        ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+    width = ids.shape[1]
     sampler = RowSampler(row_uniforms(keys, params.max_new_tokens).to(device), width, params, greedy)
     # A complete config: values left unset would be filled from the model's own generation
     # config (Llama 3.1 ships do_sample=True, temperature 0.6, top_p 0.9). The warpers' values
@@ -201,10 +234,9 @@ def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], p
         repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
         stop_strings=params.stop or None, use_cache=True,
     )
-    t0 = time.perf_counter()
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-        logits_processor=LogitsProcessorList([sampler]), tokenizer=tokenizer,
+        logits_processor=LogitsProcessorList([sampler]), tokenizer=tokenizer, **kw,
     )
     seconds = time.perf_counter() - t0
     gen = out[:, width:].cpu().tolist()  # [R, new]
@@ -221,7 +253,7 @@ def generate_unit(model, tokenizer, unit: list[dict], params: GenerateParams, eo
     rows = [(q, s) for q in unit for s in range(k)]
     prompts = [q["prompt"] for q, _ in rows]
     trimmed, lps, seconds = sample_rows(
-        model, tokenizer, prompts, [(params.seed, q["id"], s, 0) for q, s in rows], params, eos, greedy
+        model, tokenizer, prompts, [(params.seed, q["id"], s, 0) for q, s in rows], params, eos, greedy, repeats=k
     )
     per_row = [seconds / len(rows)] * len(rows)
     attempts = [1] * len(rows)

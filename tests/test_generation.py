@@ -168,3 +168,18 @@ def test_row_sampler_draws_from_the_warped_distribution():
     # The recorded log-prob is the raw model's, whatever the warping.
     np.testing.assert_allclose(sampler.logprobs[:, 0].numpy(), torch.log_softmax(logits, -1)[picked].numpy(),
                                rtol=1e-6)
+
+
+def test_shared_prompt_prefill_changes_nothing(tiny):
+    from halludetect.generation import sample_rows
+    from halludetect.modeling import eos_ids
+
+    model, tok = tiny
+    prompts = [encode_prompt(tok, q, False) for q in questions(3)["question"] for _ in range(4)]
+    keys = [(0, f"q{i // 4}", i % 4, 0) for i in range(12)]
+    params = PARAMS.model_copy(update={"max_new_tokens": 10, "stop": []})
+    shared, shared_lp, _ = sample_rows(model, tok, prompts, keys, params, eos_ids(model, tok), repeats=4)
+    plain, plain_lp, _ = sample_rows(model, tok, prompts, keys, params, eos_ids(model, tok), repeats=1)
+    assert [t.token_ids for t in shared] == [t.token_ids for t in plain]
+    for a, b in zip(shared_lp, plain_lp):
+        np.testing.assert_allclose(a, b, atol=1e-5)
