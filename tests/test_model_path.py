@@ -265,3 +265,21 @@ def test_interrupted_dump_leaves_no_output(tiny, tmp_path, monkeypatch):
         dump(model, tok, qs, gens.filter(pl.col("n_tokens") > 0), tmp, [1], positions="predicting",
              dtype="float16", batch_size=2, attrs={}, log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []  # no output, no temporary left behind
+
+
+def test_device_map_preset_generates_and_dumps_like_the_plain_model(tiny, tiny_model_dir, tmp_path):
+    """`device_map: auto` goes through accelerate's placement (all on the CPU here, split over
+    GPUs on a real machine); sampling and capture must not notice."""
+    model, tok = tiny
+    placed = load_model(ModelPreset(path=str(tiny_model_dir), dtype="float32", device_map="auto"))
+    qs = questions(3)
+    params = GenerateParams(n_samples=2, max_new_tokens=5, stop=[])
+    gens = generate(model, tok, qs, params)
+    assert generate(placed, tok, qs, params).drop("seconds").equals(gens.drop("seconds"))
+    gens = gens.filter(pl.col("n_tokens") > 0)
+    for name, m in (("plain", model), ("placed", placed)):
+        (tmp_path / name).mkdir()
+        dump(m, tok, qs, gens, tmp_path / name, [0, 3], positions="predicting", dtype="float16", batch_size=4,
+             attrs={}, log=lambda *_: None)
+    for f in ("layer_00.h5", "layer_03.h5"):
+        assert sha(tmp_path / "plain" / f) == sha(tmp_path / "placed" / f)

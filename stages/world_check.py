@@ -1,0 +1,20 @@
+"""Check the demo world: greedy accuracy by exposure, hallucination rate, log-prob AUROC."""
+
+from pathlib import Path
+
+from halludetect import cli
+from halludetect.io import write_json
+from halludetect.world import evaluate_world
+
+
+def run(args, params):
+    metrics = evaluate_world(Path(args.world))
+    write_json(args.metrics, metrics)
+    cli.log.info("world: greedy accuracy by exposure %s", metrics["greedy_accuracy_by_exposure"])
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    p.add_argument("--world", required=True, help="the world stage's output directory")
+    p.add_argument("--metrics", required=True, help="world metrics JSON")
+    cli.main(run, p)
