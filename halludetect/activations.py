@@ -27,6 +27,9 @@ import numpy as np
 import polars as pl
 import torch
 from torch import nn
+from tqdm import tqdm
+
+from halludetect.detectors.bags import pad_bags
 
 POSITIONS = ("predicting", "generated")
 
@@ -235,8 +238,6 @@ class LayerReader:
 
     def bags(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Bags `index` as x [B, T, d] and mask [B, T] (True at real tokens)."""
-        from halludetect.detectors.bags import pad_bags
-
         index = np.asarray(index, dtype=np.int64)
         starts, ends = self.offsets[index], self.offsets[index + 1]
         lo, hi = int(starts.min()), int(ends.max())
@@ -300,8 +301,8 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
     Responses go in (question_id, sample_index) order. With several `workers`, this process
     writes its contiguous block of batches; `merge_parts` joins the blocks in order.
     """
-    from tqdm import tqdm
-
+    # Imported here, not at the top: readers of layer files (train, evaluate) need none of
+    # the model-side code, and DVC need not re-run them when it changes.
     from halludetect.generation import check_context, encode_prompt
     from halludetect.modeling import input_device
     from halludetect.parallel import Workers

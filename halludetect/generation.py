@@ -312,7 +312,7 @@ def generate(model, tokenizer, questions: pl.DataFrame, params: GenerateParams, 
     eos = eos_ids(model, tokenizer)
     done = store.finished() if store else set()
     todo = [u for u in workers.share(len(units)) if u not in done]
-    if log and done:
+    if log and done and workers.main:
         log(f"resuming: {len(done)} of {len(units)} units already done")
     results: dict[int, pl.DataFrame] = {}
     for u in tqdm(todo, desc=f"generate[{workers.rank}]", unit="unit", disable=not workers.main):
