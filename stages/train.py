@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import polars as pl
-from safetensors.torch import save_file
 
 from halludetect import cli
 from halludetect.activations import layer_files, read_layer
+from halludetect.detectors import save_detector
 from halludetect.io import atomic_path
 from halludetect.training import split_data, train_detector
 
@@ -26,10 +26,9 @@ def run(args, params):
                 res = train_detector(args.method, method_params, train, val, epochs=tp.epochs,
                                      batch_size=tp.batch_size, seed=seed)
                 key = f"layer_{layer:02d}_seed_{seed}"
-                save_file(res.state_dict, tmp / f"{key}.safetensors",
-                          metadata={"method": args.method, "layer": str(layer), "seed": str(seed),
-                                    "best_epoch": str(res.best_epoch), "d": str(train.x.shape[-1]),
-                                    "params": method_params.model_dump_json()})
+                save_detector(tmp / f"{key}.safetensors", res.state_dict,
+                              {"method": args.method, "layer": layer, "seed": seed, "best_epoch": res.best_epoch,
+                               "d": int(train.x.shape[-1]), "params": method_params.model_dump()})
                 curves[key] = res.curve
                 summary[key] = {"layer": layer, "seed": seed, "best_epoch": res.best_epoch,
                                 "val_auroc": res.best_val_auroc, "n_train": len(train.y), "n_val": len(val.y)}

@@ -68,3 +68,24 @@ def test_dropped_answers_are_not_used():
     labels = labels.with_columns((pl.col("question_id") != "train0").alias("kept"))
     data = split_data(layer, labels, "train")
     assert "train0/0" not in data.response_ids and len(data.y) == 59
+
+
+def test_saved_detector_round_trips_with_stable_bytes(tmp_path):
+    import hashlib
+
+    from halludetect.detectors import build_detector, load_detector, save_detector
+
+    params = PoolingParams(dim=4)
+    torch.manual_seed(0)
+    model = build_detector("max", D, params).eval()
+    meta = {"method": "max", "layer": 3, "seed": 0, "best_epoch": 7, "d": D, "params": params.model_dump()}
+    digests = set()
+    for i in range(5):  # safetensors writes a multi-key metadata map in a different order each time
+        save_detector(tmp_path / f"{i}.safetensors", model.state_dict(), meta)
+        digests.add(hashlib.sha256((tmp_path / f"{i}.safetensors").read_bytes()).hexdigest())
+    assert len(digests) == 1
+    loaded, got = load_detector(tmp_path / "0.safetensors")
+    assert got == meta
+    x, mask = torch.randn(5, 6, D), torch.ones(5, 6, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, mask), model(x, mask))

@@ -49,6 +49,20 @@ DETECTORS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def save_detector(path, state_dict: dict, meta: dict) -> None:
+    """Weights as safetensors with `meta` (method, d, params, ...) as one JSON metadata entry.
+
+    One sorted entry, not one per key: safetensors writes its metadata map in no fixed
+    order, so several keys would give different bytes for the same detector, and DVC would
+    take an unchanged detector for a changed one.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file(state_dict, str(path), metadata={"detector": json.dumps(meta, sort_keys=True)})
+
+
 def load_detector(path) -> tuple[nn.Module, dict]:
     """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
     import json
@@ -59,9 +73,9 @@ def load_detector(path) -> tuple[nn.Module, dict]:
     from halludetect.config import DetectorsParams
 
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
+        meta = json.loads(f.metadata()["detector"])
     method = meta["method"]
-    params = DetectorsParams.model_fields[method].annotation.model_validate(json.loads(meta["params"]))
+    params = DetectorsParams.model_fields[method].annotation.model_validate(meta["params"])
     model = build_detector(method, int(meta["d"]), params)
     model.load_state_dict(load_file(path))
     return model.eval(), meta
