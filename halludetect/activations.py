@@ -303,7 +303,7 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
     """
     # Imported here, not at the top: readers of layer files (train, evaluate) need none of
     # the model-side code, and DVC need not re-run them when it changes.
-    from halludetect.generation import check_context, encode_prompt
+    from halludetect.generation import check_context, encode_prompt, pad_ids
     from halludetect.modeling import input_device
     from halludetect.parallel import Workers
     from halludetect.responses import response_id
@@ -336,14 +336,9 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
                 starts = np.asarray([bag_slice(len(prompts[r["question_id"]]), r["n_tokens"], positions).start
                                      for r in batch])  # [B]
                 lengths = np.asarray([r["n_tokens"] for r in batch])  # [B]
-                width = max(map(len, seqs))
                 # Right padding: a plain forward numbers positions from 0, so real tokens keep
                 # the positions they had unpadded and causal attention never sees the pads.
-                ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, W]
-                mask = torch.zeros_like(ids)
-                for i, s in enumerate(seqs):
-                    ids[i, : len(s)] = torch.tensor(s)
-                    mask[i, : len(s)] = 1
+                ids, mask = pad_ids(seqs, tokenizer.pad_token_id, left=False)  # [B, W]
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
                 # Every bag token of the batch as (row, position), gathered on the device at once.
                 row = np.repeat(np.arange(len(batch)), lengths)  # [N]

@@ -180,13 +180,19 @@ def trim_answer(tokenizer, ids: list[int], stop: list[str], max_new_tokens: int,
     return Trimmed(ids, tokenizer.decode(ids, skip_special_tokens=True).strip(), reason)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [R, W]
+def pad_ids(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as ids [R, W] and attention mask [R, W].
+
+    Left padding for generation (every row's next token goes at column W); right padding for
+    a plain forward pass (real tokens keep the positions they had unpadded).
+    """
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [R, W]
     mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):  # left padding: every row's next token goes at column W
-        ids[r, width - len(p) :] = torch.tensor(p)
-        mask[r, width - len(p) :] = 1
+    for r, seq in enumerate(seqs):
+        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[r, cols] = torch.tensor(seq)
+        mask[r, cols] = 1
     return ids, mask
 
 
@@ -218,11 +224,11 @@ def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], p
     t0 = time.perf_counter()
     kw = {}
     if repeats > 1 and len(prompts[0]) > 1:
-        unique_ids, unique_mask = _left_pad(prompts[::repeats], tokenizer.pad_token_id)
+        unique_ids, unique_mask = pad_ids(prompts[::repeats], tokenizer.pad_token_id, left=True)
         kw["past_key_values"] = _shared_prefill(model, unique_ids.to(device), unique_mask.to(device), repeats)
         ids, mask = unique_ids.repeat_interleave(repeats, 0), unique_mask.repeat_interleave(repeats, 0)
     else:
-        ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+        ids, mask = pad_ids(prompts, tokenizer.pad_token_id, left=True)
     width = ids.shape[1]
     sampler = RowSampler(row_uniforms(keys, params.max_new_tokens).to(device), width, params, greedy)
     # A complete config: values left unset would be filled from the model's own generation

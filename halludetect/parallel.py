@@ -42,6 +42,16 @@ class Workers:
         """
         return list(range(self.rank, n_units, self.size))
 
+    def check_placement(self, name: str, preset) -> None:
+        """Refuse a model split over the GPUs by `device_map` when several processes would each split it."""
+        if self.size > 1 and preset.device_map:
+            from halludetect.modeling import ModelError
+
+            raise ModelError(
+                f"models.{name}.device_map splits one model over all GPUs, and {self.size} processes "
+                "would each do that: run one process (unset HALLUDETECT_PROCESSES) or remove device_map"
+            )
+
     def span(self, n_units: int) -> range:
         """A contiguous block of units (for outputs merged by concatenation, like the dump)."""
         per, extra = divmod(n_units, self.size)

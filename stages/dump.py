@@ -15,7 +15,7 @@ from halludetect import cli
 from halludetect.activations import dump, merge_parts
 from halludetect.datasets import read_questions
 from halludetect.io import atomic_path
-from halludetect.modeling import ModelError, check_layers, load_config, load_model, load_tokenizer
+from halludetect.modeling import check_layers, load_config, load_model, load_tokenizer
 from halludetect.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
 from halludetect.responses import select_answers
@@ -24,8 +24,7 @@ from halludetect.responses import select_answers
 def run(args, params):
     me = workers()
     preset = params.model(args.model)
-    if me.size > 1 and preset.device_map:
-        raise ModelError(f"models.{args.model}.device_map and {me.size} processes: use one or the other")
+    me.check_placement(args.model, preset)
     # Check the layers against the config before any weights are loaded.
     layers = check_layers(params.dump.layers, load_config(preset))
     selected, excluded = select_answers(pl.read_parquet(args.generations))

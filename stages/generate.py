@@ -12,7 +12,7 @@ from halludetect import cli
 from halludetect.datasets import read_questions
 from halludetect.generation import generate
 from halludetect.io import file_sha256, write_json, write_parquet
-from halludetect.modeling import ModelError, load_model, load_tokenizer
+from halludetect.modeling import load_model, load_tokenizer
 from halludetect.parallel import relaunch, workers
 from halludetect.progress import UnitStore
 from halludetect.prompts import GENERATION, template_hash
@@ -33,11 +33,7 @@ def fingerprint(args, params, preset) -> dict:
 def run(args, params):
     me = workers()
     preset = params.model(args.model)
-    if me.size > 1 and preset.device_map:
-        raise ModelError(
-            f"models.{args.model}.device_map splits one model over all GPUs, and {me.size} processes "
-            "would each do that: run one process (unset HALLUDETECT_PROCESSES) or remove device_map"
-        )
+    me.check_placement(args.model, preset)
     questions = read_questions(args.questions)
     store = UnitStore(args.progress, fingerprint(args, params, preset))
     if me.main:
