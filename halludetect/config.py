@@ -131,16 +131,60 @@ class MatchJudgeParams(Section):
     lenient_recall: Fraction = 0.5
 
 
+class ChatParams(Section):
+    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/llm.py."""
+
+    model: str
+    base_url: str | None = Field(None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key; "
+                                    "None for a local endpoint without keys")
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # reasoning models take none
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # None: the endpoint's default
+    max_completion_tokens: PositiveInt | None = None  # None: no cap (a reasoning model needs room to think)
+    concurrency: PositiveInt = 32  # requests in flight
+    max_retries: Annotated[int, Field(ge=0)] = 6  # on 429 (honouring Retry-After), 5xx, timeouts, bad bodies
+    timeout: Annotated[float, Field(gt=0)] = 120.0  # seconds per request
+    parse_retries: Annotated[int, Field(ge=0)] = 2  # an unparseable reply is asked again this often
+
+    @model_validator(mode="after")
+    def _reasoning(self) -> ChatParams:
+        if self.reasoning_effort is not None and self.temperature is not None:
+            raise ValueError("reasoning models reject a temperature: set temperature: null with reasoning_effort")
+        return self
+
+
+class Price(Section):
+    input: Annotated[float, Field(ge=0)]  # USD per million prompt tokens
+    output: Annotated[float, Field(ge=0)]  # USD per million completion tokens (reasoning tokens included)
+
+
 class JudgeParams(Section):
-    backend: Literal["match"] = "match"
+    backend: Literal["match", "openai"] = "match"
     two_pass: bool = True
     match: MatchJudgeParams = MatchJudgeParams()
+    # The paper: GPT-5 mini (a reasoning model: no temperature).
+    openai: ChatParams = ChatParams(model="gpt-5-mini")
+
+
+class HFNLIParams(Section):
+    """An MNLI sequence classifier; labels are read from its config's id2label."""
+
+    path: str = "microsoft/deberta-large-mnli"
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: str = "auto"
+    batch_size: PositiveInt = 64
+    max_length: PositiveInt = 256
+    condition_on_question: bool = False  # prefix both answers with the question (as the SE code can)
+    trust_remote_code: bool = False
 
 
 class ClusterParams(Section):
-    backend: Literal["exact"] = "exact"
+    backend: Literal["exact", "hf", "openai"] = "exact"
     equivalence: Literal["paper", "strict"] = "paper"
-    likelihood: Literal["mean", "sum"] = "mean"
+    hf: HFNLIParams = HFNLIParams()
+    # The paper: GPT-4o mini with prompt 3.
+    openai: ChatParams = ChatParams(model="gpt-4o-mini", temperature=0.0, max_completion_tokens=16)
 
 
 class PoolingParams(Section):
@@ -183,6 +227,7 @@ class Params(Section):
     dump: DumpParams = DumpParams()
     judge: JudgeParams = JudgeParams()
     cluster: ClusterParams = ClusterParams()
+    prices: dict[str, Price] = {}  # by model name, for the cost estimate in the judge and cluster metrics
     detectors: DetectorsParams = DetectorsParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()

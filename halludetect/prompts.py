@@ -23,6 +23,17 @@ LABELING = (
     "Response:"
 )
 
+# Pass 1 of the labelling compares with the reference answers. The paper gives no prompt for
+# it; this is the semantic-entropy code's (Farquhar et al.), references joined with "; ".
+LABELING_WITH_REFERENCE = (
+    "We are assessing the quality of answers to the following question: {question}\n"
+    "{expected}\n"
+    "The proposed answer is: {predicted_answer}\n"
+    "Within the context of the question, does the proposed answer mean the same as {which}? "
+    "Respond only with yes or no.\n"
+    "Response:"
+)
+
 ENTAILMENT = (
     "Context: Question asked to an AI: '{question}'\n"
     "Answer A: {text1}\n"
@@ -31,12 +42,32 @@ ENTAILMENT = (
     "Respond with only one word: entailment,contradiction, or neutral."
 )
 
-PROMPTS = {"generation": GENERATION, "labeling": LABELING, "entailment": ENTAILMENT}
+PROMPTS = {"generation": GENERATION, "labeling": LABELING, "labeling_with_reference": LABELING_WITH_REFERENCE,
+           "entailment": ENTAILMENT}
 
 
 def generation_prompt(question: str, template: str = GENERATION) -> str:
     """Prompt 1 for one question. The answer follows after a space the model generates."""
     return template.format(question=question.strip())
+
+
+def labeling_prompt(question: str, answer: str, references: tuple[str, ...] | None = None) -> str:
+    """Prompt 2 (no references: pass 2), or its pass-1 form with the reference answers."""
+    if references is None:
+        return LABELING.format(question=question.strip(), predicted_answer=answer.strip())
+    refs = [r.strip() for r in references]
+    if len(refs) == 1:
+        expected, which = f"The expected answer is: {refs[0]}.", "the expected answer"
+    else:
+        expected = f"The following are expected answers to this question: {'; '.join(refs)}."
+        which = "any of the expected answers"
+    return LABELING_WITH_REFERENCE.format(question=question.strip(), expected=expected,
+                                          predicted_answer=answer.strip(), which=which)
+
+
+def entailment_prompt(question: str, a: str, b: str) -> str:
+    """Prompt 3: does answer A entail answer B?"""
+    return ENTAILMENT.format(question=question.strip(), text1=a.strip(), text2=b.strip())
 
 
 def template_hash(template: str) -> str:

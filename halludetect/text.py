@@ -35,3 +35,29 @@ def recall(response: str, reference: str) -> float:
         return 0.0
     got = set(tokens(response))
     return sum(t in got for t in ref) / len(ref)
+
+
+def parse_choice(reply: str | None, forms: dict[str, str]) -> str | None:
+    """The one choice a model's reply names, or None (unparseable).
+
+    `forms` maps accepted words to choices ({"yes": "yes", "entails": "entailment", ...}).
+    Case, punctuation and markdown are ignored. The reply must *start* with a choice ("Yes.",
+    "**No**", "Entailment - both say Paris") and name no other choice anywhere ("Yes ... no"
+    is ambiguous). Prose such as "The answer is not correct" or "does not entail" is therefore
+    unparseable rather than misread: it is asked again and, failing that, counted as invalid.
+    """
+    if not reply:
+        return None
+    words = re.sub(r"[^a-z]+", " ", unicodedata.normalize("NFKC", reply).lower()).split()
+    if not words or words[0] not in forms:
+        return None
+    named = {forms[w] for w in words if w in forms}
+    return named.pop() if len(named) == 1 else None
+
+
+YES_NO = {"yes": "yes", "no": "no"}
+RELATIONS = {
+    "entailment": "entailment", "entails": "entailment", "entail": "entailment",
+    "neutral": "neutral",
+    "contradiction": "contradiction", "contradicts": "contradiction", "contradict": "contradiction",
+}

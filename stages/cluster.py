@@ -10,26 +10,40 @@ from halludetect.nli import cluster_responses, get_nli
 
 def run(args, params):
     cp = params.cluster
+    # Built first: a missing API key or classifier fails here, before any file is read.
+    section = getattr(cp, cp.backend, None)
+    nli = get_nli(cp.backend, **(section.model_dump() if section is not None else {}))
     gens = pl.read_parquet(args.generations)
-    df = cluster_responses(get_nli(cp.backend), read_questions(args.questions), gens,
-                           equivalence=cp.equivalence, likelihood=cp.likelihood)
+    df, timings = cluster_responses(nli, read_questions(args.questions), gens, equivalence=cp.equivalence)
     write_parquet(args.out, df)
-    per_q = df.unique("question_id")
+    write_parquet(args.timings, timings)
+    per_q = df.unique("question_id", keep="first").sort("question_id")
+    valid = per_q.filter(pl.col("valid"))
     metrics = {
-        "backend": cp.backend, "equivalence": cp.equivalence, "likelihood": cp.likelihood,
+        "backend": cp.backend, "equivalence": cp.equivalence,
         "answers": df.height, "excluded_empty_answers": int((gens["n_tokens"] == 0).sum()),
-        "questions": per_q.height, "mean_clusters": float(per_q["n_clusters"].mean()),
-        "nli_calls_per_question": float(per_q["nli_calls"].mean()),
-        "mean_semantic_entropy": float(per_q["semantic_entropy"].mean()),
+        "questions": per_q.height,
+        "invalid_questions": per_q.height - valid.height,  # the NLI backend failed: no P_sem for their answers
+        "single_answer_questions": int((per_q["n_unique"] == 1).sum()),  # one unique answer: no NLI call
+        "mean_unique_answers": float(per_q["n_unique"].mean()) if per_q.height else None,
+        "mean_clusters": float(valid["n_clusters"].mean()) if valid.height else None,
+        "nli_calls": int(timings["nli_calls"].sum()),
+        "nli_calls_per_question": float(timings["nli_calls"].mean()) if timings.height else None,
+        "mean_semantic_entropy": float(valid["semantic_entropy_mean"].mean()) if valid.height else None,
+        "seconds_total": round(float(timings["seconds"].sum()), 3),
+        "seconds_per_question": float(timings["seconds"].mean()) if timings.height else None,
     }
+    if hasattr(nli, "usage"):
+        metrics["api"] = nli.usage.report(params.prices)
     write_json(args.metrics, metrics)
-    cli.log.info("cluster: %s", metrics)
+    cli.log.info("cluster: %s", {k: v for k, v in metrics.items() if k != "api"})
 
 
 if __name__ == "__main__":
     p = cli.parser(__doc__)
     p.add_argument("--questions", required=True, help="questions Parquet")
     p.add_argument("--generations", required=True, help="generations Parquet")
-    p.add_argument("--out", required=True, help="clusters Parquet")
+    p.add_argument("--out", required=True, help="clusters Parquet (one row per answer)")
+    p.add_argument("--timings", required=True, help="per-question clustering cost Parquet (NLI calls, seconds)")
     p.add_argument("--metrics", required=True, help="clustering summary JSON")
     cli.main(run, p)

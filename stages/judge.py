@@ -11,15 +11,19 @@ from halludetect.responses import select_answers
 
 def run(args, params):
     jp = params.judge
-    backend_params = getattr(jp, jp.backend).model_dump()
-    judge = get_judge(jp.backend, **backend_params)
+    # Built first: a missing API key fails here, before any file is read.
+    judge = get_judge(jp.backend, **getattr(jp, jp.backend).model_dump())
     # The answers the detectors see: train sample 0, all val/test samples (as dump selects).
     selected, excluded = select_answers(pl.read_parquet(args.generations))
     df = two_pass(judge, read_questions(args.questions), selected, second_pass=jp.two_pass)
     write_parquet(args.out, df)
     dist = label_distribution(df)
-    write_json(args.metrics, {"backend": jp.backend, "excluded_empty_answers": excluded["empty_answer"],
-                              "splits": dist})
+    metrics = {"backend": jp.backend, "excluded_empty_answers": excluded["empty_answer"], "splits": dist,
+               "invalid": {p: int((df[f"{p}_verdict"] == "invalid").sum()) for p in ("pass1", "pass2")}}
+    if hasattr(judge, "usage"):
+        metrics["api"] = judge.usage.report(params.prices)
+        cli.log.info("judge: %s", metrics["api"])
+    write_json(args.metrics, metrics)
     cli.log.info("judge: %s", {s: (d["kept"], d["hallucination_rate"]) for s, d in dist.items()})
 
 

@@ -32,7 +32,7 @@ def test_match_judge_passes():
 def test_unknown_backend_did_you_mean():
     with pytest.raises(KeyError, match="did you mean 'match'"):
         get_judge("mach")
-    with pytest.raises(KeyError, match="valid: exact"):
+    with pytest.raises(KeyError, match="valid: exact, hf, openai"):
         get_nli("deberta")
 
 
@@ -81,9 +81,9 @@ def test_clustering_merges_duplicates_before_nli():
     class Counting:
         name = "counting"
 
-        def relations(self, question, pairs):
+        def relations(self, pairs):
             calls.extend(pairs)
-            return get_nli("exact").relations(question, pairs)
+            return get_nli("exact").relations(pairs)
 
     texts = ["Paris.", "paris", "Lyon.", "Paris!", "Nice"]
     ids, n = cluster_question(Counting(), "Where?", texts, "paper")
@@ -96,8 +96,8 @@ def test_equivalence_rules():
     class Fixed:
         name = "fixed"
 
-        def relations(self, question, pairs):  # A->B entailment, B->A neutral
-            return ["entailment", "neutral"]
+        def relations(self, pairs):  # A->B entailment, B->A neutral
+            return ["entailment", "neutral"] * (len(pairs) // 2)
 
     assert cluster_question(Fixed(), "q", ["a", "b"], "paper")[0] == [0, 0]
     assert cluster_question(Fixed(), "q", ["a", "b"], "strict")[0] == [0, 1]
@@ -117,12 +117,25 @@ def test_semantic_probability_formula():
 
 
 def test_cluster_responses_mean_vs_sum_and_empty_answers():
-    questions = pl.DataFrame({"id": ["q"], "question": ["Where?"]})
+    questions = pl.DataFrame({"id": ["q", "r"], "question": ["Where?", "Who?"]})
     gens = pl.DataFrame({
-        "question_id": ["q"] * 3, "sample_index": [0, 1, 2], "split": ["test"] * 3,
-        "text": ["Paris", "Paris", ""], "n_tokens": [2, 1, 0],
-        "token_logprobs": [[-1.0, -1.0], [-1.0], []],
+        "question_id": ["q"] * 3 + ["r"] * 2, "sample_index": [0, 1, 2, 0, 1], "split": ["test"] * 5,
+        "text": ["Paris", "Lyon", "", "Bob", "bob."], "n_tokens": [2, 1, 0, 1, 1],
+        "token_logprobs": [[-1.0, -1.0], [-1.5], [], [-0.1], [-0.2]],
     })
-    mean = cluster_responses(get_nli("exact"), questions, gens, equivalence="paper", likelihood="mean")
-    assert mean.height == 2 and mean["p_sem"].to_list() == [1.0, 1.0]  # the empty answer is excluded
-    assert mean["n_clusters"].to_list() == [1, 1]
+    df, timings = cluster_responses(get_nli("exact"), questions, gens, equivalence="paper")
+    q = df.filter(pl.col("question_id") == "q")
+    assert q.height == 2  # the empty answer is excluded
+    mean_w, sum_w = np.exp([-1.0, -1.5]), np.exp([-2.0, -1.5])  # Paris is shorter on average, Lyon in total
+    np.testing.assert_allclose(q["p_sem_mean"], mean_w / mean_w.sum())
+    np.testing.assert_allclose(q["p_sem_sum"], sum_w / sum_w.sum())
+    assert q["p_sem_count"].to_list() == [0.5, 0.5] and q["semantic_entropy_discrete"][0] == pytest.approx(math.log(2))
+    assert q["nli_calls"].to_list() == [2, 2] and q["valid"].all()
+    r = df.filter(pl.col("question_id") == "r")  # one unique answer after normalisation: no call
+    assert r["p_sem_mean"].to_list() == [1.0, 1.0] and r["n_clusters"].to_list() == [1, 1]
+    assert r["nli_calls"].to_list() == [0, 0] and r["semantic_entropy_mean"][0] == 0.0
+    assert timings.select("question_id", "n_answers", "n_unique", "nli_calls").to_dicts() == [
+        {"question_id": "q", "n_answers": 2, "n_unique": 2, "nli_calls": 2},
+        {"question_id": "r", "n_answers": 2, "n_unique": 1, "nli_calls": 0},
+    ]
+    assert (timings["seconds"] >= 0).all()

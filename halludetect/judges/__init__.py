@@ -1,6 +1,6 @@
 """LLM-as-judge backends (registry) and the paper's two-pass labelling protocol."""
 
-from halludetect.judges import match  # noqa: F401  (registers the backend)
+from halludetect.judges import match, openai  # noqa: F401  (register the backends)
 from halludetect.judges.base import JUDGES, Judge, JudgeItem, Verdict, get_judge
 from halludetect.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass
 

@@ -1,6 +1,16 @@
 """Entailment backends (registry), semantic clustering, semantic probability and entropy."""
 
 from halludetect.nli.backends import NLI_BACKENDS, get_nli
-from halludetect.nli.clustering import CLUSTERS_SCHEMA, EQUIVALENCE, cluster_question, cluster_responses
+from halludetect.nli.clustering import (
+    CLUSTERS_SCHEMA,
+    EQUIVALENCE,
+    TIMINGS_SCHEMA,
+    cluster_all,
+    cluster_question,
+    cluster_responses,
+)
 
-__all__ = ["CLUSTERS_SCHEMA", "EQUIVALENCE", "NLI_BACKENDS", "cluster_question", "cluster_responses", "get_nli"]
+__all__ = [
+    "CLUSTERS_SCHEMA", "EQUIVALENCE", "NLI_BACKENDS", "TIMINGS_SCHEMA", "cluster_all", "cluster_question",
+    "cluster_responses", "get_nli",
+]

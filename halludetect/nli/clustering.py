@@ -1,27 +1,38 @@
-"""Semantic clustering of the K answers to a question, and semantic probability.
+"""Semantic clustering of the K answers to a question, and semantic probability and entropy.
 
-Answers with equal normalised text are merged first (no NLI call). The u unique answers are
-then clustered greedily, as the semantic-entropy code does: each joins the first cluster
-whose representative it is equivalent to, asking both directions (A->B, B->A). So a
-question costs at most u(u-1) directed comparisons.
+Answers with equal normalised text are merged first, with no NLI call. The u unique answers
+are then clustered greedily: each joins the first cluster whose representative it is
+equivalent to, asking both directions (A->B, B->A), else founds a new cluster. A question
+therefore costs at most u(u-1) directed comparisons, and u = 1 costs none. (The semantic-
+entropy code compares raw answers, duplicates included, with every later unassigned one.)
 
-Equivalence rules: "paper" = (E,E), (E,N), (N,E); "strict" = (E,E) only.
+The greedy step is sequential within a question but independent across questions, so all
+questions advance together: each round sends every waiting question's next pair in one
+`relations` call (one classifier batch, or one burst of concurrent API calls). Each
+question is charged an equal share of its rounds' wall time (it made 2 of each round's
+calls), which is the per-question cost `evaluate` adds to HaMI (SP).
+
+Equivalence rules: "paper" = (E,E), (E,N), (N,E); "strict" = (E,E) only. A relation the
+backend could not give (None) marks the question invalid: its answers get no cluster and no
+P_sem, and are counted, never guessed.
 
 P_sem (paper): a cluster's probability is the sum of its members' sequence likelihoods over
 the sum of all K likelihoods; an answer's P_sem is its cluster's. Sequence likelihood is
-exp(mean token log-prob) ("mean", length-normalised) or exp(sum) ("sum"). The count-based
-variant (the HaMI code's) uses cluster size / K. Semantic entropy is -sum_C P_C log P_C,
-with likelihood-based or count-based P_C.
+exp(mean token log-prob) (`p_sem_mean`, length-normalised) or exp(sum) (`p_sem_sum`); the
+count-based variant (`p_sem_count`, the HaMI code's) is cluster size / K. All are stored, so
+choosing one (a detector param) never re-runs clustering. Semantic entropy is
+-sum_C P_C log P_C with each of the three P_C.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
-from halludetect.nli.backends import NLI
+from halludetect.nli.backends import NLI, Relation
 from halludetect.text import normalise
 
 EQUIVALENCE = {
@@ -33,42 +44,96 @@ CLUSTERS_SCHEMA = {
     "question_id": pl.String,
     "sample_index": pl.Int32,
     "split": pl.String,
+    "valid": pl.Boolean,  # false: the NLI backend failed on this question (no P_sem)
     "semantic_id": pl.Int32,
-    "p_sem": pl.Float64,
+    "p_sem_mean": pl.Float64,
+    "p_sem_sum": pl.Float64,
     "p_sem_count": pl.Float64,
-    "semantic_entropy": pl.Float64,
+    "semantic_entropy_mean": pl.Float64,
+    "semantic_entropy_sum": pl.Float64,
     "semantic_entropy_discrete": pl.Float64,
     "n_clusters": pl.Int32,
     "n_unique": pl.Int32,
     "nli_calls": pl.Int32,
-    "seconds": pl.Float64,
 }
 
+TIMINGS_SCHEMA = {"question_id": pl.String, "n_answers": pl.Int32, "n_unique": pl.Int32, "nli_calls": pl.Int32,
+                  "seconds": pl.Float64}
 
-def cluster_question(nli: NLI, question: str, texts: list[str], equivalence: str) -> tuple[list[int], int]:
-    """Cluster ids for `texts` (0, 1, ... in order of first appearance) and the NLI calls made."""
+
+@dataclass
+class _Question:
+    """One question's greedy clustering, advanced a comparison at a time."""
+
+    question: str
+    texts: list[str]
+    keys: list[str] = field(init=False)
+    unique: list[str] = field(init=False)  # the first answer with each normalised text
+    reps: list[int] = field(default_factory=list)  # per cluster: its representative's position in `unique`
+    cluster: list[int] = field(default_factory=list)  # per placed unique answer: its cluster
+    cand: int = 0  # the cluster the next unique answer is being compared with
+    calls: int = 0
+    seconds: float = 0.0
+    invalid: bool = False
+
+    def __post_init__(self):
+        self.keys = [normalise(t) for t in self.texts]
+        first = {}
+        for t, k in zip(self.texts, self.keys):
+            first.setdefault(k, t)
+        self.unique = list(first.values())
+
+    def pending(self) -> tuple[str, str] | None:
+        """(answer to place, representative to compare with), or None when done."""
+        if self.invalid or len(self.cluster) == len(self.unique):
+            return None
+        if not self.reps:  # the first unique answer founds cluster 0 without a call
+            self.reps.append(0)
+            self.cluster.append(0)
+            return self.pending()
+        return self.unique[len(self.cluster)], self.unique[self.reps[self.cand]]
+
+    def advance(self, fwd: Relation | None, bwd: Relation | None, rule: set) -> None:
+        self.calls += 2
+        if fwd is None or bwd is None:
+            self.invalid = True
+        elif (fwd, bwd) in rule:
+            self.cluster.append(self.cand)
+            self.cand = 0
+        elif self.cand + 1 < len(self.reps):
+            self.cand += 1
+        else:
+            self.reps.append(len(self.cluster))
+            self.cluster.append(len(self.reps) - 1)
+            self.cand = 0
+
+    def ids(self) -> list[int] | None:
+        """Cluster id per answer (0, 1, ... in order of first appearance), None if invalid."""
+        if self.invalid:
+            return None
+        of_key = {normalise(u): c for u, c in zip(self.unique, self.cluster)}
+        return [of_key[k] for k in self.keys]
+
+
+def cluster_all(nli: NLI, items: list[tuple[str, list[str]]], equivalence: str) -> list[_Question]:
+    """Cluster every (question, answers) item; all questions advance in lock-step rounds."""
     rule = EQUIVALENCE[equivalence]
-    keys = [normalise(t) for t in texts]
-    unique: list[int] = []  # index of the first text with each normalised key
-    for i, k in enumerate(keys):
-        if all(keys[j] != k for j in unique):
-            unique.append(i)
-    reps: list[int] = []  # per cluster, the text index representing it
-    cluster_of_unique: dict[str, int] = {}
-    calls = 0
-    for i in unique:
-        assigned = None
-        for c, rep in enumerate(reps):
-            fwd, bwd = nli.relations(question, [(texts[i], texts[rep]), (texts[rep], texts[i])])
-            calls += 2
-            if (fwd, bwd) in rule:
-                assigned = c
-                break
-        if assigned is None:
-            assigned = len(reps)
-            reps.append(i)
-        cluster_of_unique[keys[i]] = assigned
-    return [cluster_of_unique[k] for k in keys], calls
+    states = [_Question(q, texts) for q, texts in items]
+    while waiting := [(s, p) for s in states if (p := s.pending()) is not None]:
+        pairs = [x for s, (a, b) in waiting for x in ((s.question, a, b), (s.question, b, a))]
+        t0 = time.perf_counter()
+        rel = nli.relations(pairs)
+        share = (time.perf_counter() - t0) / len(waiting)
+        for k, (s, _) in enumerate(waiting):
+            s.seconds += share
+            s.advance(rel[2 * k], rel[2 * k + 1], rule)
+    return states
+
+
+def cluster_question(nli: NLI, question: str, texts: list[str], equivalence: str) -> tuple[list[int] | None, int]:
+    """Cluster ids for one question's answers (None if the backend failed) and the NLI calls made."""
+    (s,) = cluster_all(nli, [(question, texts)], equivalence)
+    return s.ids(), s.calls
 
 
 def _entropy(p: np.ndarray) -> float:
@@ -88,28 +153,34 @@ def semantic_probabilities(ids: list[int], logliks: list[float]) -> tuple[np.nda
 
 
 def cluster_responses(nli: NLI, questions: pl.DataFrame, generations: pl.DataFrame, *,
-                      equivalence: str, likelihood: str) -> pl.DataFrame:
-    """One row per non-empty answer. Empty answers have no likelihood: excluded, and the
-    stage counts them."""
+                      equivalence: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(clusters: one row per non-empty answer, timings: one row per question).
+
+    Empty answers have no likelihood: they are excluded (the stage counts them). The
+    clusters frame holds no wall times, so the same answers and relations give the same bytes.
+    """
     qtext = dict(zip(questions["id"], questions["question"]))
-    rows = []
     gens = generations.filter(pl.col("n_tokens") > 0).sort("question_id", "sample_index")
-    for (qid,), group in gens.group_by("question_id", maintain_order=True):
+    groups = [(qid, g) for (qid,), g in gens.group_by("question_id", maintain_order=True)]
+    states = cluster_all(nli, [(qtext[qid], g["text"].to_list()) for qid, g in groups], equivalence)
+    rows, timings = [], []
+    for (qid, g), s in zip(groups, states):
         t0 = time.perf_counter()
-        texts = group["text"].to_list()
-        ids, calls = cluster_question(nli, qtext[qid], texts, equivalence)
-        agg = (lambda lp: float(np.mean(lp))) if likelihood == "mean" else (lambda lp: float(np.sum(lp)))
-        logliks = [agg(lp) for lp in group["token_logprobs"].to_list()]
-        p_sem, p_cnt, se, se_d = semantic_probabilities(ids, logliks)
-        seconds = time.perf_counter() - t0
-        for k, r in enumerate(group.select("sample_index", "split").iter_rows(named=True)):
-            rows.append(
-                {
-                    "question_id": qid, "sample_index": r["sample_index"], "split": r["split"],
-                    "semantic_id": ids[k], "p_sem": float(p_sem[k]), "p_sem_count": float(p_cnt[k]),
-                    "semantic_entropy": se, "semantic_entropy_discrete": se_d,
-                    "n_clusters": max(ids) + 1, "n_unique": len(set(map(normalise, texts))),
-                    "nli_calls": calls, "seconds": seconds,
-                }
-            )
-    return pl.DataFrame(rows, schema=CLUSTERS_SCHEMA)
+        ids = s.ids()
+        per = {k: [None] * g.height for k in ("p_sem_mean", "p_sem_sum", "p_sem_count")}
+        ent = dict.fromkeys(("semantic_entropy_mean", "semantic_entropy_sum", "semantic_entropy_discrete"))
+        if ids is not None:
+            lps = g["token_logprobs"].to_list()
+            p_mean, p_cnt, ent["semantic_entropy_mean"], ent["semantic_entropy_discrete"] = semantic_probabilities(
+                ids, [float(np.mean(lp)) for lp in lps])
+            p_sum, _, ent["semantic_entropy_sum"], _ = semantic_probabilities(ids, [float(np.sum(lp)) for lp in lps])
+            per = {"p_sem_mean": p_mean.tolist(), "p_sem_sum": p_sum.tolist(), "p_sem_count": p_cnt.tolist()}
+        for k, r in enumerate(g.select("sample_index", "split").iter_rows(named=True)):
+            rows.append({
+                "question_id": qid, "sample_index": r["sample_index"], "split": r["split"], "valid": ids is not None,
+                "semantic_id": ids[k] if ids is not None else None, **{c: v[k] for c, v in per.items()}, **ent,
+                "n_clusters": len(s.reps) if ids is not None else None, "n_unique": len(s.unique), "nli_calls": s.calls,
+            })
+        timings.append({"question_id": qid, "n_answers": g.height, "n_unique": len(s.unique), "nli_calls": s.calls,
+                        "seconds": s.seconds + time.perf_counter() - t0})
+    return pl.DataFrame(rows, schema=CLUSTERS_SCHEMA), pl.DataFrame(timings, schema=TIMINGS_SCHEMA)

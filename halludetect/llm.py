@@ -1,0 +1,324 @@
+"""Calls to OpenAI-compatible chat endpoints, shared by the `openai` judge and NLI backends.
+
+Any endpoint that speaks chat completions works: OpenAI, Azure OpenAI (its `/openai/v1/` URL),
+vLLM, Ollama, llama.cpp's server. On top of the official `openai` client this adds:
+
+- the key comes from the environment variable named in params, checked before any work;
+- bounded concurrency: `AsyncOpenAI` under a semaphore;
+- the client's own retries with backoff on 429 (honouring Retry-After), 5xx, timeouts and
+  dropped connections; a malformed body is retried here (the client does not);
+- a persistent call cache (SQLite) keyed by endpoint, model, messages, sampling parameters and
+  attempt number: a re-run makes no call, and an interrupted run resumes without paying twice.
+  It lives outside DVC's outputs (which DVC deletes before a stage runs): `HALLUDETECT_CACHE`
+  or `~/.cache/halludetect`, shared by every workspace and queued experiment;
+- strict parsing by the caller's parser: an unparseable reply is asked again (a new attempt,
+  so a new cache key) and after `parse_retries` it is invalid, never read as a guess;
+- usage accounting: calls, cache hits, tokens, and a cost estimate from the price table.
+
+An error that retries cannot fix stops the run: calls in flight are awaited and stored, none
+is started after, and the error says how much is saved. SIGINT and SIGTERM do the same, so
+Ctrl-C on `dvc repro` loses no paid reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from halludetect.config import ChatParams, Price
+
+OPENAI_URL = "https://api.openai.com/v1"
+
+
+class ApiError(RuntimeError):
+    """An endpoint problem that retrying cannot fix; the message names the params key to check."""
+
+
+def cache_path() -> Path:
+    """`$HALLUDETECT_CACHE/api_calls.sqlite`, else `~/.cache/halludetect/api_calls.sqlite`."""
+    if root := os.environ.get("HALLUDETECT_CACHE"):
+        return Path(root) / "api_calls.sqlite"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "halludetect" / "api_calls.sqlite"
+
+
+class CallCache:
+    """Replies by request key. One row per paid call, committed as it arrives (WAL mode, so a
+    killed process keeps every committed reply and several processes can share the file)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across a process kill; one fsync per checkpoint
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS calls (key TEXT PRIMARY KEY, request TEXT NOT NULL, reply TEXT,"
+            " prompt_tokens INTEGER, completion_tokens INTEGER, reasoning_tokens INTEGER,"
+            " latency_s REAL, created REAL)"
+        )
+
+    def get(self, key: str) -> dict | None:
+        row = self.db.execute(
+            "SELECT reply, prompt_tokens, completion_tokens, reasoning_tokens, latency_s FROM calls WHERE key = ?",
+            (key,),
+        ).fetchone()
+        if row is None:
+            return None
+        return dict(zip(("reply", "prompt_tokens", "completion_tokens", "reasoning_tokens", "latency_s"), row))
+
+    def put(self, key: str, request: dict, reply: dict) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (key, json.dumps(request, sort_keys=True), reply["reply"], reply["prompt_tokens"],
+             reply["completion_tokens"], reply["reasoning_tokens"], reply["latency_s"], time.time()),
+        )
+
+    def __len__(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+@dataclass
+class Usage:
+    """What a run asked and paid. `cost_usd` is this run's calls; `cost_usd_all` prices every
+    reply the outputs rest on, cached or not (what the labels cost when first made)."""
+
+    model: str
+    calls: int = 0  # requests that reached the endpoint and came back
+    cache_hits: int = 0
+    unparseable: int = 0  # replies the parser rejected (each is asked again, up to parse_retries)
+    invalid: int = 0  # items still unparseable after every attempt
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_prompt_tokens: int = 0  # tokens of the cache hits (not paid again)
+    cached_completion_tokens: int = 0
+    seconds: float = 0.0  # wall time spent waiting for the endpoint in this run
+
+    def add(self, reply: dict, cached: bool) -> None:
+        if cached:
+            self.cache_hits += 1
+            self.cached_prompt_tokens += reply["prompt_tokens"] or 0
+            self.cached_completion_tokens += reply["completion_tokens"] or 0
+        else:
+            self.calls += 1
+            self.prompt_tokens += reply["prompt_tokens"] or 0
+            self.completion_tokens += reply["completion_tokens"] or 0
+            self.reasoning_tokens += reply["reasoning_tokens"] or 0
+
+    def merge(self, other: Usage) -> None:
+        for k, v in asdict(other).items():
+            if k != "model":
+                setattr(self, k, getattr(self, k) + v)
+
+    def report(self, prices: dict[str, Price]) -> dict:
+        out = asdict(self)
+        out["seconds"] = round(self.seconds, 3)
+        price = prices.get(self.model)
+        if price is None:
+            out["cost_usd"] = out["cost_usd_all"] = None
+            out["cost_note"] = f"no price for '{self.model}' in params.yaml `prices`"
+        else:
+            cost = lambda p, c: (p * price.input + c * price.output) / 1e6
+            out["cost_usd"] = round(cost(self.prompt_tokens, self.completion_tokens), 6)
+            out["cost_usd_all"] = round(cost(self.prompt_tokens + self.cached_prompt_tokens,
+                                             self.completion_tokens + self.cached_completion_tokens), 6)
+        return out
+
+
+@dataclass
+class Reply:
+    text: str | None  # the last reply's text (None: the endpoint returned no content)
+    value: Any  # the parsed value; None = invalid after every attempt
+    attempts: int
+
+
+class _Stop(Exception):
+    """Raised inside tasks that were not started because the run is stopping."""
+
+
+@dataclass
+class ChatRunner:
+    """Runs many single-message chat prompts against one endpoint. `where` names the params
+    section (e.g. "judge.openai") so every error points at the key to fix."""
+
+    params: ChatParams
+    where: str
+    cache: CallCache = field(default_factory=lambda: CallCache(cache_path()))
+    usage: Usage = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        p = self.params
+        if p.api_key_env:
+            key = os.environ.get(p.api_key_env)
+            if not key:
+                raise ApiError(f"{self.where}: the API key variable {p.api_key_env} is not set; export it, or set "
+                               f"{self.where}.api_key_env (null for a local endpoint that needs no key)")
+        else:
+            key = "no-key"  # local servers ignore it; the client requires some string
+        self.base_url = (p.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
+        self._key = key
+        self.usage = Usage(model=p.model)
+        # Sampling parameters: part of the cache key, so changing one asks again.
+        self.sampling: dict[str, Any] = {}
+        if p.temperature is not None:
+            self.sampling["temperature"] = p.temperature
+        if p.reasoning_effort is not None:
+            self.sampling["reasoning_effort"] = p.reasoning_effort
+        if p.max_completion_tokens is not None:
+            self.sampling["max_completion_tokens"] = p.max_completion_tokens
+
+    # ------------------------------------------------------------------ public
+    def run(self, prompts: list[str], parse: Callable[[str], Any], desc: str = "calls") -> list[Reply]:
+        """One reply per prompt, in order. Raises ApiError (progress kept in the cache)."""
+        if not prompts:
+            return []
+        return asyncio.run(self._run_all(prompts, parse, desc))
+
+    def key(self, prompt: str, attempt: int) -> tuple[str, dict]:
+        request = {"base_url": self.base_url, "model": self.params.model,
+                   "messages": [{"role": "user", "content": prompt}], "sampling": self.sampling, "attempt": attempt}
+        return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest(), request
+
+    # ------------------------------------------------------------------ internals
+    async def _run_all(self, prompts, parse, desc) -> list[Reply]:
+        from tqdm import tqdm
+
+        p = self.params
+        self._client = openai.AsyncOpenAI(api_key=self._key, base_url=self.base_url, max_retries=p.max_retries,
+                                          timeout=p.timeout)
+        self._sem = asyncio.Semaphore(p.concurrency)
+        self._stopping: str | None = None
+        loop = asyncio.get_running_loop()
+        handled = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._interrupt, sig)
+                handled.append(sig)
+            except (ValueError, RuntimeError):  # not the main thread: the default handlers stay
+                pass
+        # Equal prompts (K samples often give the same answer) are asked once.
+        distinct = list(dict.fromkeys(prompts))
+        results: dict[str, Reply] = {}
+        bar = tqdm(total=len(distinct), desc=f"{self.where} {desc}", unit="prompt", mininterval=2.0, leave=False)
+        t0 = time.perf_counter()
+
+        async def one(prompt: str) -> None:
+            results[prompt] = await self._resolve(prompt, parse)
+            bar.update()
+
+        outcomes: list = []
+        try:
+            # The first prompt that needs a call goes alone: a wrong URL, key or model name then
+            # fails after one request, not after `concurrency` of them.
+            first = next((q for q in distinct if self.cache.get(self.key(q, 0)[0]) is None), None)
+            if first is not None:
+                await one(first)
+            tasks = [asyncio.create_task(one(q)) for q in distinct if q not in results]
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            bar.close()
+            self.usage.seconds += time.perf_counter() - t0
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+            await self._client.close()
+        errors = [e for e in outcomes if isinstance(e, BaseException) and not isinstance(e, _Stop)]
+        if errors or self._stopping:
+            saved = f"{len(results)} of {len(distinct)} distinct prompts done; every reply received is cached, " \
+                    "re-run to resume"
+            if errors:
+                raise ApiError(f"{errors[0]} ({saved})") from errors[0]
+            raise KeyboardInterrupt(f"{self._stopping} ({saved})")
+        return [results[q] for q in prompts]
+
+    def _interrupt(self, sig) -> None:
+        self._stopping = f"interrupted by {signal.Signals(sig).name}"
+
+    async def _resolve(self, prompt: str, parse) -> Reply:
+        text = None
+        for attempt in range(self.params.parse_retries + 1):
+            text = await self._reply(prompt, attempt)
+            value = parse(text) if text is not None else None
+            if value is not None:
+                return Reply(text, value, attempt + 1)
+            self.usage.unparseable += 1
+        self.usage.invalid += 1
+        return Reply(text, None, self.params.parse_retries + 1)
+
+    async def _reply(self, prompt: str, attempt: int) -> str | None:
+        key, request = self.key(prompt, attempt)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.usage.add(hit, cached=True)
+            return hit["reply"]
+        async with self._sem:
+            if self._stopping:
+                raise _Stop
+            try:
+                reply = await self._call(request)
+            except ApiError as e:
+                self._stopping = self._stopping or str(e)
+                raise
+        self.cache.put(key, request, reply)
+        self.usage.add(reply, cached=False)
+        return reply["reply"]
+
+    async def _call(self, request: dict) -> dict:
+        p, where = self.params, self.where
+        for n in range(p.max_retries + 1):
+            t0 = time.perf_counter()
+            try:
+                resp = await self._client.chat.completions.create(
+                    model=p.model, messages=request["messages"], **self.sampling)
+                text = resp.choices[0].message.content  # a body without them is malformed
+                if text is not None and not isinstance(text, str):
+                    raise TypeError(f"message content is {type(text).__name__}")
+            except (openai.APIResponseValidationError, json.JSONDecodeError, AttributeError, IndexError,
+                    TypeError) as e:  # a malformed body: the client does not retry it
+                if n == p.max_retries:
+                    raise ApiError(f"{where}: {self.base_url} kept returning malformed replies "
+                                   f"({p.max_retries + 1} tries): {type(e).__name__}: {e}") from None
+                await asyncio.sleep(min(0.5 * 2**n, 8.0))
+                continue
+            except openai.AuthenticationError as e:
+                raise ApiError(f"{where}: {self.base_url} rejected the key in ${p.api_key_env}: {e.message}") from None
+            except openai.NotFoundError as e:
+                raise ApiError(f"{where}: {self.base_url} has no model '{p.model}' (or no chat completions route): "
+                               f"{e.message}; check {where}.model and {where}.base_url") from None
+            except (openai.BadRequestError, openai.UnprocessableEntityError, openai.PermissionDeniedError) as e:
+                raise ApiError(f"{where}: {self.base_url} refused the request for model '{p.model}' "
+                               f"(HTTP {e.status_code}): {e.message}; check {where} (model, temperature, "
+                               f"reasoning_effort, max_completion_tokens)") from None
+            except openai.APITimeoutError:
+                raise ApiError(f"{where}: {self.base_url} timed out {p.max_retries + 1} times "
+                               f"({p.timeout:g} s each); raise {where}.timeout or lower concurrency") from None
+            except openai.APIConnectionError as e:
+                raise ApiError(f"{where}: cannot reach {self.base_url} ({p.max_retries + 1} tries): "
+                               f"{e.__cause__ or e}; is the server up and {where}.base_url right?") from None
+            except openai.APIStatusError as e:  # 429 / 5xx still failing after the client's retries
+                raise ApiError(f"{where}: {self.base_url} answered HTTP {e.status_code} after "
+                               f"{p.max_retries} retries: {e.message}") from None
+            latency = time.perf_counter() - t0
+            usage = resp.usage
+            details = getattr(usage, "completion_tokens_details", None) if usage else None
+            return {
+                "reply": text,
+                "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else None,
+                "reasoning_tokens": getattr(details, "reasoning_tokens", None) if details else None,
+                "latency_s": latency,
+            }
+        raise AssertionError("unreachable")
