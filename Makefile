@@ -26,10 +26,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
 
-# Benchmarks print one JSON object each (last line); they need the demo world's model and questions.
-BENCHES := generation dump
+# Benchmarks print one JSON object each (last line); they need the demo world's model, questions
+# and generations.
+BENCHES := generation dump judge nli
 bench: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world generate@world-world
 	@for b in $(BENCHES); do \
 		echo "== python -m bench.$$b"; \
 		out=$$($(PY) -m bench.$$b 2>&1) || { echo "$$out" | tail -n 30; exit 1; }; \

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from halludetect.text import contains, normalise, recall
@@ -49,6 +51,11 @@ def completion(text: str | None, body: dict, n: int) -> dict:
     }
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # the default backlog (5) resets connections when many clients connect at once
+
+
 class FakeOpenAI:
     """Context manager: `with FakeOpenAI(responder, latency=0.05) as srv: ... srv.url ...`."""
 
@@ -56,8 +63,7 @@ class FakeOpenAI:
         self.responder, self.latency, self.models = responder, latency, models
         self.requests: list[dict] = []
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -82,21 +88,27 @@ class FakeOpenAI:
             def log_message(self, *args):  # quiet
                 pass
 
+            def setup(self):
+                super().setup()
+                # As real servers do: without it, Nagle's algorithm against the client's delayed
+                # ACKs adds ~40 ms to replies written in two pieces.
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def _send(self, status: int, body: str, headers: dict | None = None) -> None:
                 data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                try:
-                    self.wfile.write(data)
+                head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
+                        f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+                try:  # status line, headers and body in one write, as servers do
+                    self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
                     self.close_connection = True
 
             def do_GET(self):
-                if self.path.rstrip("/").endswith("/models"):
+                if self.path.rstrip("/").endswith("/stats"):  # for benchmarks in another process
+                    with srv._lock:
+                        bodies = {json.dumps(b, sort_keys=True) for b in srv.requests}
+                        self._send(200, json.dumps({"requests": len(srv.requests), "distinct": len(bodies)}))
+                elif self.path.rstrip("/").endswith("/models"):
                     self._send(200, json.dumps({"object": "list", "data": [
                         {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in srv.models]}))
                 else:
@@ -152,7 +164,7 @@ def rule_responder(knowledge: dict[str, list[str]] | None = None, lenient_recall
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds added to every reply")
     p.add_argument("--knowledge", help="questions Parquet (question, answers) for the pass without references")
     a = p.parse_args()
