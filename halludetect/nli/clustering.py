@@ -68,6 +68,7 @@ class _Question:
     question: str
     texts: list[str]
     keys: list[str] = field(init=False)
+    unique_keys: list[str] = field(init=False)  # each normalised text once, in order of first appearance
     unique: list[str] = field(init=False)  # the first answer with each normalised text
     reps: list[int] = field(default_factory=list)  # per cluster: its representative's position in `unique`
     cluster: list[int] = field(default_factory=list)  # per placed unique answer: its cluster
@@ -81,7 +82,7 @@ class _Question:
         first = {}
         for t, k in zip(self.texts, self.keys):
             first.setdefault(k, t)
-        self.unique = list(first.values())
+        self.unique_keys, self.unique = list(first), list(first.values())
 
     def pending(self) -> tuple[str, str] | None:
         """(answer to place, representative to compare with), or None when done."""
@@ -111,7 +112,7 @@ class _Question:
         """Cluster id per answer (0, 1, ... in order of first appearance), None if invalid."""
         if self.invalid:
             return None
-        of_key = {normalise(u): c for u, c in zip(self.unique, self.cluster)}
+        of_key = dict(zip(self.unique_keys, self.cluster))
         return [of_key[k] for k in self.keys]
 
 
