@@ -28,9 +28,9 @@ test-fast: $(STAMP)
 
 # Benchmarks print one JSON object each (last line); they need the demo world's model, questions
 # and generations.
-BENCHES := generation dump judge nli
+BENCHES := generation dump judge nli detectors training
 bench: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world generate@world-world
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world generate@world-world dump@world-world judge@world-world cluster@world-world
 	@for b in $(BENCHES); do \
 		echo "== python -m bench.$$b"; \
 		out=$$($(PY) -m bench.$$b 2>&1) || { echo "$$out" | tail -n 30; exit 1; }; \

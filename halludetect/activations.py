@@ -11,7 +11,8 @@ One HDF5 file per layer (so a colleague can `dvc pull` one layer):
     attrs: model, revision, layer, positions, dtype, prompt_hash, excluded_empty_answers
 Files are written without timestamps, so the same states give the same bytes and DVC
 sees an unchanged layer as unchanged. Writes stream one batch at a time (memory does not
-grow with the number of responses); `LayerReader` streams padded batches back.
+grow with the number of responses). Reading lives in `layers.py`, so that a change to the
+readers never re-runs the dump stage.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -28,8 +28,6 @@ import polars as pl
 import torch
 from torch import nn
 from tqdm import tqdm
-
-from halludetect.detectors.bags import pad_bags
 
 POSITIONS = ("predicting", "generated")
 
@@ -180,88 +178,8 @@ def fsync_files(paths: list[Path]) -> None:
         list(pool.map(one, paths))
 
 
-@dataclass
-class Layer:
-    """One layer file in memory: ragged bags as concatenated states + offsets."""
-
-    states: np.ndarray  # [total_tokens, d]
-    offsets: np.ndarray  # [n + 1]
-    response_ids: list[str]
-    attrs: dict
-
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-
 def _decode(ids) -> list[str]:
     return [x.decode() if isinstance(x, bytes) else x for x in ids]
-
-
-def read_layer(path: str | Path, dtype=np.float32) -> Layer:
-    with h5py.File(path, "r") as f:
-        return Layer(
-            states=f["states"][:].astype(dtype),
-            offsets=f["offsets"][:],
-            response_ids=_decode(f["response_id"][:]),
-            attrs=dict(f.attrs),
-        )
-
-
-class LayerReader:
-    """Streams a layer file as padded batches, reading only the bags asked for.
-
-        with LayerReader(path) as layer:
-            for index, x, mask in layer.batches(128):   # x [B, T, d] float32, mask [B, T]
-                ...
-    """
-
-    def __init__(self, path: str | Path, dtype=np.float32):
-        self.path = Path(path)
-        self.f = h5py.File(self.path, "r")
-        self.states = self.f["states"]
-        self.offsets = self.f["offsets"][:]
-        self.response_ids = _decode(self.f["response_id"][:])
-        self.attrs = dict(self.f.attrs)
-        self.dtype = dtype
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-    def __enter__(self) -> LayerReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.f.close()
-
-    def bags(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bags `index` as x [B, T, d] and mask [B, T] (True at real tokens)."""
-        index = np.asarray(index, dtype=np.int64)
-        starts, ends = self.offsets[index], self.offsets[index + 1]
-        lo, hi = int(starts.min()), int(ends.max())
-        if hi - lo <= 2 * int((ends - starts).sum()):
-            # Nearby bags (the usual, in-order case): one contiguous read; offsets shifted into it.
-            return pad_bags(self.states[lo:hi].astype(self.dtype), self.offsets - lo, index)
-        # Scattered bags: one read each, concatenated in the order asked.
-        local = np.concatenate([[0], np.cumsum(ends - starts)])
-        block = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)]).astype(self.dtype)
-        return pad_bags(block, local, np.arange(len(index)))
-
-    def batches(self, batch_size: int, index: np.ndarray | None = None
-                ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        index = np.arange(len(self)) if index is None else np.asarray(index, dtype=np.int64)
-        for start in range(0, len(index), batch_size):
-            part = index[start : start + batch_size]
-            yield (part, *self.bags(part))
-
-
-def layer_files(directory: str | Path) -> dict[int, Path]:
-    files = {int(p.stem.split("_")[1]): p for p in Path(directory).glob("layer_*.h5")}
-    if not files:
-        raise FileNotFoundError(f"no layer_*.h5 files in {directory}; run the dump stage first")
-    return dict(sorted(files.items()))
 
 
 def layer_filename(layer: int) -> str:

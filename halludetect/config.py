@@ -187,16 +187,78 @@ class ClusterParams(Section):
     openai: ChatParams = ChatParams(model="gpt-4o-mini", temperature=0.0, max_completion_tokens=16)
 
 
+LearningRate = Annotated[float, Field(gt=0)]
+Decay = Annotated[float, Field(ge=0)]
+
+
+class HaMIParams(Section):
+    """HaMI (the HaMI code): token MLP Linear-BN-ReLU-Dropout-Linear, bag = top-k mean of token logits."""
+
+    dim: PositiveInt = 256
+    dropout: Fraction = 0.3
+    lr: LearningRate = 1e-3
+    weight_decay: Decay = 5e-4
+    k_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.1  # k = floor(k_ratio * n) + 1 tokens per bag
+    loss: Literal["mil", "logistic"] = "mil"  # mil: the HaMI code's paired loss; logistic: log(1 + exp(-y Z))
+    smoothness: Decay = 8e-4  # weight of sum (s_t - s_t+1)^2 over bags longer than smooth_min_len (mil loss)
+    smooth_min_len: Annotated[int, Field(ge=0)] = 8
+
+
+class HaMISPParams(HaMIParams):
+    """HaMI (SP): every token state scaled by (1 + lam * P_sem) of its response, at train and test."""
+
+    lam: Annotated[float, Field(ge=0)] = 1.0  # the paper's lambda
+    p_sem: Literal["mean", "sum", "count"] = "mean"  # which clusters.parquet P_sem (length-normalised, summed, count)
+
+
 class PoolingParams(Section):
+    """Embedding-based MIL: Linear(d, dim)-ReLU-Dropout per token, mean/max pooling, Linear(dim, 1)."""
+
     dim: PositiveInt = 256
     dropout: Fraction = 0.2
-    lr: Annotated[float, Field(gt=0)] = 2e-4
-    weight_decay: Annotated[float, Field(ge=0)] = 5e-3
+    lr: LearningRate = 2e-4
+    weight_decay: Decay = 5e-3
+
+
+class AttentionParams(PoolingParams):
+    """ABMIL (Ilse et al.) on raw states: softmax(w^T tanh(V h)) [* sigmoid(U h) gated], then the MLP head."""
+
+    attention_dim: PositiveInt = 256  # the paper's L
+
+
+class ProbeParams(Section):
+    """Logistic regression on the state of a response's last bag position."""
+
+    lr: LearningRate = 1e-3
+    weight_decay: Decay = 0.0
+
+
+# Methods that also read the semantic probability of each response (clusters.parquet). They
+# train in stages of their own, so a clustering change never retrains the other detectors.
+SP_METHODS = ("hami_sp",)
+# Scores without hidden states (halludetect/baselines.py registers each).
+BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
 
 
 class DetectorsParams(Section):
+    """One section per method, so changing one method's setting retrains only that method."""
+
+    hami: HaMIParams = HaMIParams()
+    hami_sp: HaMISPParams = HaMISPParams()
     mean: PoolingParams = PoolingParams()
     max: PoolingParams = PoolingParams()
+    raw_mean: PoolingParams = PoolingParams()
+    raw_max: PoolingParams = PoolingParams()
+    attention: AttentionParams = AttentionParams()
+    gated_attention: AttentionParams = AttentionParams()
+    probe: ProbeParams = ProbeParams()
+
+
+class BaselinesParams(Section):
+    """Scores that need no hidden states; the sign is fixed (higher = more likely hallucinated)."""
+
+    p_sem: Literal["mean", "sum", "count"] = "mean"  # baseline 1 - P_sem, which variant
+    semantic_entropy: Literal["mean", "sum", "discrete"] = "mean"
 
 
 class TrainParams(Section):
@@ -207,14 +269,17 @@ class TrainParams(Section):
 
 
 class EvaluateParams(Section):
-    bootstrap: Annotated[int, Field(ge=0)] = 1000
+    bootstrap: Annotated[int, Field(ge=0)] = 1000  # resamples of test responses for the AUROC interval
     seed: int = 0
+    throughput_repeats: PositiveInt = 5  # best of this many timed passes
 
 
 class GridParams(Section):
     models: list[str]
     datasets: list[str]
-    methods: list[str]
+    methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
+    sp_methods: list[str] = []  # detectors that also read P_sem (train_sp@, evaluate_sp@): hami_sp
+    baselines: list[str] = []  # scores without hidden states (baselines@)
 
 
 class Params(Section):
@@ -229,19 +294,26 @@ class Params(Section):
     cluster: ClusterParams = ClusterParams()
     prices: dict[str, Price] = {}  # by model name, for the cost estimate in the judge and cluster metrics
     detectors: DetectorsParams = DetectorsParams()
+    baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
 
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
         problems = []
+        hidden = [m for m in DetectorsParams.model_fields if m not in SP_METHODS]
         for key, names, choices in (
             ("grid.models", self.grid.models, self.models),
             ("grid.datasets", self.grid.datasets, self.datasets),
-            ("grid.methods", self.grid.methods, DetectorsParams.model_fields),
+            ("grid.methods", self.grid.methods, hidden),
+            ("grid.sp_methods", self.grid.sp_methods, SP_METHODS),
+            ("grid.baselines", self.grid.baselines, BASELINES),
         ):
             for name in names:
-                if name not in choices:
+                if name in SP_METHODS and key == "grid.methods":
+                    problems.append(f"{key}: '{name}' reads P_sem, so it trains in its own stage: list it "
+                                    "under grid.sp_methods")
+                elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
         if problems:
             raise ValueError("; ".join(problems))

@@ -1,14 +1,21 @@
 """Training MIL detectors on one layer's bags, with the best epoch chosen on validation.
 
-Data flow: a layer file (ragged bags) + the judge's kept labels -> padded tensors for the
-train and val splits -> `epochs` of shuffled mini-batches -> validation AUROC after every
-epoch -> the weights of the best epoch (the first best on ties).
+Data flow: a layer file (packed states + offsets) + the judge's kept labels (+ P_sem for the
+methods that read it) -> one packed tensor per split -> `epochs` of mini-batches gathered by
+index arithmetic -> validation AUROC after every epoch -> the weights of the best epoch (the
+first best on ties).
+
+Losses:
+  logistic  log(1 + exp(-y z)), y in {-1, 1}: every method but HaMI (and HaMI as an option).
+  mil       the HaMI code's paired loss on sigmoid token scores s: each step draws as many
+            hallucinated as correct bags, pairs them in order, and minimises
+            mean_i (1 - topk_mean(s_hal_i)^2 + topk_mean(s_ok_i)^2)
+            + w * sum over bags longer than `smooth_min_len` of sum_t (s_t - s_t+1)^2 / pairs.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -16,8 +23,9 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
-from halludetect.activations import Layer
-from halludetect.detectors import build_detector, pad_bags
+from halludetect.detectors import Bags, build_detector, gather_rows
+from halludetect.detectors.pooling import topk_mean
+from halludetect.layers import Layer
 from halludetect.responses import response_ids
 
 
@@ -27,22 +35,45 @@ class DataError(ValueError):
 
 @dataclass
 class SplitData:
-    """One split of one layer, padded: x [N, T, d], mask [N, T], y [N] in {0, 1}."""
+    """One split of one layer, packed: tokens [N, d], offsets [B + 1], y [B] in {0, 1}."""
 
-    x: torch.Tensor
-    mask: torch.Tensor
+    tokens: torch.Tensor
+    offsets: torch.Tensor
     y: torch.Tensor
     response_ids: list[str]
+    p_sem: torch.Tensor | None = None  # [B], for the methods that read it
+    excluded: dict = field(default_factory=dict)  # reason -> count of labelled responses left out
+    layer_index: np.ndarray | None = None  # [B] each bag's position in the layer file
+
+    def __len__(self) -> int:
+        return len(self.y)
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.mask.sum(1)
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def bags(self, index: torch.Tensor) -> Bags:
+        """Bags `index` (any order), gathered into a packed batch."""
+        rows, lengths = gather_rows(self.offsets, index)
+        p = None if self.p_sem is None else self.p_sem[index]
+        return Bags(self.tokens[rows], lengths, p)
+
+    def slice(self, start: int, stop: int) -> Bags:
+        """Bags start..stop-1 in order: a view, no copy."""
+        a, b = int(self.offsets[start]), int(self.offsets[stop])
+        p = None if self.p_sem is None else self.p_sem[start:stop]
+        return Bags(self.tokens[a:b], self.lengths[start:stop], p)
+
+    def to(self, device) -> SplitData:
+        p = None if self.p_sem is None else self.p_sem.to(device)
+        return SplitData(self.tokens.to(device), self.offsets.to(device), self.y.to(device), self.response_ids, p,
+                         self.excluded, self.layer_index)
 
 
 def labelled_index(
     layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer"
-) -> tuple[np.ndarray, np.ndarray]:
-    """Indices into the layer's bags and labels of the kept, labelled responses of `split`."""
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Indices into the layer's bags, labels and ids of the kept, labelled responses of `split`."""
     kept = judgments.filter(pl.col("kept") & (pl.col("split") == split)).select(
         response_ids(judgments).alias("rid"), "label"
     )
@@ -54,7 +85,7 @@ def labelled_index(
             f"(e.g. {missing[:3]}): labels and activations disagree; re-run dump and judge"
         )
     index = np.asarray([position[rid] for rid in kept["rid"]], dtype=np.int64)
-    return index, kept["label"].to_numpy().astype(np.int64)
+    return index, kept["label"].to_numpy().astype(np.int64), kept["rid"].to_list()
 
 
 def check_two_classes(y: np.ndarray, split: str) -> None:
@@ -66,26 +97,89 @@ def check_two_classes(y: np.ndarray, split: str) -> None:
         )
 
 
-def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer") -> SplitData:
-    index, y = labelled_index(layer, judgments, split, source)
+def p_sem_table(clusters: pl.DataFrame, variant: str) -> dict[str, float]:
+    """response id -> P_sem (the `variant` column) of the responses whose question clustered."""
+    ok = clusters.filter(pl.col("valid"))
+    return dict(zip(ok.select(response_ids(ok)).to_series().to_list(), ok[f"p_sem_{variant}"].to_list()))
+
+
+def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer",
+               p_sem: dict[str, float] | None = None) -> SplitData:
+    """The packed, checked data of one split. Responses without tokens, or (when `p_sem` is
+    given) without a semantic probability, are left out and counted in `excluded`."""
+    index, y, rids = labelled_index(layer, judgments, split, source)
+    lengths = np.diff(layer.offsets)[index]
+    keep = lengths > 0
+    excluded = {"empty_bag": int((~keep).sum())}
+    if p_sem is not None:
+        has = np.asarray([rid in p_sem for rid in rids])
+        excluded["no_p_sem"] = int((keep & ~has).sum())
+        keep &= has
+    index, y, rids = index[keep], y[keep], [r for r, k in zip(rids, keep) if k]
     check_two_classes(y, split)
-    x, mask = pad_bags(layer.states, layer.offsets, index)
-    if not torch.isfinite(x).all():
-        bad = int(torch.nonzero(~torch.isfinite(x).all(-1).all(-1))[0, 0])
-        raise DataError(f"{source}: non-finite hidden states in response {layer.response_ids[index[bad]]}")
-    return SplitData(x.float(), mask, torch.from_numpy(y).float(), [layer.response_ids[i] for i in index])
+    offsets = torch.from_numpy(layer.offsets)
+    rows, lengths = gather_rows(offsets, torch.from_numpy(index))
+    tokens = torch.from_numpy(np.asarray(layer.states[rows.numpy()], dtype=np.float32))
+    finite = torch.isfinite(tokens).all(1)  # [N]
+    if not finite.all():
+        bag = int(torch.repeat_interleave(torch.arange(len(index)), lengths)[~finite][0])
+        raise DataError(f"{source}: non-finite hidden states (NaN or inf) in response {rids[bag]}; "
+                        "re-run dump (a float16 overflow? try dump.dtype: float32)")
+    return SplitData(
+        tokens=tokens,
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]),
+        y=torch.from_numpy(y).float(),
+        response_ids=rids,
+        p_sem=None if p_sem is None else torch.tensor([p_sem[r] for r in rids], dtype=torch.float32),
+        excluded=excluded,
+        layer_index=index,
+    )
 
 
 @torch.no_grad()
-def score(model: nn.Module, data: SplitData, batch_size: int = 1024) -> np.ndarray:
-    """Logits for every bag of a split, in eval mode, batches trimmed to their longest bag."""
+def score(model: nn.Module, data: SplitData, batch_size: int = 2048) -> np.ndarray:
+    """Logits for every bag of a split, in eval mode, in order (contiguous slices, no copy)."""
     model.eval()
-    out = []
-    for start in range(0, len(data.y), batch_size):
-        sl = slice(start, start + batch_size)
-        width = int(data.lengths[sl].max())
-        out.append(model(data.x[sl, :width], data.mask[sl, :width]))
-    return torch.cat(out).numpy()
+    out = [model(data.slice(a, min(a + batch_size, len(data)))) for a in range(0, len(data), batch_size)]
+    return torch.cat(out).cpu().numpy()
+
+
+def hami_mil_loss(model: nn.Module, bags: Bags, y: torch.Tensor, params) -> torch.Tensor:
+    """The HaMI code's paired MIL loss (module docstring), batched over bags."""
+    s = torch.sigmoid(model.token_logits(bags))  # [N]
+    bag_score = topk_mean(bags.pad(s), bags.mask, params.k_ratio)  # [B]
+    ok, hal = bag_score[y == 0], bag_score[y == 1]
+    if len(ok) != len(hal):
+        raise ValueError(f"the mil loss pairs bags: got {len(ok)} correct and {len(hal)} hallucinated")
+    # consecutive tokens of one bag, in bags longer than smooth_min_len
+    same = bags.bag_of_token[1:] == bags.bag_of_token[:-1]  # [N - 1]
+    long = bags.lengths[bags.bag_of_token[1:]] > params.smooth_min_len  # [N - 1]
+    smooth = ((s[1:] - s[:-1]) ** 2 * (same & long)).sum()
+    return ((1 - hal**2 + ok**2).sum() + params.smoothness * smooth) / len(ok)
+
+
+class PairedSampler:
+    """Batches of batch_size/2 correct + batch_size/2 hallucinated bags, each class drawn
+    from its own endlessly reshuffled stream (as the HaMI code's two loaders); an epoch has
+    as many steps as a plain pass over the training set."""
+
+    def __init__(self, y: torch.Tensor, batch_size: int, gen: torch.Generator):
+        self.pools = [torch.nonzero(y == c).squeeze(1) for c in (0, 1)]
+        self.queues = [torch.empty(0, dtype=torch.int64)] * 2
+        self.half = max(1, batch_size // 2)
+        self.steps = -(-len(y) // batch_size)
+        self.gen = gen
+
+    def _take(self, c: int) -> torch.Tensor:
+        while len(self.queues[c]) < self.half:
+            pool = self.pools[c]
+            self.queues[c] = torch.cat([self.queues[c], pool[torch.randperm(len(pool), generator=self.gen)]])
+        out, self.queues[c] = self.queues[c][: self.half], self.queues[c][self.half :]
+        return out
+
+    def epoch(self):
+        for _ in range(self.steps):
+            yield torch.cat([self._take(0), self._take(1)])
 
 
 @dataclass
@@ -97,31 +191,37 @@ class TrainResult:
 
 
 def train_detector(method: str, method_params, train: SplitData, val: SplitData, *, epochs: int,
-                   batch_size: int, seed: int) -> TrainResult:
-    """The paper's protocol: Adam, logistic loss, `epochs` epochs, best epoch by val AUROC."""
+                   batch_size: int, seed: int, device: str = "cpu") -> TrainResult:
+    """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
+    best epoch by validation AUROC. Deterministic for a seed on a given device."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = build_detector(method, train.x.shape[-1], method_params)
+    train, val = train.to(device), val.to(device)
+    model = build_detector(method, train.tokens.shape[-1], method_params).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=method_params.lr, weight_decay=method_params.weight_decay)
+    mil = getattr(method_params, "loss", "logistic") == "mil"
+    sampler = PairedSampler(train.y.cpu(), batch_size, gen) if mil else None
     # log(1 + exp(-y z)) with y in {-1, 1} equals BCE-with-logits with y in {0, 1}.
-    loss_fn = nn.BCEWithLogitsLoss()
+    bce = nn.BCEWithLogitsLoss()
     best = TrainResult({}, 0, -1.0, [])
-    lengths = train.lengths
+    val_y = val.y.cpu().numpy()
     for epoch in range(1, epochs + 1):
         model.train()
         total, n = 0.0, 0
-        for batch in torch.randperm(len(train.y), generator=gen).split(batch_size):
-            width = int(lengths[batch].max())
-            z = model(train.x[batch, :width], train.mask[batch, :width])
-            loss = loss_fn(z, train.y[batch])
+        steps = sampler.epoch() if mil else torch.randperm(len(train), generator=gen).split(batch_size)
+        for batch in steps:
+            batch = batch.to(device)
+            bags, y = train.bags(batch), train.y[batch]
+            loss = hami_mil_loss(model, bags, y, method_params) if mil else bce(model(bags), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += loss.item() * len(batch)
             n += len(batch)
-        val_auroc = float(roc_auc_score(val.y.numpy(), score(model, val)))
+        val_auroc = float(roc_auc_score(val_y, score(model, val)))
         best.curve.append({"epoch": epoch, "train_loss": total / n, "val_auroc": val_auroc})
         if val_auroc > best.best_val_auroc:
             best.best_val_auroc, best.best_epoch = val_auroc, epoch
-            best.state_dict = copy.deepcopy(model.state_dict())
+            best.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return best
+

@@ -1,60 +1,39 @@
 """Score val and test with every trained layer; pick the best layer on validation only."""
 
+import json
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import layer_files, read_layer
-from halludetect.detectors import load_detector
-from halludetect.evaluation import split_metrics, throughput
+from halludetect.detectors import section, trained_params
+from halludetect.evaluation import evaluate_detector, hami_sp_cost
 from halludetect.io import write_json
-from halludetect.training import score, split_data
+from halludetect.training import DataError
+from stages.train import check_inputs
 
 
 def run(args, params):
-    ep, seeds = params.evaluate, params.train.seeds
+    ep = params.evaluate
+    section(params.detectors, args.method)  # an unknown method fails here, with suggestions
+    method_params = trained_params(args.detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
+    p_sem = check_inputs(args, method_params)
     judgments = pl.read_parquet(args.judgments)
-    per_layer, scored = [], {}
-    for layer, path in layer_files(args.activations).items():
-        data = read_layer(path)
-        splits = {s: split_data(data, judgments, s, str(path)) for s in ("val", "test")}
-        models = []
-        for seed in seeds:
-            weights = Path(args.detectors) / f"layer_{layer:02d}_seed_{seed}.safetensors"
-            if not weights.exists():
-                raise FileNotFoundError(f"{weights} is missing: train this layer and seed first")
-            model, meta = load_detector(weights)
-            if meta["method"] != args.method:
-                raise ValueError(f"{weights} holds a '{meta['method']}' detector, not '{args.method}'")
-            models.append(model)
-        scores = {s: [score(m, d) for m in models] for s, d in splits.items()}
-        val = split_metrics(splits["val"].y.numpy(), scores["val"])
-        test = split_metrics(splits["test"].y.numpy(), scores["test"])
-        per_layer.append({"layer": layer, "val_auroc": val["auroc"]["mean"], "test_auroc": test["auroc"]["mean"],
-                          "test_margin": test["margin"]["mean"]})
-        scored[layer] = (splits, scores, models)
-    best = max(per_layer, key=lambda r: r["val_auroc"])["layer"]  # chosen on validation only
-    splits, scores, models = scored[best]
-    test_y = splits["test"].y.numpy()
-    metrics = {
-        "model": args.model, "dataset": args.dataset, "method": args.method, "seeds": seeds,
-        "best_layer": best, "layer_selection": "highest mean validation AUROC over seeds",
-        "val": split_metrics(splits["val"].y.numpy(), scores["val"]),
-        "test": split_metrics(test_y, scores["test"], bootstrap=ep.bootstrap, seed=ep.seed),
-        "layers": per_layer,
-        "throughput": {
-            "samples_per_s": throughput(models[0], splits["test"].x, splits["test"].mask),
-            "what": "detector inference on preloaded padded test tensors, best of 5, this machine's CPU",
-        },
-    }
-    metrics["test"]["scores_mean_by_label"] = {
-        str(lab): float(np.mean([s[test_y == lab].mean() for s in scores["test"]])) for lab in (0, 1)
-    }
+    metrics = {"model": args.model, "dataset": args.dataset, "method": args.method, "family": "detector",
+               "seeds": params.train.seeds}
+    metrics |= evaluate_detector(args.method, args.activations, args.detectors, judgments, params.train.seeds,
+                                 bootstrap=ep.bootstrap, seed=ep.seed, repeats=ep.throughput_repeats, p_sem=p_sem)
+    if p_sem is not None:
+        if not (args.timings and args.generation_metrics):
+            raise DataError(f"{args.method}: pass --timings and --generation-metrics to charge its sampling and NLI")
+        test_questions = judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list()
+        metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
+                                       pl.read_parquet(args.timings), test_questions,
+                                       metrics["throughput"]["preloaded_samples_per_s"])
     write_json(args.out, metrics)
-    write_json(args.plot, per_layer)
-    cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
+    write_json(args.plot, metrics["layers"])
+    cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, metrics["best_layer"],
+                 metrics["test"]["auroc"]["mean"])
 
 
 if __name__ == "__main__":
@@ -64,4 +43,7 @@ if __name__ == "__main__":
                        ("--judgments", "judgments Parquet"), ("--detectors", "trained detector directory"),
                        ("--out", "metrics JSON"), ("--plot", "per-layer AUROC JSON (DVC plot)")]:
         p.add_argument(flag, required=True, help=text)
+    p.add_argument("--clusters", help="clusters Parquet (P_sem), for hami_sp only")
+    p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
+    p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
     cli.main(run, p)

@@ -6,36 +6,52 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import layer_files, read_layer
-from halludetect.detectors import save_detector
+from halludetect.config import SP_METHODS
+from halludetect.detectors import save_detector, section
 from halludetect.io import atomic_path
-from halludetect.training import split_data, train_detector
+from halludetect.layers import layer_files, read_layer
+from halludetect.training import DataError, p_sem_table, split_data, train_detector
 
 
 def run(args, params):
     tp = params.train
-    method_params = getattr(params.detectors, args.method)
+    method_params = section(params.detectors, args.method)
+    p_sem = check_inputs(args, method_params)
     judgments = pl.read_parquet(args.judgments)
+    files = layer_files(args.activations)
     curves, summary = {}, {}
     with atomic_path(Path(args.out), is_dir=True) as tmp:
-        for layer, path in layer_files(args.activations).items():
-            data = read_layer(path)
-            train = split_data(data, judgments, "train", str(path))
-            val = split_data(data, judgments, "val", str(path))
+        for layer, path in files.items():
+            data = read_layer(path, dtype=None)
+            train = split_data(data, judgments, "train", str(path), p_sem)
+            val = split_data(data, judgments, "val", str(path), p_sem)
+            del data
             for seed in tp.seeds:
                 res = train_detector(args.method, method_params, train, val, epochs=tp.epochs,
-                                     batch_size=tp.batch_size, seed=seed)
+                                     batch_size=tp.batch_size, seed=seed, device=tp.device)
                 key = f"layer_{layer:02d}_seed_{seed}"
                 save_detector(tmp / f"{key}.safetensors", res.state_dict,
                               {"method": args.method, "layer": layer, "seed": seed, "best_epoch": res.best_epoch,
-                               "d": int(train.x.shape[-1]), "params": method_params.model_dump()})
+                               "d": int(train.tokens.shape[-1]), "params": method_params.model_dump()})
                 curves[key] = res.curve
                 summary[key] = {"layer": layer, "seed": seed, "best_epoch": res.best_epoch,
-                                "val_auroc": res.best_val_auroc, "n_train": len(train.y), "n_val": len(val.y)}
+                                "val_auroc": res.best_val_auroc, "n_train": len(train), "n_val": len(val),
+                                "excluded": {"train": train.excluded, "val": val.excluded}}
                 cli.log.info("%s %s: best epoch %d, val AUROC %.3f", args.method, key, res.best_epoch,
                              res.best_val_auroc)
         (tmp / "curves.json").write_text(json.dumps(curves, indent=1))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+def check_inputs(args, method_params):
+    """P_sem for the methods that read it (None otherwise); mismatched flags fail here, early."""
+    if args.method in SP_METHODS:
+        if not args.clusters:
+            raise DataError(f"{args.method} reads P_sem: pass --clusters (the train_sp stage does)")
+        return p_sem_table(pl.read_parquet(args.clusters), method_params.p_sem)
+    if args.clusters:
+        raise DataError(f"{args.method} does not read P_sem: train it without --clusters (the train stage)")
+    return None
 
 
 if __name__ == "__main__":
@@ -43,5 +59,6 @@ if __name__ == "__main__":
     p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
     p.add_argument("--activations", required=True, help="directory of layer_XX.h5 files")
     p.add_argument("--judgments", required=True, help="judgments Parquet (labels)")
+    p.add_argument("--clusters", help="clusters Parquet (P_sem), for hami_sp only")
     p.add_argument("--out", required=True, help="output directory of detector weights")
     cli.main(run, p)

@@ -29,10 +29,14 @@ SMALL = {
     "world": {"n_people": 60, "exposures": [0, 30], "epochs": 10, "hidden_size": 64, "intermediate_size": 128,
               "n_heads": 4, "n_layers": 2, "vocab_size": 512},
     "generate": {"n_samples": 3, "max_new_tokens": 16},
-    "train": {"epochs": 8},
-    "evaluate": {"bootstrap": 20},
-    "detectors": {"mean": {"dim": 16}, "max": {"dim": 16}},
+    "train": {"epochs": 8, "seeds": [0]},
+    "evaluate": {"bootstrap": 20, "throughput_repeats": 1},
+    # one of each kind of stage; every method is covered by the unit tests
+    "grid": {"methods": ["hami", "mean", "max"], "sp_methods": ["hami_sp"]},
+    "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "mean", "max")},
 }
+DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in ("hami", "mean", "max") for kind in ("train", "evaluate")} | {
+    "train_sp@world-world-hami_sp", "evaluate_sp@world-world-hami_sp"}
 
 
 def run(cmd: list[str], cwd: Path, **extra_env: str) -> str:
@@ -89,11 +93,16 @@ def repo(tmp_path_factory):
 
 def test_dag_writes_the_comparison_table(repo):
     table = (repo / "metrics/tables/auroc.md").read_text()
-    assert "| mean |" in table and "| max |" in table and "world / world" in table
-    for method in ("mean", "max"):
+    assert "world / world" in table
+    for method in ("hami", "mean", "max", "hami_sp", "p_sem", "semantic_entropy", "logprob", "length"):
+        assert f"| {method} |" in table
+    for method in ("hami", "mean", "max", "hami_sp"):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
         assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in (0, 1, 2)
         assert [r["layer"] for r in m["layers"]] == [0, 1, 2]
+        assert m["throughput"]["end_to_end_samples_per_s"] > 0
+    assert json.loads((repo / "metrics/eval/world/world/hami_sp.json").read_text())["cost"]["seconds_per_sample"] > 0
+    assert "samples/s" in (repo / "metrics/tables/throughput.md").read_text()
     labels = json.loads((repo / "metrics/labels/world/world.json").read_text())
     assert labels["splits"]["test"]["kept"] > 0
     assert changed(repo) == set()  # everything up to date
@@ -119,10 +128,17 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
     assert changed(repo) == {"generate@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     downstream = {"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
-                  "train@world-world-mean", "train@world-world-max", "evaluate@world-world-mean",
-                  "evaluate@world-world-max", "report"}
+                  "baselines@world-world", "report"} | DETECTOR_STAGES
     assert ran(log) == downstream
     assert not ran(log) & {"world", "model@world", "prepare@world"}
+
+
+def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
+    set_params(repo, {"cluster": {"equivalence": "strict"}})
+    assert changed(repo) == {"cluster@world-world"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    assert "cluster@world-world" in ran(log)
+    assert not ran(log) & (DETECTOR_STAGES - {"train_sp@world-world-hami_sp", "evaluate_sp@world-world-hami_sp"})
 
 
 def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):

@@ -7,20 +7,12 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect.activations import (
-    LayerReader,
-    LayerWriter,
-    bag_slice,
-    capture,
-    dump,
-    layer_files,
-    merge_parts,
-    read_layer,
-)
+from halludetect.activations import LayerWriter, bag_slice, capture, dump, merge_parts
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.detectors import pad_bags
 from halludetect.generation import encode_prompt, generate, trim_answer
 from halludetect.io import atomic_path
+from halludetect.layers import LayerReader, layer_files, read_layer
 from halludetect.modeling import ModelError, check_layers, load_config, load_model
 from halludetect.parallel import Workers
 

@@ -1,9 +1,90 @@
-"""Ragged bags -> padded batch + mask, by index arithmetic (no per-bag Python loop)."""
+"""Bags of token states, packed: the real tokens of every bag back to back, plus lengths.
+
+That is the layout of the HDF5 layer files (`states` + `offsets`), so reading a batch costs no
+padding, and a detector's per-token map runs on real tokens only: padding cannot change a
+score, and no work is spent on it. Poolings that need a [B, T, ...] view get one from `pad`.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 import numpy as np
 import torch
+
+
+@dataclass(eq=False)
+class Bags:
+    """B bags: tokens [N, d] packed in bag order, lengths [B] (every bag >= 1 token).
+
+    `p_sem` [B] is the semantic probability of each response, for the methods that read it.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    p_sem: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.lengths.numel() and int(self.lengths.min()) < 1:
+            raise ValueError("empty bag: responses without tokens must be excluded before batching")
+        if int(self.lengths.sum()) != len(self.tokens):
+            raise ValueError(f"lengths sum to {int(self.lengths.sum())} but there are {len(self.tokens)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def width(self) -> int:
+        return int(self.lengths.max())
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, T] True at real tokens, T = the longest bag."""
+        steps = torch.arange(self.width, device=self.lengths.device)
+        return steps[None, :] < self.lengths[:, None]
+
+    @cached_property
+    def bag_of_token(self) -> torch.Tensor:
+        """[N] the bag each token belongs to."""
+        return torch.repeat_interleave(torch.arange(len(self), device=self.lengths.device), self.lengths)
+
+    @cached_property
+    def last(self) -> torch.Tensor:
+        """[B] the packed row of each bag's last token."""
+        return torch.cumsum(self.lengths, 0) - 1
+
+    def pad(self, u: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-token values u [N, ...] -> [B, T, ...], `fill` at padded positions."""
+        out = u.new_full((len(self), self.width, *u.shape[1:]), fill)
+        out[self.mask] = u  # boolean indexing walks bags in order, tokens in order: the packed order
+        return out
+
+    def per_token(self, v: torch.Tensor) -> torch.Tensor:
+        """A per-bag value v [B, ...] repeated for each token -> [N, ...]."""
+        return v[self.bag_of_token]
+
+    def to(self, device, dtype=None) -> Bags:
+        p = None if self.p_sem is None else self.p_sem.to(device)
+        return Bags(self.tokens.to(device, dtype), self.lengths.to(device), p)
+
+    @classmethod
+    def from_padded(cls, x: torch.Tensor, mask: torch.Tensor, p_sem: torch.Tensor | None = None) -> Bags:
+        """x [B, T, d] with mask [B, T]: what is under a False is dropped, whatever it holds."""
+        return cls(x[mask], mask.sum(1), p_sem)
+
+
+def gather_rows(offsets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows and lengths of bags `index` of a ragged store with `offsets` [n + 1].
+
+    Index arithmetic, no per-bag loop: token j of the batch is row j + (start of its bag -
+    where its bag starts in the batch).
+    """
+    starts = offsets[index]  # [B]
+    lengths = offsets[index + 1] - starts  # [B]
+    shift = starts - (torch.cumsum(lengths, 0) - lengths)  # [B]
+    rows = torch.arange(int(lengths.sum()), device=offsets.device) + torch.repeat_interleave(shift, lengths)
+    return rows, lengths
 
 
 def pad_bags(states: np.ndarray, offsets: np.ndarray, index: np.ndarray, max_len: int | None = None):

@@ -1,52 +1,71 @@
-"""Detector registry. Every detector maps (x [B, T, d], mask [B, T]) -> logits z [B].
+"""Detector registry: method name -> a factory of (d, the method's params section) -> module.
 
-Positive logits mean hallucination. Pooling is always masked: padded positions never
-change a score.
+Weights are saved as safetensors with the method, d and params as metadata, so a detector
+file is self-describing and loads without pickles.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from halludetect.registry import lookup
+from halludetect.detectors import models
+from halludetect.registry import lookup, registrar
+
+DETECTORS: dict[str, Callable[..., nn.Module]] = {}
+register = registrar(DETECTORS)
 
 
-def masked_mean(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """u [B, T, D], mask [B, T] -> [B, D]: mean over real tokens."""
-    m = mask.unsqueeze(-1).to(u.dtype)  # [B, T, 1]
-    return (u * m).sum(1) / m.sum(1).clamp(min=1)
+@register("hami")
+def _hami(d, p):
+    return models.HaMI(d, p.dim, p.dropout, p.k_ratio)
 
 
-def masked_max(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """u [B, T, D], mask [B, T] -> [B, D]: max over real tokens."""
-    return u.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(1)
+@register("hami_sp")
+def _hami_sp(d, p):
+    return models.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam)
 
 
-POOLINGS = {"mean": masked_mean, "max": masked_max}
+for _pool in ("mean", "max"):
+    register(_pool)(lambda d, p, pool=_pool: models.PoolingNet(d, p.dim, p.dropout, pool))
+    register(f"raw_{_pool}")(lambda d, p, pool=_pool: models.RawPoolingNet(d, p.dim, p.dropout, pool))
 
 
-class PoolingNet(nn.Module):
-    """Embedding-based MIL (the paper's max-pooling network and its mean twin):
-    per token u = Dropout(ReLU(W h)), bag v = pool_t(u), z = w^T v + b."""
-
-    def __init__(self, d: int, dim: int, dropout: float, pool: str):
-        super().__init__()
-        self.feature = nn.Sequential(nn.Linear(d, dim), nn.ReLU(), nn.Dropout(dropout))
-        self.head = nn.Linear(dim, 1)
-        self.pool = POOLINGS[pool]
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        u = self.feature(x)  # [B, T, D]
-        return self.head(self.pool(u, mask)).squeeze(-1)  # [B]
+@register("attention")
+def _attention(d, p):
+    return models.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=False)
 
 
-DETECTORS: dict[str, Callable[..., nn.Module]] = {
-    "mean": lambda d, p: PoolingNet(d, p.dim, p.dropout, "mean"),
-    "max": lambda d, p: PoolingNet(d, p.dim, p.dropout, "max"),
-}
+@register("gated_attention")
+def _gated_attention(d, p):
+    return models.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=True)
+
+
+@register("probe")
+def _probe(d, p):
+    return models.LastTokenProbe(d)
+
+
+def build_detector(method: str, d: int, params) -> nn.Module:
+    """`params` is the method's section of params.yaml (detectors.<method>)."""
+    return lookup("detector", method, DETECTORS)(d, params)
+
+
+def section(detectors, method: str):
+    """`method`'s section of the validated params (detectors.<method>), or a did-you-mean error."""
+    lookup("detector", method, DETECTORS)
+    return getattr(detectors, method)
+
+
+def params_for(method: str, params: dict | None = None):
+    """The typed params section of `method`, validated from a dict (defaults when None)."""
+    from halludetect.config import DetectorsParams
+
+    field = DetectorsParams.model_fields.get(method)
+    lookup("detector", method, DETECTORS)  # an unknown method fails here, with suggestions
+    return field.annotation.model_validate(params or {})
 
 
 def save_detector(path, state_dict: dict, meta: dict) -> None:
@@ -56,31 +75,35 @@ def save_detector(path, state_dict: dict, meta: dict) -> None:
     order, so several keys would give different bytes for the same detector, and DVC would
     take an unchanged detector for a changed one.
     """
-    import json
-
     from safetensors.torch import save_file
 
-    save_file(state_dict, str(path), metadata={"detector": json.dumps(meta, sort_keys=True)})
+    state = {k: v.contiguous() for k, v in state_dict.items()}
+    save_file(state, str(path), metadata={"detector": json.dumps(meta, sort_keys=True)})
+
+
+def read_meta(path) -> dict:
+    """The metadata saved with a detector (method, d, layer, seed, params, ...)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["detector"])
+
+
+def trained_params(directory, method: str):
+    """The params a directory's detectors were trained with (evaluation must use the same)."""
+    from pathlib import Path
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no trained detectors in {directory}: run train first")
+    return params_for(method, read_meta(files[0])["params"])
 
 
 def load_detector(path) -> tuple[nn.Module, dict]:
     """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
-    import json
-
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from halludetect.config import DetectorsParams
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["detector"])
-    method = meta["method"]
-    params = DetectorsParams.model_fields[method].annotation.model_validate(meta["params"])
-    model = build_detector(method, int(meta["d"]), params)
+    meta = read_meta(path)
+    model = build_detector(meta["method"], int(meta["d"]), params_for(meta["method"], meta["params"]))
     model.load_state_dict(load_file(path))
     return model.eval(), meta
-
-
-def build_detector(method: str, d: int, params) -> nn.Module:
-    """`params` is the method's section of params.yaml (detectors.<method>)."""
-    return lookup("detector", method, DETECTORS)(d, params)

@@ -1,0 +1,116 @@
+"""The detectors the paper compares. Each maps packed `Bags` to bag logits z [B].
+
+Positive logits mean hallucination; every score is a logit (before any sigmoid), so the
+margin mean(y z) is measured in logit space as the paper defines it.
+
+Per-token maps run on the packed real tokens (N rows, no padding); poolings reduce by
+segment (pooling.py), so no padded [B, T, D] tensor is ever built. Two families, as in the paper:
+  instance-based   hami, hami_sp        token logit z_i = f(h_i), bag = top-k mean of z_i
+  embedding-based  mean, max            u_i = ReLU(W h_i), bag = w^T pool(u)
+                   raw_mean, raw_max    bag = MLP(pool(h))
+                   attention, gated     bag = MLP(sum_i a_i h_i), a = ABMIL attention weights
+and the last-token linear probe as a baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from halludetect.detectors.bags import Bags
+from halludetect.detectors.pooling import POOLINGS, segment_softmax, segment_sum, topk_mean
+
+
+class HaMI(nn.Module):
+    """Token MLP Linear(d, D)-BN-ReLU-Dropout-Linear(D, 1) (the HaMI code's network, without
+    its final sigmoid: the bag logit is the top-k mean of token logits, the paper's Z_B).
+
+    `lam` > 0 is HaMI (SP): each token state is scaled by (1 + lam * P_sem) of its response.
+    Batch norm sees real tokens only, because it runs on the packed rows.
+    """
+
+    def __init__(self, d: int, dim: int, dropout: float, k_ratio: float, lam: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, dim), nn.BatchNorm1d(dim), nn.ReLU(), nn.Dropout(dropout),
+                                 nn.Linear(dim, 1))
+        self.k_ratio, self.lam = k_ratio, lam
+
+    def token_logits(self, bags: Bags) -> torch.Tensor:
+        """[N] one logit per real token."""
+        h = bags.tokens
+        if self.lam:
+            if bags.p_sem is None:
+                raise ValueError("hami_sp needs the semantic probability of every response (Bags.p_sem)")
+            h = h * bags.per_token(1 + self.lam * bags.p_sem)[:, None]  # [N, d]
+        return self.net(h).squeeze(-1)
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        s = bags.pad(self.token_logits(bags))  # [B, T]
+        return topk_mean(s, bags.mask, self.k_ratio)
+
+
+class PoolingNet(nn.Module):
+    """The paper's max-pooling network and its mean twin: u_i = Dropout(ReLU(W h_i)),
+    v = pool_i(u_i), z = w^T v + b."""
+
+    def __init__(self, d: int, dim: int, dropout: float, pool: str):
+        super().__init__()
+        self.feature = nn.Sequential(nn.Linear(d, dim), nn.ReLU(), nn.Dropout(dropout))
+        self.head = nn.Linear(dim, 1)
+        self.pool = POOLINGS[pool]
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        u = self.feature(bags.tokens)  # [N, D]
+        return self.head(self.pool(u, bags)).squeeze(-1)  # [B, D] -> [B]
+
+
+def mlp_head(d: int, dim: int, dropout: float) -> nn.Sequential:
+    """Linear(d, D)-ReLU-Dropout-Linear(D, 1): the MLP placed after pooling raw states."""
+    return nn.Sequential(nn.Linear(d, dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim, 1))
+
+
+class RawPoolingNet(nn.Module):
+    """Pooling on the raw d-dimensional states, the MLP after it (the paper's 'Raw (d)' rows)."""
+
+    def __init__(self, d: int, dim: int, dropout: float, pool: str):
+        super().__init__()
+        self.head = mlp_head(d, dim, dropout)
+        self.pool = POOLINGS[pool]
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        return self.head(self.pool(bags.tokens, bags)).squeeze(-1)  # [B, d] -> [B]
+
+
+class AttentionNet(nn.Module):
+    """Attention-based deep MIL (Ilse et al. 2018) as the paper's appendix writes it:
+    a_i = softmax_i(w^T tanh(V h_i)), gated: softmax_i(w^T (tanh(V h_i) * sigmoid(U h_i))),
+    z = MLP(sum_i a_i h_i)."""
+
+    def __init__(self, d: int, dim: int, dropout: float, attention_dim: int, gated: bool):
+        super().__init__()
+        self.V = nn.Linear(d, attention_dim)
+        self.U = nn.Linear(d, attention_dim) if gated else None
+        self.w = nn.Linear(attention_dim, 1)
+        self.head = mlp_head(d, dim, dropout)
+
+    def weights(self, bags: Bags) -> torch.Tensor:
+        """[N] attention weight of every token: they sum to 1 over each bag."""
+        a = torch.tanh(self.V(bags.tokens))  # [N, L]
+        if self.U is not None:
+            a = a * torch.sigmoid(self.U(bags.tokens))
+        return segment_softmax(self.w(a).squeeze(-1), bags)
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        v = segment_sum(self.weights(bags)[:, None] * bags.tokens, bags)  # [B, d]
+        return self.head(v).squeeze(-1)
+
+
+class LastTokenProbe(nn.Module):
+    """Logistic regression on the last state of each bag (a linear probe baseline)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, 1)
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        return self.linear(bags.tokens[bags.last]).squeeze(-1)

@@ -1,0 +1,116 @@
+"""Reading the per-layer HDF5 store that `activations.dump` writes (format: activations.py).
+
+Kept apart from the writer so that training and evaluation code can change without DVC
+re-running the dump stage, and the dump never imports the detectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from halludetect.detectors.bags import Bags, gather_rows, pad_bags
+
+
+def decode_ids(ids) -> list[str]:
+    return [x.decode() if isinstance(x, bytes) else x for x in ids]
+
+
+@dataclass
+class Layer:
+    """One layer file in memory: ragged bags as concatenated states + offsets."""
+
+    states: np.ndarray  # [total_tokens, d]
+    offsets: np.ndarray  # [n + 1]
+    response_ids: list[str]
+    attrs: dict
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def read_layer(path: str | Path, dtype=np.float32) -> Layer:
+    """A whole layer file in memory; dtype None keeps the stored one (half the memory of float32)."""
+    with h5py.File(path, "r") as f:
+        states = f["states"][:]
+        return Layer(
+            states=states if dtype is None else states.astype(dtype, copy=False),
+            offsets=f["offsets"][:],
+            response_ids=decode_ids(f["response_id"][:]),
+            attrs=dict(f.attrs),
+        )
+
+
+class LayerReader:
+    """Streams a layer file as padded batches, reading only the bags asked for.
+
+        with LayerReader(path) as layer:
+            for index, x, mask in layer.batches(128):   # x [B, T, d] float32, mask [B, T]
+                ...
+    """
+
+    def __init__(self, path: str | Path, dtype=np.float32):
+        self.path = Path(path)
+        self.f = h5py.File(self.path, "r")
+        self.states = self.f["states"]
+        self.offsets = self.f["offsets"][:]
+        self.response_ids = decode_ids(self.f["response_id"][:])
+        self.attrs = dict(self.f.attrs)
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def __enter__(self) -> LayerReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def bags(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bags `index` as x [B, T, d] and mask [B, T] (True at real tokens)."""
+        index = np.asarray(index, dtype=np.int64)
+        starts, ends = self.offsets[index], self.offsets[index + 1]
+        lo, hi = int(starts.min()), int(ends.max())
+        if hi - lo <= 2 * int((ends - starts).sum()):
+            # Nearby bags (the usual, in-order case): one contiguous read; offsets shifted into it.
+            return pad_bags(self.states[lo:hi].astype(self.dtype), self.offsets - lo, index)
+        # Scattered bags: one read each, concatenated in the order asked.
+        local = np.concatenate([[0], np.cumsum(ends - starts)])
+        block = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)]).astype(self.dtype)
+        return pad_bags(block, local, np.arange(len(index)))
+
+    def packed(self, index: np.ndarray) -> Bags:
+        """Bags `index` as packed `Bags` (no padding), read as `bags` reads them."""
+        index = np.asarray(index, dtype=np.int64)
+        starts, ends = self.offsets[index], self.offsets[index + 1]
+        lo, hi = int(starts.min()), int(ends.max())
+        if hi - lo <= 2 * int((ends - starts).sum()):
+            rows, lengths = gather_rows(torch.from_numpy(self.offsets - lo), torch.from_numpy(index))
+            tokens = self.states[lo:hi][rows.numpy()]
+        else:
+            tokens = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)])
+            lengths = torch.from_numpy(ends - starts)
+        return Bags(torch.from_numpy(tokens.astype(self.dtype, copy=False)), lengths)
+
+    def batches(self, batch_size: int, index: np.ndarray | None = None
+                ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        index = np.arange(len(self)) if index is None else np.asarray(index, dtype=np.int64)
+        for start in range(0, len(index), batch_size):
+            part = index[start : start + batch_size]
+            yield (part, *self.bags(part))
+
+
+def layer_files(directory: str | Path) -> dict[int, Path]:
+    files = {int(p.stem.split("_")[1]): p for p in Path(directory).glob("layer_*.h5")}
+    if not files:
+        raise FileNotFoundError(f"no layer_*.h5 files in {directory}; run the dump stage first")
+    return dict(sorted(files.items()))

@@ -1,0 +1,32 @@
+"""Evaluate the baselines that need no hidden states (P_sem, semantic entropy, log-prob, length)."""
+
+import polars as pl
+
+from halludetect import cli
+from halludetect.baselines import baseline_scores
+from halludetect.evaluation import evaluate_baseline
+from halludetect.io import write_json
+
+
+def run(args, params):
+    ep, bp = params.evaluate, params.baselines
+    judgments = pl.read_parquet(args.judgments)
+    generations = pl.read_parquet(args.generations)
+    clusters = pl.read_parquet(args.clusters)
+    out = {}
+    for name in params.grid.baselines:
+        out[name] = {"model": args.model, "dataset": args.dataset, "method": name, "family": "baseline",
+                     "seeds": None, "params": bp.model_dump()}
+        out[name] |= evaluate_baseline(baseline_scores(name, generations, clusters, bp), judgments,
+                                       bootstrap=ep.bootstrap, seed=ep.seed)
+        cli.log.info("%s: test AUROC %.3f", name, out[name]["test"]["auroc"]["mean"])
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
+                       ("--generations", "generations Parquet"), ("--judgments", "judgments Parquet"),
+                       ("--clusters", "clusters Parquet"), ("--out", "metrics JSON of every baseline")]:
+        p.add_argument(flag, required=True, help=text)
+    cli.main(run, p)

@@ -1,0 +1,158 @@
+"""Evaluation from HDF5 layer files, baselines, HaMI (SP) cost, and the stages' early errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from sklearn.metrics import roc_auc_score
+from test_training import D, synthetic
+
+from halludetect.activations import LayerWriter, layer_filename
+from halludetect.baselines import baseline_scores
+from halludetect.config import BaselinesParams, PoolingParams
+from halludetect.detectors import save_detector
+from halludetect.evaluation import evaluate_baseline, evaluate_detector, hami_sp_cost
+from halludetect.layers import read_layer
+from halludetect.training import DataError, split_data, train_detector
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_layers(directory: Path) -> pl.DataFrame:
+    """layer 0: pure noise; layer 1: the synthetic signal. Returns the labels."""
+    layer, labels = synthetic()
+    noise = np.random.default_rng(9).normal(size=layer.states.shape).astype(np.float32)
+    for index, states in ((0, noise), (1, layer.states)):
+        w = LayerWriter(directory / layer_filename(index), D, "float16", {"layer": index})
+        w.append(states, np.diff(layer.offsets), layer.response_ids)
+        w.close(fsync=False)
+    return labels
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cell")
+    acts, dets = root / "acts", root / "dets"
+    acts.mkdir(), dets.mkdir()
+    labels = write_layers(acts)
+    params = PoolingParams(dim=16, dropout=0.0, lr=1e-2, weight_decay=0.0)
+    for index in (0, 1):
+        layer = read_layer(acts / layer_filename(index), dtype=None)
+        train, val = split_data(layer, labels, "train"), split_data(layer, labels, "val")
+        for seed in (0, 1):
+            res = train_detector("max", params, train, val, epochs=10, batch_size=32, seed=seed)
+            save_detector(dets / f"layer_{index:02d}_seed_{seed}.safetensors", res.state_dict,
+                          {"method": "max", "layer": index, "seed": seed, "d": D, "params": params.model_dump()})
+    return acts, dets, labels
+
+
+def test_best_layer_is_chosen_on_validation_and_metrics_are_complete(trained):
+    acts, dets, labels = trained
+    m = evaluate_detector("max", acts, dets, labels, [0, 1], bootstrap=100, seed=0, repeats=2)
+    assert [r["layer"] for r in m["layers"]] == [0, 1]
+    assert m["best_layer"] == max(m["layers"], key=lambda r: r["val_auroc"])["layer"] == 1
+    assert m["layers"][0]["test_auroc"] < 0.7 < m["layers"][1]["test_auroc"]
+    test = m["test"]
+    assert test["n"] == 60 and test["n_hallucinated"] == 30
+    assert len(test["auroc"]["per_seed"]) == 2 and test["auroc"]["stderr"] is not None
+    lo, hi = test["auroc_ci95"]
+    assert lo <= test["auroc"]["mean"] <= hi
+    assert test["auroc"]["mean"] == pytest.approx(m["layers"][1]["test_auroc"])
+    assert m["throughput"]["preloaded_samples_per_s"] > 0 and m["throughput"]["end_to_end_samples_per_s"] > 0
+    assert m["excluded"] == {"val": {"empty_bag": 0}, "test": {"empty_bag": 0}}
+
+
+def test_missing_seed_and_wrong_method_are_named(trained):
+    acts, dets, labels = trained
+    with pytest.raises(FileNotFoundError, match="layer_00_seed_7.safetensors is missing"):
+        evaluate_detector("max", acts, dets, labels, [7], bootstrap=0, seed=0, repeats=1)
+    with pytest.raises(DataError, match="holds a 'max' detector"):
+        evaluate_detector("mean", acts, dets, labels, [0], bootstrap=0, seed=0, repeats=1)
+
+
+def world_like_tables():
+    rng = np.random.default_rng(0)
+    rows, gens, clusters = [], [], []
+    for split, nq in (("train", 10), ("val", 20), ("test", 30)):
+        for q in range(nq):
+            for s in range(2):
+                y = int(rng.integers(0, 2))
+                qid = f"{split}{q}"
+                rows.append({"question_id": qid, "sample_index": s, "split": split, "label": y, "kept": True})
+                gens.append({"question_id": qid, "sample_index": s, "n_tokens": 3 + 2 * y,
+                             "token_logprobs": [-0.1 - y * rng.random()] * (3 + 2 * y)})
+                clusters.append({"question_id": qid, "sample_index": s, "valid": qid != "test0",
+                                 "p_sem_mean": 0.9 - 0.5 * y + 0.1 * rng.random(), "p_sem_sum": 0.5,
+                                 "p_sem_count": 0.5, "semantic_entropy_mean": 0.2 + y,
+                                 "semantic_entropy_sum": 0.0, "semantic_entropy_discrete": 0.0})
+    return pl.DataFrame(rows), pl.DataFrame(gens), pl.DataFrame(clusters)
+
+
+def test_baselines_score_with_a_fixed_sign_and_count_what_they_cannot_score():
+    labels, gens, clusters = world_like_tables()
+    params = BaselinesParams()
+    scores = baseline_scores("p_sem", gens, clusters, params)
+    m = evaluate_baseline(scores, labels, bootstrap=50, seed=0)
+    assert m["excluded"]["test"] == {"no_score": 2}  # test0's question did not cluster
+    joined = labels.filter((pl.col("split") == "test") & (pl.col("question_id") != "test0")).join(
+        clusters, on=["question_id", "sample_index"])
+    assert m["test"]["auroc"]["mean"] == pytest.approx(roc_auc_score(joined["label"], 1 - joined["p_sem_mean"]))
+    assert m["test"]["margin"] is None and m["best_layer"] is None
+    for name in ("semantic_entropy", "logprob", "length"):
+        assert evaluate_baseline(baseline_scores(name, gens, clusters, params), labels, bootstrap=0,
+                                 seed=0)["test"]["auroc"]["mean"] > 0.9
+    with pytest.raises(KeyError, match="did you mean 'length'"):
+        baseline_scores("lenght", gens, clusters, params)
+    one_class = labels.with_columns(pl.when(pl.col("split") == "val").then(1).otherwise(pl.col("label")).alias("label"))
+    with pytest.raises(DataError, match=r"split 'val' has one class only \(40 hallucinated of 40 kept\)"):
+        evaluate_baseline(scores, one_class, bootstrap=0, seed=0)
+
+
+def test_hami_sp_cost_adds_sampling_and_nli_per_response():
+    timings = pl.DataFrame({"question_id": ["a", "b", "c"], "nli_calls": [2, 4, 100], "seconds": [1.0, 3.0, 99.0]})
+    cost = hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a", "b"], 1000.0)
+    assert cost["extra_seconds_per_response"] == pytest.approx(4 * 0.5 + 2.0)
+    assert cost["nli_calls_per_question"] == 3.0
+    assert cost["samples_per_s_with_sampling_and_nli"] == pytest.approx(1 / (4.0 + 0.001))
+
+
+def stage(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(tmp_path):
+    res = stage("stages.train", "--method", "hami-sp", "--activations", str(tmp_path), "--judgments", "none",
+                "--out", str(tmp_path / "out"))
+    assert res.returncode == 2 and "unknown detector 'hami-sp'; did you mean 'hami_sp'?" in res.stderr
+    res = stage("stages.train", "--method", "hami_sp", "--activations", str(tmp_path), "--judgments", "none",
+                "--out", str(tmp_path / "out"))
+    assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_tables_carry_every_method_and_baseline(tmp_path):
+    from halludetect.report import load_metrics, table
+
+    entry = {"family": "detector", "best_layer": 2, "test": {
+        "auroc": {"mean": 0.8, "stderr": 0.01}, "margin": {"mean": 1.5, "stderr": None}, "auroc_ci95": [0.7, 0.9]},
+        "throughput": {"preloaded_samples_per_s": 5000.0, "end_to_end_samples_per_s": 800.0}}
+    (tmp_path / "eval" / "m" ).mkdir(parents=True)
+    (tmp_path / "eval" / "m" / "d").mkdir()
+    for method in ("max", "hami_sp"):
+        e = dict(entry, cost={"samples_per_s_with_sampling_and_nli": 0.2}) if method == "hami_sp" else entry
+        (tmp_path / "eval" / "m" / "d" / f"{method}.json").write_text(json.dumps(e))
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "d.json").write_text(json.dumps({"p_sem": {
+        "family": "baseline", "best_layer": None, "test": {"auroc": {"mean": 0.7, "stderr": None}, "margin": None}}}))
+    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max", "hami_sp"], tmp_path / "base", ["p_sem"])
+    auroc = table(metrics, "auroc", ["m"], ["d"], ["max", "hami_sp", "p_sem"])
+    assert "| max | 0.800 ± 0.010 [0.700, 0.900] (L2) |" in auroc and "| p_sem | 0.700 |" in auroc
+    assert "| p_sem | - |" in table(metrics, "margin", ["m"], ["d"], ["p_sem"])
+    speed = table(metrics, "throughput", ["m"], ["d"], ["max", "hami_sp"])
+    assert "5,000 / 800 |" in speed and "with sampling and NLI 0.2" in speed
+    with pytest.raises(FileNotFoundError, match=r"d.json \[length\]"):
+        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["length"])
