@@ -52,6 +52,14 @@ METRICS = {
 }
 
 
+NOTES = {
+    "auroc": "best layer on validation as (L..); mean ± standard error over seeds; [bootstrap 95% interval]",
+    "margin": "best layer on validation as (L..); mean ± standard error over seeds; HaMI's instance-based "
+              "logits and the embedding-based ones are on different scales",
+    "throughput": "this machine, the best layer's test responses; the paper's figures are one A100's",
+}
+
+
 def load_metrics(directory: str | Path, models: list[str], datasets: list[str], methods: list[str],
                  baselines_dir: str | Path | None = None, baselines: list[str] = ()) -> dict:
     """Metrics of exactly the grid's cells: a missing file is an error, a stale one is ignored."""
@@ -128,8 +136,7 @@ def table(metrics: dict, metric: str, models, datasets, methods, latex: bool = F
         ]
         return "\n".join(lines) + "\n"
     lines = [
-        f"**{METRICS[metric]}** (best layer on validation as (L..); mean ± standard error over seeds; "
-        "[bootstrap 95% interval])",
+        f"**{METRICS[metric]}** ({NOTES[metric]})",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
