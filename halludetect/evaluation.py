@@ -20,7 +20,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from halludetect.detectors import load_detector
 from halludetect.layers import LayerReader, layer_files, read_layer
-from halludetect.training import DataError, SplitData, check_two_classes, score, split_data
+from halludetect.training import DataError, SplitData, check_layer_files, check_two_classes, score, split_data
 
 
 def margin(y01: np.ndarray, z: np.ndarray) -> float:
@@ -115,8 +115,10 @@ def evaluate_detector(method: str, activations: Path, detectors: Path, judgments
                       seeds: list[int], *, bootstrap: int, seed: int, repeats: int,
                       p_sem: dict[str, float] | None = None) -> dict:
     """Every layer's val/test figures, the best layer's full metrics and its throughput."""
+    files = layer_files(activations)
+    check_layer_files(files, judgments, ("val", "test"), p_sem)
     per_layer, best = [], None
-    for layer, path in layer_files(activations).items():
+    for layer, path in files.items():
         data = read_layer(path, dtype=None)
         splits = {s: split_data(data, judgments, s, str(path), p_sem) for s in ("val", "test")}
         models = load_models(detectors, method, layer, seeds, data.states.shape[1])

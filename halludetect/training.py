@@ -16,7 +16,9 @@ Losses:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import h5py
 import numpy as np
 import polars as pl
 import torch
@@ -25,7 +27,7 @@ from torch import nn
 
 from halludetect.detectors import Bags, build_detector, gather_rows
 from halludetect.detectors.pooling import topk_mean
-from halludetect.layers import Layer
+from halludetect.layers import Layer, decode_ids
 from halludetect.responses import response_ids
 
 
@@ -71,13 +73,13 @@ class SplitData:
 
 
 def labelled_index(
-    layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer"
+    ids: list[str], judgments: pl.DataFrame, split: str, source: str = "layer"
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Indices into the layer's bags, labels and ids of the kept, labelled responses of `split`."""
+    """Positions in a layer file (response `ids`), labels and ids of the kept responses of `split`."""
     kept = judgments.filter(pl.col("kept") & (pl.col("split") == split)).select(
         response_ids(judgments).alias("rid"), "label"
     )
-    position = {rid: i for i, rid in enumerate(layer.response_ids)}
+    position = {rid: i for i, rid in enumerate(ids)}
     missing = [rid for rid in kept["rid"] if rid not in position]
     if missing:
         raise DataError(
@@ -86,6 +88,22 @@ def labelled_index(
         )
     index = np.asarray([position[rid] for rid in kept["rid"]], dtype=np.int64)
     return index, kept["label"].to_numpy().astype(np.int64), kept["rid"].to_list()
+
+
+def select(ids: list[str], offsets: np.ndarray, judgments: pl.DataFrame, split: str, source: str,
+           p_sem: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray, list[str], dict]:
+    """The responses of `split` a detector can use: labelled, with tokens, with P_sem when it
+    is needed. Returns positions, labels, ids and the counts left out, by reason."""
+    index, y, rids = labelled_index(ids, judgments, split, source)
+    keep = np.diff(offsets)[index] > 0
+    excluded = {"empty_bag": int((~keep).sum())}
+    if p_sem is not None:
+        has = np.asarray([rid in p_sem for rid in rids], dtype=bool)
+        excluded["no_p_sem"] = int((keep & ~has).sum())
+        keep &= has
+    index, y, rids = index[keep], y[keep], [r for r, k in zip(rids, keep) if k]
+    check_two_classes(y, split)
+    return index, y, rids, excluded
 
 
 def check_two_classes(y: np.ndarray, split: str) -> None:
@@ -107,16 +125,7 @@ def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = 
                p_sem: dict[str, float] | None = None) -> SplitData:
     """The packed, checked data of one split. Responses without tokens, or (when `p_sem` is
     given) without a semantic probability, are left out and counted in `excluded`."""
-    index, y, rids = labelled_index(layer, judgments, split, source)
-    lengths = np.diff(layer.offsets)[index]
-    keep = lengths > 0
-    excluded = {"empty_bag": int((~keep).sum())}
-    if p_sem is not None:
-        has = np.asarray([rid in p_sem for rid in rids])
-        excluded["no_p_sem"] = int((keep & ~has).sum())
-        keep &= has
-    index, y, rids = index[keep], y[keep], [r for r, k in zip(rids, keep) if k]
-    check_two_classes(y, split)
+    index, y, rids, excluded = select(layer.response_ids, layer.offsets, judgments, split, source, p_sem)
     offsets = torch.from_numpy(layer.offsets)
     rows, lengths = gather_rows(offsets, torch.from_numpy(index))
     tokens = torch.from_numpy(np.asarray(layer.states[rows.numpy()], dtype=np.float32))
@@ -134,6 +143,32 @@ def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = 
         excluded=excluded,
         layer_index=index,
     )
+
+
+def check_layer_files(files: dict[int, Path], judgments: pl.DataFrame, splits: tuple[str, ...],
+                      p_sem: dict[str, float] | None = None, block_rows: int = 1 << 20) -> None:
+    """Every layer file checked before any training: the same responses in each, every label
+    covered, two classes per split, finite states. Streams the states in blocks, so memory
+    stays bounded; at paper scale it reads the files once more, minutes against hours."""
+    first_path, first_ids = None, None
+    for path in files.values():
+        with h5py.File(path, "r") as f:
+            ids, offsets = decode_ids(f["response_id"][:]), f["offsets"][:]
+            if first_ids is None:
+                first_path, first_ids = path, ids
+                for split in splits:
+                    select(ids, offsets, judgments, split, str(path), p_sem)
+            elif ids != first_ids:
+                raise DataError(f"{path} holds other responses than {first_path}: the layer files come from "
+                                "different dumps; re-run dump")
+            states = f["states"]
+            for start in range(0, states.shape[0], block_rows):
+                bad = ~np.isfinite(states[start : start + block_rows]).all(1)
+                if bad.any():
+                    row = start + int(np.argmax(bad))
+                    response = ids[int(np.searchsorted(offsets, row, side="right")) - 1]
+                    raise DataError(f"{path}: non-finite hidden states (NaN or inf) in response {response}; "
+                                    "re-run dump (a float16 overflow? try dump.dtype: float32)")
 
 
 @torch.no_grad()

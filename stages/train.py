@@ -10,7 +10,7 @@ from halludetect.config import SP_METHODS
 from halludetect.detectors import save_detector, section
 from halludetect.io import atomic_path
 from halludetect.layers import layer_files, read_layer
-from halludetect.training import DataError, p_sem_table, split_data, train_detector
+from halludetect.training import DataError, check_layer_files, p_sem_table, split_data, train_detector
 
 
 def run(args, params):
@@ -19,6 +19,7 @@ def run(args, params):
     p_sem = check_inputs(args, method_params)
     judgments = pl.read_parquet(args.judgments)
     files = layer_files(args.activations)
+    check_layer_files(files, judgments, ("train", "val"), p_sem)  # every layer, before any training
     curves, summary = {}, {}
     with atomic_path(Path(args.out), is_dir=True) as tmp:
         for layer, path in files.items():

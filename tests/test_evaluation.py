@@ -17,7 +17,7 @@ from halludetect.config import BaselinesParams, PoolingParams
 from halludetect.detectors import save_detector
 from halludetect.evaluation import evaluate_baseline, evaluate_detector, hami_sp_cost
 from halludetect.layers import read_layer
-from halludetect.training import DataError, split_data, train_detector
+from halludetect.training import DataError, check_layer_files, split_data, train_detector
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +72,35 @@ def test_missing_seed_and_wrong_method_are_named(trained):
         evaluate_detector("max", acts, dets, labels, [7], bootstrap=0, seed=0, repeats=1)
     with pytest.raises(DataError, match="holds a 'max' detector"):
         evaluate_detector("mean", acts, dets, labels, [0], bootstrap=0, seed=0, repeats=1)
+
+
+def test_bad_layer_files_stop_the_train_stage_before_any_training(tmp_path):
+    import h5py
+
+    acts = tmp_path / "acts"
+    acts.mkdir()
+    labels = write_layers(acts)
+    labels.write_parquet(tmp_path / "labels.parquet")
+    with h5py.File(acts / layer_filename(1), "r") as f:
+        offsets = f["offsets"][:]
+    layer, _ = synthetic()
+    states = layer.states.copy()
+    states[offsets[7] + 1, 3] = np.inf  # response 7 of the last layer: train7/0
+    w = LayerWriter(acts / layer_filename(1), D, "float32", {"layer": 1})
+    w.append(states, np.diff(offsets), layer.response_ids)
+    w.close(fsync=False)
+    out = tmp_path / "dets"
+    res = stage("stages.train", "--method", "max", "--activations", str(acts), "--judgments",
+                str(tmp_path / "labels.parquet"), "--out", str(out))
+    assert res.returncode == 2, res.stderr
+    assert f"{acts / layer_filename(1)}: non-finite hidden states (NaN or inf) in response train7/0" in res.stderr
+    assert "seed_0" not in res.stderr and not out.exists()  # nothing trained, nothing written
+
+    w = LayerWriter(acts / layer_filename(1), D, "float32", {"layer": 1})
+    w.append(layer.states[: offsets[-2]], np.diff(offsets)[:-1], layer.response_ids[:-1])
+    w.close(fsync=False)
+    with pytest.raises(DataError, match="holds other responses than .*layer_00.h5"):
+        check_layer_files({0: acts / layer_filename(0), 1: acts / layer_filename(1)}, labels, ("train",))
 
 
 def world_like_tables():
