@@ -20,6 +20,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from halludetect.detectors import load_detector
 from halludetect.layers import LayerReader, layer_files, read_layer
+from halludetect.responses import response_ids
 from halludetect.training import DataError, SplitData, check_layer_files, check_two_classes, score, split_data
 
 
@@ -154,8 +155,6 @@ def evaluate_detector(method: str, activations: Path, detectors: Path, judgments
 
 def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstrap: int, seed: int) -> dict:
     """A baseline's val/test figures from its per-response scores (columns rid, score)."""
-    from halludetect.responses import response_ids
-
     labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
     joined = labels.join(scores, on="rid", how="left")
     out = {"best_layer": None, "layers": [], "excluded": {}}
