@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import torch
 
-from halludetect.detectors.bags import Bags, gather_rows, pad_bags
+from halludetect.detectors.bags import Bags, gather_rows
 
 
 def decode_ids(ids) -> list[str]:
@@ -76,27 +76,20 @@ class LayerReader:
         self.f.close()
 
     def bags(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bags `index` as x [B, T, d] and mask [B, T] (True at real tokens)."""
-        index = np.asarray(index, dtype=np.int64)
-        starts, ends = self.offsets[index], self.offsets[index + 1]
-        lo, hi = int(starts.min()), int(ends.max())
-        if hi - lo <= 2 * int((ends - starts).sum()):
-            # Nearby bags (the usual, in-order case): one contiguous read; offsets shifted into it.
-            return pad_bags(self.states[lo:hi].astype(self.dtype), self.offsets - lo, index)
-        # Scattered bags: one read each, concatenated in the order asked.
-        local = np.concatenate([[0], np.cumsum(ends - starts)])
-        block = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)]).astype(self.dtype)
-        return pad_bags(block, local, np.arange(len(index)))
+        """Bags `index` as x [B, T, d] (zeros at padding) and mask [B, T] (True at real tokens)."""
+        bags = self.packed(index)
+        return bags.pad(bags.tokens), bags.mask
 
     def packed(self, index: np.ndarray) -> Bags:
-        """Bags `index` as packed `Bags` (no padding), read as `bags` reads them."""
+        """Bags `index` as packed `Bags` (no padding), in the order asked."""
         index = np.asarray(index, dtype=np.int64)
         starts, ends = self.offsets[index], self.offsets[index + 1]
         lo, hi = int(starts.min()), int(ends.max())
         if hi - lo <= 2 * int((ends - starts).sum()):
+            # Nearby bags (the usual, in-order case): one contiguous read, then rows picked from it.
             rows, lengths = gather_rows(torch.from_numpy(self.offsets - lo), torch.from_numpy(index))
             tokens = self.states[lo:hi][rows.numpy()]
-        else:
+        else:  # scattered bags: one read each, concatenated in the order asked
             tokens = np.concatenate([self.states[a:b] for a, b in zip(starts, ends)])
             lengths = torch.from_numpy(ends - starts)
         return Bags(torch.from_numpy(tokens.astype(self.dtype, copy=False)), lengths)

@@ -64,10 +64,6 @@ class Bags:
         """A per-bag value v [B, ...] repeated for each token -> [N, ...]."""
         return v[self.bag_of_token]
 
-    def to(self, device, dtype=None) -> Bags:
-        p = None if self.p_sem is None else self.p_sem.to(device)
-        return Bags(self.tokens.to(device, dtype), self.lengths.to(device), p)
-
     @classmethod
     def from_padded(cls, x: torch.Tensor, mask: torch.Tensor, p_sem: torch.Tensor | None = None) -> Bags:
         """x [B, T, d] with mask [B, T]: what is under a False is dropped, whatever it holds."""
