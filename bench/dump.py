@@ -56,7 +56,7 @@ def plain_write(path: Path, nbytes: int) -> float:
 
 
 def replay(layers_data, out_dir: Path, responses_per_append: int = 64) -> float:
-    from halludetect.activations import LayerWriter, fsync_files
+    from halludetect.layer_writer import LayerWriter, fsync_files
 
     out_dir.mkdir(exist_ok=True)
     t0 = time.perf_counter()
@@ -77,10 +77,10 @@ def replay(layers_data, out_dir: Path, responses_per_append: int = 64) -> float:
 
 def child(n: int, out_dir: Path) -> dict:
     from halludetect import activations
-    from halludetect import layers as layer_store
     from halludetect.config import ModelPreset
     from halludetect.datasets import read_questions
-    from halludetect.modeling import check_layers, load_model, load_tokenizer
+    from halludetect.hf_models import check_layers, load_model, load_tokenizer
+    from halludetect.layer_reader import read_layer
 
     setup_threads()
     preset = ModelPreset(path=str(WORLD_MODEL), dtype="float32")
@@ -100,7 +100,7 @@ def child(n: int, out_dir: Path) -> dict:
     # LayerWriter (appends of 64 responses, close, fsync) alternating with plain sequential
     # writes of the same bytes (1 MiB blocks, fsync), five times each, medians, each after an
     # untimed `sync`. The disk's write-back makes single timings swing by 3x on these machines.
-    layers_data = [layer_store.read_layer(p, dtype=np.float16) for p in sorted(out_dir.glob("layer_*.h5"))]
+    layers_data = [read_layer(p, dtype=np.float16) for p in sorted(out_dir.glob("layer_*.h5"))]
     write_s, disk_s = [], []
     for _ in range(5):
         os.sync()  # each timing starts with no dirty pages of the previous one still being written back

@@ -20,7 +20,7 @@ from bench.common import WORLD_MODEL, WORLD_QUESTIONS, emit, median, need, setup
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.datasets import read_questions
 from halludetect.generation import encode_prompt, generate
-from halludetect.modeling import load_model, load_tokenizer
+from halludetect.hf_models import load_model, load_tokenizer
 
 
 @torch.no_grad()

@@ -31,8 +31,9 @@ import polars as pl
 import yaml
 
 from bench.common import emit, median
+from halludetect.call_cache import CallCache
+from halludetect.chat_client import ChatRunner
 from halludetect.config import ChatParams
-from halludetect.llm import CallCache, ChatRunner
 from halludetect.prompts import labeling_prompt
 from halludetect.text import YES_NO, parse_choice
 

@@ -22,9 +22,11 @@ from sklearn.metrics import roc_auc_score
 
 from bench.common import emit, need, setup_threads
 from halludetect.config import SP_METHODS, load_params
+from halludetect.detector_data import SplitData, p_sem_table, split_data
 from halludetect.detectors import DETECTORS, build_detector, section
-from halludetect.layers import layer_files, read_layer
-from halludetect.training import SplitData, p_sem_table, split_data, train_detector
+from halludetect.layer_format import layer_files
+from halludetect.layer_reader import read_layer
+from halludetect.training import train_detector
 
 CELL = Path("data/activations/world/world")
 LABELS = Path("data/labels/world/world")

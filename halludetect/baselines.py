@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import polars as pl
 
 from halludetect.config import BASELINES, BaselinesParams
+from halludetect.metrics import check_two_classes, split_metrics
 from halludetect.registry import lookup, registrar
 from halludetect.responses import response_ids
 
@@ -56,3 +58,19 @@ def baseline_scores(name: str, generations: pl.DataFrame, clusters: pl.DataFrame
                     params: BaselinesParams) -> pl.DataFrame:
     """Columns rid, score for every response the baseline can score."""
     return lookup("baseline", name, BASELINE_SCORES)(generations, clusters, params)
+
+
+def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstrap: int, seed: int) -> dict:
+    """A baseline's val/test figures from its per-response scores (columns rid, score)."""
+    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
+    joined = labels.join(scores, on="rid", how="left")
+    out = {"best_layer": None, "layers": [], "excluded": {}}
+    for split in ("val", "test"):
+        part = joined.filter(pl.col("split") == split)
+        ok = part.filter(pl.col("score").is_not_null() & pl.col("score").is_finite())
+        out["excluded"][split] = {"no_score": part.height - ok.height}
+        y = ok["label"].to_numpy().astype(np.int64)
+        check_two_classes(y, split)
+        out[split] = split_metrics(y, [ok["score"].to_numpy()], bootstrap=bootstrap if split == "test" else 0,
+                                   seed=seed, logits=False)
+    return out

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from halludetect.errors import UserError
 from halludetect.registry import suggest as _suggest
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -111,7 +112,7 @@ class GenerateParams(Section):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0  # 1 = off (the paper states none)
-    max_new_tokens: PositiveInt = 64
+    max_new_tokens: PositiveInt = 32
     stop: list[str] = ["\n", "Question:"]
     empty_retries: Annotated[int, Field(ge=0)] = 3  # re-sample an empty answer at most this often
     batch_size: PositiveInt = 64  # questions per model call (x n_samples rows); also the unit of resume
@@ -123,7 +124,7 @@ class DumpParams(Section):
     layers: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
     positions: Literal["predicting", "generated"] = "predicting"
     dtype: Literal["float16", "float32"] = "float16"  # HDF5 has no bfloat16
-    batch_size: PositiveInt = 32
+    batch_size: PositiveInt = 64
     device: str = "auto"
 
 
@@ -132,7 +133,7 @@ class MatchJudgeParams(Section):
 
 
 class ChatParams(Section):
-    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/llm.py."""
+    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/chat_client.py."""
 
     model: str
     base_url: str | None = Field(None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1")
@@ -264,7 +265,7 @@ class BaselinesParams(Section):
 class TrainParams(Section):
     epochs: PositiveInt = 100
     batch_size: PositiveInt = 128
-    seeds: list[int] = [0]
+    seeds: list[int] = [0, 1, 2]
     device: str = "cpu"
 
 
@@ -326,7 +327,7 @@ class Params(Section):
         return _lookup("datasets", name, self.datasets)
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError, ValueError):
     """Every problem in a params file, one per line, each naming its dotted key."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import polars as pl
 
 from halludetect.config import DatasetPreset, PrepareParams
+from halludetect.errors import UserError
 
 SCHEMA = {
     "id": pl.String,
@@ -33,8 +34,8 @@ SCHEMA = {
 SPLITS = ("train", "val", "test")
 
 
-class DatasetError(ValueError):
-    pass
+class DatasetError(UserError, ValueError):
+    """A dataset file or hub dataset that cannot be read into the common schema."""
 
 
 def md5_id(question: str) -> str:

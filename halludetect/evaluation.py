@@ -1,10 +1,9 @@
-"""Metrics for trained detectors and baselines: AUROC with a bootstrap interval, AUPRC,
-logit-space margin, per layer, plus inference throughput.
+"""Evaluating trained detectors from the layer files: every layer's figures, the best layer
+chosen on validation only, inference throughput, and HaMI (SP)'s extra cost.
 
-Labels: hallucination = 1. The margin is mean(y z) with y in {-1, +1} and z the bag logit,
-as the paper defines it (logit space, before the sigmoid). Several seeds are summarised as
-mean and standard error. The best layer is the one with the highest mean validation AUROC;
-test figures are only read at that layer (and per layer, for the AUROC-versus-layer plot).
+The best layer is the one with the highest mean validation AUROC over seeds; test figures
+are only read at that layer (and per layer, for the AUROC-versus-layer plot). The metrics
+themselves are in metrics.py.
 """
 
 from __future__ import annotations
@@ -18,52 +17,13 @@ import polars as pl
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
+from halludetect.detector_data import SplitData, check_layer_files, split_data
 from halludetect.detectors import load_detector
-from halludetect.layers import LayerReader, layer_files, read_layer
-from halludetect.responses import response_ids
-from halludetect.training import DataError, SplitData, check_layer_files, check_two_classes, score, split_data
-
-
-def margin(y01: np.ndarray, z: np.ndarray) -> float:
-    return float(np.mean((2 * y01 - 1) * z))
-
-
-def mean_se(values: list[float]) -> dict:
-    v = np.asarray(values, dtype=np.float64)
-    se = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else None
-    return {"mean": float(v.mean()), "stderr": se, "per_seed": [float(x) for x in v]}
-
-
-def bootstrap_auroc_ci(y: np.ndarray, scores: list[np.ndarray], n: int, seed: int) -> list[float] | None:
-    """95% percentile interval of the seed-mean AUROC, resampling test responses."""
-    if n == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    stats = []
-    for _ in range(n):
-        idx = rng.integers(0, len(y), len(y))
-        if y[idx].min() == y[idx].max():
-            continue  # a one-class resample has no AUROC; it is skipped, not scored
-        stats.append(np.mean([roc_auc_score(y[idx], s[idx]) for s in scores]))
-    lo, hi = np.percentile(stats, [2.5, 97.5])
-    return [float(lo), float(hi)]
-
-
-def split_metrics(y: np.ndarray, scores: list[np.ndarray], bootstrap: int = 0, seed: int = 0,
-                  logits: bool = True) -> dict:
-    """Metrics of one split for per-seed scores (each [N]). The margin needs logits: for a
-    score that is not one (a baseline), it is None rather than a number on another scale."""
-    out = {
-        "n": int(len(y)),
-        "n_hallucinated": int(y.sum()),
-        "auroc": mean_se([roc_auc_score(y, s) for s in scores]),
-        "auprc": mean_se([average_precision_score(y, s) for s in scores]),
-        "margin": mean_se([margin(y, s) for s in scores]) if logits else None,
-        "scores_mean_by_label": {str(lab): float(np.mean([s[y == lab].mean() for s in scores])) for lab in (0, 1)},
-    }
-    if bootstrap:
-        out["auroc_ci95"] = bootstrap_auroc_ci(y, scores, bootstrap, seed)
-    return out
+from halludetect.detectors.inference import score
+from halludetect.errors import DataError
+from halludetect.layer_format import layer_files
+from halludetect.layer_reader import LayerReader, read_layer
+from halludetect.metrics import margin, split_metrics
 
 
 @torch.no_grad()
@@ -151,22 +111,6 @@ def evaluate_detector(method: str, activations: Path, detectors: Path, judgments
                     f"{torch.get_num_threads()} CPU threads",
         },
     }
-
-
-def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstrap: int, seed: int) -> dict:
-    """A baseline's val/test figures from its per-response scores (columns rid, score)."""
-    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
-    joined = labels.join(scores, on="rid", how="left")
-    out = {"best_layer": None, "layers": [], "excluded": {}}
-    for split in ("val", "test"):
-        part = joined.filter(pl.col("split") == split)
-        ok = part.filter(pl.col("score").is_not_null() & pl.col("score").is_finite())
-        out["excluded"][split] = {"no_score": part.height - ok.height}
-        y = ok["label"].to_numpy().astype(np.int64)
-        check_two_classes(y, split)
-        out[split] = split_metrics(y, [ok["score"].to_numpy()], bootstrap=bootstrap if split == "test" else 0,
-                                   seed=seed, logits=False)
-    return out
 
 
 def hami_sp_cost(generation_metrics: dict, timings: pl.DataFrame, question_ids: list[str],

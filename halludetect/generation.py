@@ -47,10 +47,10 @@ from transformers.generation.logits_process import (
 )
 
 from halludetect.config import GenerateParams
-from halludetect.modeling import ModelError, context_length, eos_ids, input_device
+from halludetect.hf_models import eos_ids, input_device
+from halludetect.model_inputs import check_context, encode_prompt, pad_ids
 from halludetect.parallel import Workers
-from halludetect.progress import UnitStore
-from halludetect.prompts import generation_prompt
+from halludetect.unit_store import UnitStore
 
 GENERATIONS_SCHEMA = {
     "question_id": pl.String,
@@ -65,32 +65,6 @@ GENERATIONS_SCHEMA = {
     "attempts": pl.Int32,
     "seconds": pl.Float64,
 }
-
-
-def encode_prompt(tokenizer, question: str, chat_template: bool) -> list[int]:
-    """Prompt 1 as token ids, with the special tokens the model expects (BOS for Llama)."""
-    text = generation_prompt(question)
-    if chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
-
-
-def check_context(model, prompt_lengths: dict[str, int], extra_tokens: int, what: str) -> None:
-    """Fail before any work if a prompt plus `extra_tokens` does not fit the model's context."""
-    limit = context_length(model.config)
-    if limit is None:
-        return
-    over = {q: n for q, n in prompt_lengths.items() if n + extra_tokens > limit}
-    if over:
-        worst = max(over, key=over.get)
-        raise ModelError(
-            f"{len(over)} question(s) do not fit the model's context of {limit} tokens with {what} "
-            f"(longest: question '{worst}', {over[worst]} prompt tokens + {extra_tokens}). "
-            "Lower generate.max_new_tokens, or drop such questions from the dataset"
-        )
 
 
 # ------------------------------------------------------------------------ sampling
@@ -178,22 +152,6 @@ def trim_answer(tokenizer, ids: list[int], stop: list[str], max_new_tokens: int,
     if reason == "length" and len(ids) < max_new_tokens:
         reason = "eos"  # generation ended early without a token we saw: treat as finished
     return Trimmed(ids, tokenizer.decode(ids, skip_special_tokens=True).strip(), reason)
-
-
-def pad_ids(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as ids [R, W] and attention mask [R, W].
-
-    Left padding for generation (every row's next token goes at column W); right padding for
-    a plain forward pass (real tokens keep the positions they had unpadded).
-    """
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [R, W]
-    mask = torch.zeros_like(ids)
-    for r, seq in enumerate(seqs):
-        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[r, cols] = torch.tensor(seq)
-        mask[r, cols] = 1
-    return ids, mask
 
 
 def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, repeats: int):

@@ -45,7 +45,7 @@ class Workers:
     def check_placement(self, name: str, preset) -> None:
         """Refuse a model split over the GPUs by `device_map` when several processes would each split it."""
         if self.size > 1 and preset.device_map:
-            from halludetect.modeling import ModelError
+            from halludetect.hf_models import ModelError
 
             raise ModelError(
                 f"models.{name}.device_map splits one model over all GPUs, and {self.size} processes "

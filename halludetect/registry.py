@@ -5,8 +5,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from halludetect.errors import UserError
 
-class UnknownName(KeyError):
+
+class UnknownName(UserError, KeyError):
     """A name that is not registered; the message suggests the closest one and lists all."""
 
     def __str__(self) -> str:

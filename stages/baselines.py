@@ -3,9 +3,8 @@
 import polars as pl
 
 from halludetect import cli
-from halludetect.baselines import baseline_scores
-from halludetect.evaluation import evaluate_baseline
-from halludetect.io import write_json
+from halludetect.atomic_io import write_json
+from halludetect.baselines import baseline_scores, evaluate_baseline
 
 
 def run(args, params):

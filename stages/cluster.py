@@ -3,8 +3,8 @@
 import polars as pl
 
 from halludetect import cli
+from halludetect.atomic_io import write_json, write_parquet
 from halludetect.datasets import read_questions
-from halludetect.io import write_json, write_parquet
 from halludetect.nli import cluster_responses, get_nli
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
-from halludetect.activations import dump, merge_parts
+from halludetect.activations import dump
+from halludetect.atomic_io import atomic_path
 from halludetect.datasets import read_questions
-from halludetect.io import atomic_path
-from halludetect.modeling import check_layers, load_config, load_model, load_tokenizer
+from halludetect.hf_models import check_layers, load_config, load_model, load_tokenizer
+from halludetect.layer_writer import merge_parts
 from halludetect.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
 from halludetect.responses import select_answers

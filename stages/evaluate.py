@@ -6,18 +6,16 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
-from halludetect.detectors import section, trained_params
+from halludetect.atomic_io import write_json
+from halludetect.detector_data import DataError, p_sem_for
+from halludetect.detectors import trained_params
 from halludetect.evaluation import evaluate_detector, hami_sp_cost
-from halludetect.io import write_json
-from halludetect.training import DataError
-from stages.train import check_inputs
 
 
 def run(args, params):
     ep = params.evaluate
-    section(params.detectors, args.method)  # an unknown method fails here, with suggestions
     method_params = trained_params(args.detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
-    p_sem = check_inputs(args, method_params)
+    p_sem = p_sem_for(args.method, args.clusters, method_params)
     judgments = pl.read_parquet(args.judgments)
     metrics = {"model": args.model, "dataset": args.dataset, "method": args.method, "family": "detector",
                "seeds": params.train.seeds}

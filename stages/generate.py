@@ -9,13 +9,16 @@ shares the units over N processes, one per GPU.
 from pathlib import Path
 
 from halludetect import cli
+from halludetect.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.datasets import read_questions
 from halludetect.generation import generate
-from halludetect.io import file_sha256, write_json, write_parquet
-from halludetect.modeling import load_model, load_tokenizer
+from halludetect.hf_models import load_model, load_tokenizer
 from halludetect.parallel import relaunch, workers
-from halludetect.progress import UnitStore
 from halludetect.prompts import GENERATION, template_hash
+from halludetect.unit_store import UnitStore
+
+# The library code a finished unit depends on: an edit to any of it discards the kept units.
+SAMPLING_CODE = ("generation.py", "model_inputs.py", "prompts.py", "hf_models.py")
 
 
 def fingerprint(args, params, preset) -> dict:
@@ -26,7 +29,7 @@ def fingerprint(args, params, preset) -> dict:
         "prompt": template_hash(GENERATION),
         "questions": file_sha256(args.questions),
         "manifest": file_sha256(args.manifest),
-        "code": file_sha256(Path(__file__).parents[1] / "halludetect" / "generation.py"),
+        "code": {name: file_sha256(Path(__file__).parents[1] / "halludetect" / name) for name in SAMPLING_CODE},
     }
 
 

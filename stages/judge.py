@@ -3,8 +3,8 @@
 import polars as pl
 
 from halludetect import cli
+from halludetect.atomic_io import write_json, write_parquet
 from halludetect.datasets import read_questions
-from halludetect.io import write_json, write_parquet
 from halludetect.judges import get_judge, label_distribution, two_pass
 from halludetect.responses import select_answers
 

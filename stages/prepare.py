@@ -1,8 +1,8 @@
 """Load a dataset into the common QA schema with a question-level train/val/test split."""
 
 from halludetect import cli
+from halludetect.atomic_io import write_json, write_parquet
 from halludetect.datasets import prepare
-from halludetect.io import write_json, write_parquet
 
 
 def run(args, params):

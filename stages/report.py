@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from halludetect import cli
-from halludetect.io import write_json, write_text
+from halludetect.atomic_io import write_json, write_text
 from halludetect.report import load_metrics, summary, table
 
 

@@ -6,17 +6,18 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
-from halludetect.config import SP_METHODS
+from halludetect.atomic_io import atomic_path
+from halludetect.detector_data import check_layer_files, p_sem_for, split_data
 from halludetect.detectors import save_detector, section
-from halludetect.io import atomic_path
-from halludetect.layers import layer_files, read_layer
-from halludetect.training import DataError, check_layer_files, p_sem_table, split_data, train_detector
+from halludetect.layer_format import layer_files
+from halludetect.layer_reader import read_layer
+from halludetect.training import train_detector
 
 
 def run(args, params):
     tp = params.train
     method_params = section(params.detectors, args.method)
-    p_sem = check_inputs(args, method_params)
+    p_sem = p_sem_for(args.method, args.clusters, method_params)
     judgments = pl.read_parquet(args.judgments)
     files = layer_files(args.activations)
     check_layer_files(files, judgments, ("train", "val"), p_sem)  # every layer, before any training
@@ -42,17 +43,6 @@ def run(args, params):
                              res.best_val_auroc)
         (tmp / "curves.json").write_text(json.dumps(curves, indent=1))
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
-
-
-def check_inputs(args, method_params):
-    """P_sem for the methods that read it (None otherwise); mismatched flags fail here, early."""
-    if args.method in SP_METHODS:
-        if not args.clusters:
-            raise DataError(f"{args.method} reads P_sem: pass --clusters (the train_sp stage does)")
-        return p_sem_table(pl.read_parquet(args.clusters), method_params.p_sem)
-    if args.clusters:
-        raise DataError(f"{args.method} does not read P_sem: train it without --clusters (the train stage)")
-    return None
 
 
 if __name__ == "__main__":

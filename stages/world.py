@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from halludetect import cli
-from halludetect.io import write_json
-from halludetect.world import build_world
+from halludetect.atomic_io import write_json
+from halludetect.world.build import build_world
 
 
 def run(args, params):

@@ -3,12 +3,12 @@
 from pathlib import Path
 
 from halludetect import cli
-from halludetect.io import write_json
-from halludetect.world import evaluate_world
+from halludetect.atomic_io import write_json
+from halludetect.world.check import evaluate_world
 
 
 def run(args, params):
-    metrics = evaluate_world(Path(args.world))
+    metrics = evaluate_world(Path(args.world), params.generate)
     write_json(args.metrics, metrics)
     cli.log.info("world: greedy accuracy by exposure %s", metrics["greedy_accuracy_by_exposure"])
 

@@ -16,7 +16,7 @@ def tiny_model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from halludetect.world.kb import build_people, corpus
-    from halludetect.world.model import train_tokenizer
+    from halludetect.world.tiny_llama import train_tokenizer
 
     docs = corpus(build_people(30, [1, 3], ["birth_city", "job"], seed=1), qa_fraction=0.5, seed=1)
     tok = train_tokenizer(docs, vocab_size=400)
@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir):
     from halludetect.config import ModelPreset
-    from halludetect.modeling import load_model, load_tokenizer
+    from halludetect.hf_models import load_model, load_tokenizer
 
     preset = ModelPreset(path=str(tiny_model_dir), dtype="float32")
     return load_model(preset, "cpu"), load_tokenizer(preset)

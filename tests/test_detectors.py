@@ -10,7 +10,7 @@ from sklearn.metrics import roc_auc_score
 from halludetect.config import DetectorsParams
 from halludetect.detectors import DETECTORS, Bags, build_detector, gather_rows, pad_bags, params_for
 from halludetect.detectors.pooling import segment_max, segment_softmax, topk_count, topk_mean
-from halludetect.evaluation import margin, split_metrics
+from halludetect.metrics import margin, split_metrics
 from halludetect.training import hami_mil_loss
 
 D = 6

@@ -130,7 +130,7 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
     downstream = {"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
                   "baselines@world-world", "report"} | DETECTOR_STAGES
     assert ran(log) == downstream
-    assert not ran(log) & {"world", "model@world", "prepare@world"}
+    assert not ran(log) & {"world", "manifest@world", "prepare@world"}
 
 
 def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):

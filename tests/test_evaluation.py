@@ -11,13 +11,15 @@ import pytest
 from sklearn.metrics import roc_auc_score
 from test_training import D, synthetic
 
-from halludetect.activations import LayerWriter, layer_filename
-from halludetect.baselines import baseline_scores
+from halludetect.baselines import baseline_scores, evaluate_baseline
 from halludetect.config import BaselinesParams, PoolingParams
+from halludetect.detector_data import DataError, check_layer_files, split_data
 from halludetect.detectors import save_detector
-from halludetect.evaluation import evaluate_baseline, evaluate_detector, hami_sp_cost
-from halludetect.layers import read_layer
-from halludetect.training import DataError, check_layer_files, split_data, train_detector
+from halludetect.evaluation import evaluate_detector, hami_sp_cost
+from halludetect.layer_format import layer_filename
+from halludetect.layer_reader import read_layer
+from halludetect.layer_writer import LayerWriter
+from halludetect.training import train_detector
 
 ROOT = Path(__file__).resolve().parents[1]
 

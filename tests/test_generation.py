@@ -7,10 +7,11 @@ import torch
 
 from halludetect import generation
 from halludetect.config import GenerateParams
-from halludetect.generation import encode_prompt, generate, row_uniforms, trim_answer
-from halludetect.modeling import ModelError
+from halludetect.generation import generate, row_uniforms, trim_answer
+from halludetect.hf_models import ModelError
+from halludetect.model_inputs import encode_prompt
 from halludetect.parallel import Workers
-from halludetect.progress import UnitStore
+from halludetect.unit_store import UnitStore
 
 
 def questions(n=6):
@@ -172,7 +173,7 @@ def test_row_sampler_draws_from_the_warped_distribution():
 
 def test_shared_prompt_prefill_changes_nothing(tiny):
     from halludetect.generation import sample_rows
-    from halludetect.modeling import eos_ids
+    from halludetect.hf_models import eos_ids
 
     model, tok = tiny
     prompts = [encode_prompt(tok, q, False) for q in questions(3)["question"] for _ in range(4)]
@@ -183,3 +184,48 @@ def test_shared_prompt_prefill_changes_nothing(tiny):
     assert [t.token_ids for t in shared] == [t.token_ids for t in plain]
     for a, b in zip(shared_lp, plain_lp):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def bookkeeping_questions(n=4):
+    return pl.DataFrame({
+        "id": [f"q{i}" for i in range(n)],
+        "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
+        "split": ["train", "val", "test", "test"][:n],
+    })
+
+
+def test_generate_bookkeeping(tiny):
+    model, tok = tiny
+    params = GenerateParams(n_samples=3, max_new_tokens=8, batch_size=3, stop=["\n"])
+    df = generate(model, tok, bookkeeping_questions(), params)
+    assert df.height == 12
+    for r in df.to_dicts():
+        assert len(r["token_ids"]) == len(r["token_logprobs"]) == r["n_tokens"]
+        assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True).strip()
+        assert tok.eos_token_id not in r["token_ids"] and "\n" not in r["text"]
+        assert all(lp <= 0 for lp in r["token_logprobs"])
+    again = generate(model, tok, bookkeeping_questions(), params)
+    assert again["text"].to_list() == df["text"].to_list()  # same params, same samples
+
+
+def test_logprobs_are_raw_model_logprobs(tiny):
+    model, tok = tiny
+    params = GenerateParams(n_samples=1, max_new_tokens=5, stop=[])
+    df = generate(model, tok, bookkeeping_questions(1), params, greedy=True)
+    r = df.row(0, named=True)
+    prompt = encode_prompt(tok, "Where was Tavo Mir0 born?", False)
+    ids = torch.tensor([prompt + r["token_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(r["token_ids"])]
+    np.testing.assert_allclose(r["token_logprobs"], want, atol=1e-4)
+
+
+def test_trim_answer_stop_and_eos(tiny):
+    _, tok = tiny
+    text_ids = tok.encode(" born in Arvella.\nQuestion: next", add_special_tokens=False)
+    t = trim_answer(tok, text_ids, ["\n", "Question:"], 64)
+    assert t.finish_reason == "stop" and "\n" not in t.text and t.text.startswith("born in")
+    assert tok.decode(t.token_ids).strip() == t.text
+    eos = trim_answer(tok, [*tok.encode(" yes", add_special_tokens=False), tok.eos_token_id, 5], [], 64)
+    assert eos.finish_reason == "eos" and eos.text == "yes"

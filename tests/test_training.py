@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from halludetect.config import SP_METHODS, PoolingParams
+from halludetect.detector_data import DataError, split_data
 from halludetect.detectors import DETECTORS, Bags, params_for
-from halludetect.layers import Layer
-from halludetect.training import DataError, PairedSampler, split_data, train_detector
+from halludetect.layer_reader import Layer
+from halludetect.training import PairedSampler, train_detector
 
 D = 8
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from halludetect.detectors import models
+from halludetect.detectors import networks
 from halludetect.registry import lookup, registrar
 
 DETECTORS: dict[str, Callable[..., nn.Module]] = {}
@@ -20,32 +20,32 @@ register = registrar(DETECTORS)
 
 @register("hami")
 def _hami(d, p):
-    return models.HaMI(d, p.dim, p.dropout, p.k_ratio)
+    return networks.HaMI(d, p.dim, p.dropout, p.k_ratio)
 
 
 @register("hami_sp")
 def _hami_sp(d, p):
-    return models.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam)
+    return networks.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam)
 
 
 for _pool in ("mean", "max"):
-    register(_pool)(lambda d, p, pool=_pool: models.PoolingNet(d, p.dim, p.dropout, pool))
-    register(f"raw_{_pool}")(lambda d, p, pool=_pool: models.RawPoolingNet(d, p.dim, p.dropout, pool))
+    register(_pool)(lambda d, p, pool=_pool: networks.PoolingNet(d, p.dim, p.dropout, pool))
+    register(f"raw_{_pool}")(lambda d, p, pool=_pool: networks.RawPoolingNet(d, p.dim, p.dropout, pool))
 
 
 @register("attention")
 def _attention(d, p):
-    return models.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=False)
+    return networks.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=False)
 
 
 @register("gated_attention")
 def _gated_attention(d, p):
-    return models.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=True)
+    return networks.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=True)
 
 
 @register("probe")
 def _probe(d, p):
-    return models.LastTokenProbe(d)
+    return networks.LastTokenProbe(d)
 
 
 def build_detector(method: str, d: int, params) -> nn.Module:
@@ -93,6 +93,7 @@ def trained_params(directory, method: str):
     """The params a directory's detectors were trained with (evaluation must use the same)."""
     from pathlib import Path
 
+    lookup("detector", method, DETECTORS)  # an unknown method fails first, with suggestions
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no trained detectors in {directory}: run train first")

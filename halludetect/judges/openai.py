@@ -2,14 +2,14 @@
 
 Pass 1 asks with the reference answers, pass 2 with prompt 2 (no references). Replies are
 parsed strictly (`text.parse_choice`): an unparseable one is asked again, then marked
-invalid, which the protocol drops and counts. Calls are cached and resumable (`llm.py`).
+invalid, which the protocol drops and counts. Calls are cached and resumable (`chat_client.py`, `call_cache.py`).
 """
 
 from __future__ import annotations
 
+from halludetect.chat_client import ChatRunner
 from halludetect.config import ChatParams
 from halludetect.judges.base import JudgeItem, Verdict, register
-from halludetect.llm import ChatRunner
 from halludetect.prompts import labeling_prompt
 from halludetect.text import YES_NO, parse_choice
 

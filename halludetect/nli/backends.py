@@ -63,8 +63,8 @@ class OpenAINLI:
     name = "openai"
 
     def __init__(self, **params):
+        from halludetect.chat_client import ChatRunner
         from halludetect.config import ChatParams
-        from halludetect.llm import ChatRunner
 
         self.runner = ChatRunner(ChatParams(**params), where="cluster.openai")
         self.usage = self.runner.usage
@@ -106,7 +106,7 @@ class HFNLI:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from halludetect.modeling import ModelError, resolve_device
+        from halludetect.hf_models import ModelError, resolve_device
 
         self.device = resolve_device(device)
         kw = {"revision": revision, "trust_remote_code": trust_remote_code}

@@ -1,4 +1,5 @@
-"""Calls to OpenAI-compatible chat endpoints, shared by the `openai` judge and NLI backends.
+"""The OpenAI-compatible chat client shared by the `openai` judge and NLI backends: bounded
+concurrency, retries, strict parsing, usage and cost (the reply cache is `call_cache.py`).
 
 Any endpoint that speaks chat completions works: OpenAI, Azure OpenAI (its `/openai/v1/` URL),
 vLLM, Ollama, llama.cpp's server. On top of the official `openai` client this adds:
@@ -28,11 +29,9 @@ import json
 import os
 import signal
 import socket
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -42,59 +41,15 @@ try:  # the openai client's HTTP library: httpx2 since openai 3, httpx before
 except ImportError:  # pragma: no cover
     import httpx
 
+from halludetect.call_cache import CallCache, cache_path
 from halludetect.config import ChatParams, Price
+from halludetect.errors import UserError
 
 OPENAI_URL = "https://api.openai.com/v1"
 
 
-class ApiError(RuntimeError):
+class ApiError(UserError, RuntimeError):
     """An endpoint problem that retrying cannot fix; the message names the params key to check."""
-
-
-def cache_path() -> Path:
-    """`$HALLUDETECT_CACHE/api_calls.sqlite`, else `~/.cache/halludetect/api_calls.sqlite`."""
-    if root := os.environ.get("HALLUDETECT_CACHE"):
-        return Path(root) / "api_calls.sqlite"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "halludetect" / "api_calls.sqlite"
-
-
-class CallCache:
-    """Replies by request key. One row per paid call, committed as it arrives (WAL mode, so a
-    killed process keeps every committed reply and several processes can share the file)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across a process kill; one fsync per checkpoint
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS calls (key TEXT PRIMARY KEY, request TEXT NOT NULL, reply TEXT,"
-            " prompt_tokens INTEGER, completion_tokens INTEGER, reasoning_tokens INTEGER,"
-            " latency_s REAL, created REAL)"
-        )
-
-    def get(self, key: str) -> dict | None:
-        row = self.db.execute(
-            "SELECT reply, prompt_tokens, completion_tokens, reasoning_tokens, latency_s FROM calls WHERE key = ?",
-            (key,),
-        ).fetchone()
-        if row is None:
-            return None
-        return dict(zip(("reply", "prompt_tokens", "completion_tokens", "reasoning_tokens", "latency_s"), row))
-
-    def put(self, key: str, request: dict, reply: dict) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (key, json.dumps(request, sort_keys=True), reply["reply"], reply["prompt_tokens"],
-             reply["completion_tokens"], reply["reasoning_tokens"], reply["latency_s"], time.time()),
-        )
-
-    def __len__(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
-
-    def close(self) -> None:
-        self.db.close()
 
 
 @dataclass

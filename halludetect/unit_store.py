@@ -18,7 +18,7 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect.io import write_json, write_parquet
+from halludetect.atomic_io import write_json, write_parquet
 
 
 class UnitStore:

@@ -1,4 +1,4 @@
-"""Loading causal LMs from a local directory or the Hugging Face hub, with clear errors.
+"""Loading the base models (Hugging Face causal LMs) from a local directory or the hub, with clear errors.
 
 The same function loads the demo world's 2M-parameter Llama and Llama-3.3-70B in 4-bit:
 what differs is the preset in params.yaml.
@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from halludetect.config import ModelPreset
-from halludetect.io import file_sha256
+from halludetect.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelError(ValueError):
-    pass
+class ModelError(UserError, ValueError):
+    """A model that cannot be loaded or used as asked (path, device, quantization, context)."""
 
 
 def is_local(preset: ModelPreset) -> bool:
@@ -43,7 +43,7 @@ def _source_kwargs(preset: ModelPreset) -> tuple[str, dict]:
     return preset.path, {"revision": preset.revision, "trust_remote_code": preset.trust_remote_code}
 
 
-def _hub_hint(preset: ModelPreset, e: Exception) -> ModelError:
+def hub_hint(preset: ModelPreset, e: Exception) -> ModelError:
     return ModelError(
         f"could not load '{preset.path}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
         "If this machine is offline, download the model where there is network "
@@ -59,7 +59,7 @@ def load_config(preset: ModelPreset):
     try:
         return AutoConfig.from_pretrained(src, **kw)
     except OSError as e:
-        raise _hub_hint(preset, e) from None
+        raise hub_hint(preset, e) from None
 
 
 def n_layers(config) -> int:
@@ -89,7 +89,7 @@ def load_tokenizer(preset: ModelPreset):
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
     except OSError as e:
-        raise _hub_hint(preset, e) from None
+        raise hub_hint(preset, e) from None
     tok.padding_side = "left"  # batched generation appends on the right
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -137,7 +137,7 @@ def load_model(preset: ModelPreset, device: str = "auto"):
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kw)
     except OSError as e:
-        raise _hub_hint(preset, e) from None
+        raise hub_hint(preset, e) from None
     if "device_map" not in kw:
         model = model.to(resolve_device(device))
     model.eval()
@@ -163,23 +163,3 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
-
-
-def dir_fingerprint(path: str | Path) -> dict[str, str]:
-    """sha256 of every file of a local model directory (for the model manifest)."""
-    path = Path(path)
-    return {str(f.relative_to(path)): file_sha256(f) for f in sorted(p for p in path.rglob("*") if p.is_file())}
-
-
-def resolve_hub_revision(preset: ModelPreset) -> str:
-    """The commit a hub preset resolves to: online from the hub, offline from the HF cache."""
-    from huggingface_hub import HfApi, snapshot_download
-
-    try:
-        return HfApi().model_info(preset.path, revision=preset.revision).sha
-    except Exception as online_error:  # offline or unreachable: try the local cache
-        try:
-            path = snapshot_download(preset.path, revision=preset.revision, local_files_only=True)
-            return Path(path).name
-        except Exception:
-            raise _hub_hint(preset, online_error) from None

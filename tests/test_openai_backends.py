@@ -20,10 +20,11 @@ import polars as pl
 import pytest
 import yaml
 
+from halludetect.call_cache import CallCache
+from halludetect.chat_client import ApiError, ChatRunner
 from halludetect.config import ChatParams, ParamsError, Price, parse_params
 from halludetect.fake_openai import FakeOpenAI, Fault, rule_responder
 from halludetect.judges import get_judge, two_pass
-from halludetect.llm import ApiError, CallCache, ChatRunner
 from halludetect.nli import cluster_responses, get_nli
 from halludetect.text import RELATIONS, YES_NO, parse_choice
 
@@ -279,7 +280,7 @@ def test_hf_nli_batches_distinct_pairs_and_matches_one_by_one(tiny_nli_dir):
 def test_hf_nli_refuses_a_classifier_without_nli_labels(tmp_path, tiny_nli_dir):
     from transformers import AutoConfig
 
-    from halludetect.modeling import ModelError
+    from halludetect.hf_models import ModelError
 
     bad = tmp_path / "bad"
     import shutil

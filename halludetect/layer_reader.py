@@ -1,4 +1,4 @@
-"""Reading the per-layer HDF5 store that `activations.dump` writes (format: activations.py).
+"""Reading the per-layer HDF5 files that the dump writes (format: `layer_format.py`).
 
 Kept apart from the writer so that training and evaluation code can change without DVC
 re-running the dump stage, and the dump never imports the detectors.
@@ -15,10 +15,7 @@ import numpy as np
 import torch
 
 from halludetect.detectors.bags import Bags, gather_rows
-
-
-def decode_ids(ids) -> list[str]:
-    return [x.decode() if isinstance(x, bytes) else x for x in ids]
+from halludetect.layer_format import decode_ids
 
 
 @dataclass
@@ -100,10 +97,3 @@ class LayerReader:
         for start in range(0, len(index), batch_size):
             part = index[start : start + batch_size]
             yield (part, *self.bags(part))
-
-
-def layer_files(directory: str | Path) -> dict[int, Path]:
-    files = {int(p.stem.split("_")[1]): p for p in Path(directory).glob("layer_*.h5")}
-    if not files:
-        raise FileNotFoundError(f"no layer_*.h5 files in {directory}; run the dump stage first")
-    return dict(sorted(files.items()))

@@ -6,8 +6,9 @@ really changes and not otherwise.
 """
 
 from halludetect import cli
-from halludetect.io import write_json
-from halludetect.modeling import dir_fingerprint, is_local, load_config, n_layers, resolve_hub_revision
+from halludetect.atomic_io import write_json
+from halludetect.hf_models import is_local, load_config, n_layers
+from halludetect.model_manifest import dir_fingerprint, resolve_hub_revision
 
 
 def run(args, params):

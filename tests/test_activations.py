@@ -1,4 +1,4 @@
-"""Generation, token bookkeeping, capture and the HDF5 store, on a tiny local Llama."""
+"""Capture, the teacher-forced dump and the per-layer HDF5 files, on a tiny local Llama."""
 
 import hashlib
 
@@ -7,13 +7,16 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect.activations import LayerWriter, bag_slice, capture, dump, merge_parts
+from halludetect.activations import bag_slice, capture, dump
+from halludetect.atomic_io import atomic_path
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.detectors import pad_bags
-from halludetect.generation import encode_prompt, generate, trim_answer
-from halludetect.io import atomic_path
-from halludetect.layers import LayerReader, layer_files, read_layer
-from halludetect.modeling import ModelError, check_layers, load_config, load_model
+from halludetect.generation import generate, trim_answer
+from halludetect.hf_models import ModelError, check_layers, load_config, load_model
+from halludetect.layer_format import layer_files
+from halludetect.layer_reader import LayerReader, read_layer
+from halludetect.layer_writer import LayerWriter, merge_parts
+from halludetect.model_inputs import encode_prompt
 from halludetect.parallel import Workers
 
 
@@ -23,42 +26,6 @@ def questions(n=4):
         "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
         "split": ["train", "val", "test", "test"][:n],
     })
-
-
-def test_generate_bookkeeping(tiny):
-    model, tok = tiny
-    params = GenerateParams(n_samples=3, max_new_tokens=8, batch_size=3, stop=["\n"])
-    df = generate(model, tok, questions(), params)
-    assert df.height == 12
-    for r in df.to_dicts():
-        assert len(r["token_ids"]) == len(r["token_logprobs"]) == r["n_tokens"]
-        assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True).strip()
-        assert tok.eos_token_id not in r["token_ids"] and "\n" not in r["text"]
-        assert all(lp <= 0 for lp in r["token_logprobs"])
-    again = generate(model, tok, questions(), params)
-    assert again["text"].to_list() == df["text"].to_list()  # same params, same samples
-
-
-def test_logprobs_are_raw_model_logprobs(tiny):
-    model, tok = tiny
-    df = generate(model, tok, questions(1), GenerateParams(n_samples=1, max_new_tokens=5, stop=[]), greedy=True)
-    r = df.row(0, named=True)
-    prompt = encode_prompt(tok, "Where was Tavo Mir0 born?", False)
-    ids = torch.tensor([prompt + r["token_ids"]])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(r["token_ids"])]
-    np.testing.assert_allclose(r["token_logprobs"], want, atol=1e-4)
-
-
-def test_trim_answer_stop_and_eos(tiny):
-    _, tok = tiny
-    text_ids = tok.encode(" born in Arvella.\nQuestion: next", add_special_tokens=False)
-    t = trim_answer(tok, text_ids, ["\n", "Question:"], 64)
-    assert t.finish_reason == "stop" and "\n" not in t.text and t.text.startswith("born in")
-    assert tok.decode(t.token_ids).strip() == t.text
-    eos = trim_answer(tok, [*tok.encode(" yes", add_special_tokens=False), tok.eos_token_id, 5], [], 64)
-    assert eos.finish_reason == "eos" and eos.text == "yes"
 
 
 def test_bag_slices():

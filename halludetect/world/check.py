@@ -1,0 +1,41 @@
+"""Check the demo world: does the model know what it saw often, and hallucinate the rest?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from sklearn.metrics import roc_auc_score
+
+from halludetect.atomic_io import read_jsonl
+from halludetect.config import GenerateParams, ModelPreset
+from halludetect.generation import generate
+from halludetect.hf_models import load_model, load_tokenizer
+from halludetect.text import contains
+
+
+def evaluate_world(world_dir: Path, params: GenerateParams) -> dict:
+    """Greedy answers to every question: does the model know what it saw often?
+
+    A separate step (and DVC stage) from training, so that a change to the generation code
+    re-runs this check and not the training. `params` are generate's (stop strings, length,
+    repetition penalty); the check decodes one greedy answer per question.
+    """
+    preset = ModelPreset(path=str(world_dir / "model"), dtype="float32")
+    model, tokenizer = load_model(preset, "cpu"), load_tokenizer(preset)
+    rows = read_jsonl(world_dir / "qa.jsonl")
+    questions = pl.DataFrame({"id": [r["id"] for r in rows], "question": [r["question"] for r in rows],
+                              "split": ["all"] * len(rows)})
+    greedy = generate(model, tokenizer, questions, params.model_copy(update={"n_samples": 1}), greedy=True)
+    correct = np.array([contains(t, r["answers"][0]) for t, r in zip(greedy["text"], rows)])
+    exposure = np.array([r["exposure"] for r in rows])
+    mean_lp = np.array([np.mean(lp) if len(lp) else -np.inf for lp in greedy["token_logprobs"].to_list()])
+    halluc = ~correct
+    return {
+        "questions": len(rows),
+        "greedy_accuracy_by_exposure": {str(e): float(correct[exposure == e].mean()) for e in sorted(set(exposure))},
+        "greedy_hallucination_rate": float(halluc.mean()),
+        # AUROC of -mean token log-prob of the greedy answer as a hallucination score.
+        "logprob_auroc": float(roc_auc_score(halluc, -mean_lp)) if 0 < halluc.sum() < len(halluc) else None,
+    }
