@@ -62,7 +62,7 @@ def replay(layers_data, out_dir: Path, responses_per_append: int = 64) -> float:
     t0 = time.perf_counter()
     writers = []
     for i, layer in enumerate(layers_data):
-        w = LayerWriter(out_dir / f"layer_{i:02d}.h5", layer.states.shape[1], "float16", layer.attrs)
+        w = LayerWriter(out_dir / f"layer_{i}.h5", layer.states.shape[1], "float16", layer.attrs)
         lengths = layer.lengths()
         for a in range(0, len(lengths), responses_per_append):
             b = min(a + responses_per_append, len(lengths))

@@ -1,32 +1,43 @@
 """Training wall time on the world: every method on every dumped layer, one seed, against a
-per-bag-loop trainer (how the paper's code trains) on one layer.
+per-bag-loop trainer (how the paper's code trains) on one layer; and a layer's seeds trained
+side by side in single-threaded workers (the train stage's way) against one after another on
+every core (the layout before).
 
   ours      `train_detector` (packed batches, segment pooling) for every registered method on
             every layer file, the epochs and batch size of params.yaml (100 and 128)
   loop      the `max` network trained on one layer with a Python loop over the bags of each
             batch and of the validation set, same epochs, batch size, optimiser and seed
   same      ours for `max` on that layer, so `ratio_vs_loop_same_work` compares equal work
+  seeds     train.seeds of `max` on that layer: `train_seeds` with one single-threaded worker
+            per core, against the seeds one after another with one thread per core; twice,
+            alternating, best of each (the numerics pinned as the stages pin them)
 
     python -m bench.training [--layer 4] [--epochs 100]
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-from pathlib import Path
+import os
 
-import polars as pl
-import torch
-from sklearn.metrics import roc_auc_score
+from halludetect import numerics
 
-from bench.common import emit, need, setup_threads
-from halludetect.config import SP_METHODS, load_params
-from halludetect.detector_data import SplitData, p_sem_table, split_data
-from halludetect.detectors import DETECTORS, build_detector, section
-from halludetect.layer_format import layer_files
-from halludetect.layer_reader import read_layer
-from halludetect.training import train_detector
+numerics.pin(threads=os.cpu_count() or 1)  # as the stages, but every core for the sequential layout
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import polars as pl  # noqa: E402
+import torch  # noqa: E402
+from sklearn.metrics import roc_auc_score  # noqa: E402
+
+from bench.common import emit, need, setup_threads  # noqa: E402
+from halludetect.config import SP_METHODS, load_params  # noqa: E402
+from halludetect.detector_data import SplitData, p_sem_table, split_data  # noqa: E402
+from halludetect.detectors import DETECTORS, build_detector, section  # noqa: E402
+from halludetect.layer_format import layer_files  # noqa: E402
+from halludetect.layer_reader import read_layer  # noqa: E402
+from halludetect.training import train_detector, train_seeds  # noqa: E402
 
 CELL = Path("data/activations/world/world")
 LABELS = Path("data/labels/world/world")
@@ -96,6 +107,18 @@ def main() -> None:
     loop_auroc = loop_train(mp, train, val, epochs, batch_size, seed)
     loop_s = time.perf_counter() - t0
 
+    test = split_data(data, judgments, "test")
+    seeds = params.train.seeds
+    sequential_s, parallel_s = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for s in seeds:  # the former stage: one training at a time, every core on it
+            train_detector("max", mp, train, val, epochs=epochs, batch_size=batch_size, seed=s)
+        sequential_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        train_seeds("max", mp, train, val, {"val": val, "test": test}, seeds, epochs=epochs, batch_size=batch_size)
+        parallel_s.append(time.perf_counter() - t0)
+
     emit({
         "bench": "training",
         "threads": threads,
@@ -111,6 +134,10 @@ def main() -> None:
         "ratio_vs_loop_same_work": loop_s / same_s,
         "all_methods_all_layers_over_loop_one_layer": all_s / loop_s,
         "best_val_auroc": {"ours": ours.best_val_auroc, "loop": loop_auroc},
+        "seeds": seeds,
+        "seeds_sequential_all_cores_s": min(sequential_s),
+        "seeds_parallel_workers_s": min(parallel_s),
+        "seeds_ratio": min(sequential_s) / min(parallel_s),
     })
 
 

@@ -189,6 +189,7 @@ class ClusterParams(Section):
 
 
 LearningRate = Annotated[float, Field(gt=0)]
+DropoutRate = Annotated[float, Field(ge=0, lt=1)]  # 1 would zero every feature
 Decay = Annotated[float, Field(ge=0)]
 
 
@@ -196,7 +197,7 @@ class HaMIParams(Section):
     """HaMI (the HaMI code): token MLP Linear-BN-ReLU-Dropout-Linear, bag = top-k mean of token logits."""
 
     dim: PositiveInt = 256
-    dropout: Fraction = 0.3
+    dropout: DropoutRate = 0.3
     lr: LearningRate = 1e-3
     weight_decay: Decay = 5e-4
     k_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.1  # k = floor(k_ratio * n) + 1 tokens per bag
@@ -216,7 +217,7 @@ class PoolingParams(Section):
     """Embedding-based MIL: Linear(d, dim)-ReLU-Dropout per token, mean/max pooling, Linear(dim, 1)."""
 
     dim: PositiveInt = 256
-    dropout: Fraction = 0.2
+    dropout: DropoutRate = 0.2
     lr: LearningRate = 2e-4
     weight_decay: Decay = 5e-3
 
@@ -278,6 +279,8 @@ class EvaluateParams(Section):
 class GridParams(Section):
     models: list[str]
     datasets: list[str]
+    # Layers trained and evaluated (one train stage each); they must have been dumped (dump.layers).
+    layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
     sp_methods: list[str] = []  # detectors that also read P_sem (train_sp@, evaluate_sp@): hami_sp
     baselines: list[str] = []  # scores without hidden states (baselines@)
@@ -316,6 +319,11 @@ class Params(Section):
                                     "under grid.sp_methods")
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
+        if len(set(self.grid.layers)) != len(self.grid.layers):
+            problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
+        if self.dump.layers != "all" and (undumped := sorted(set(self.grid.layers) - set(self.dump.layers))):
+            problems.append(f"grid.layers: {undumped} are not dumped (dump.layers is {self.dump.layers}); "
+                            "add them to dump.layers or drop them from grid.layers")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 import polars as pl
 import torch
@@ -20,10 +19,11 @@ import torch
 from halludetect.config import SP_METHODS
 from halludetect.detectors.bags import Bags, gather_rows
 from halludetect.errors import DataError
-from halludetect.layer_format import decode_ids
 from halludetect.layer_reader import Layer
 from halludetect.metrics import check_two_classes
 from halludetect.responses import response_ids
+
+SPLITS = ("train", "val", "test")
 
 
 @dataclass
@@ -125,32 +125,6 @@ def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = 
         excluded=excluded,
         layer_index=index,
     )
-
-
-def check_layer_files(files: dict[int, Path], judgments: pl.DataFrame, splits: tuple[str, ...],
-                      p_sem: dict[str, float] | None = None, block_rows: int = 1 << 20) -> None:
-    """Every layer file checked before any training: the same responses in each, every label
-    covered, two classes per split, finite states. Streams the states in blocks, so memory
-    stays bounded; at paper scale it reads the files once more, minutes against hours."""
-    first_path, first_ids = None, None
-    for path in files.values():
-        with h5py.File(path, "r") as f:
-            ids, offsets = decode_ids(f["response_id"][:]), f["offsets"][:]
-            if first_ids is None:
-                first_path, first_ids = path, ids
-                for split in splits:
-                    select(ids, offsets, judgments, split, str(path), p_sem)
-            elif ids != first_ids:
-                raise DataError(f"{path} holds other responses than {first_path}: the layer files come from "
-                                "different dumps; re-run dump")
-            states = f["states"]
-            for start in range(0, states.shape[0], block_rows):
-                bad = ~np.isfinite(states[start : start + block_rows]).all(1)
-                if bad.any():
-                    row = start + int(np.argmax(bad))
-                    response = ids[int(np.searchsorted(offsets, row, side="right")) - 1]
-                    raise DataError(f"{path}: non-finite hidden states (NaN or inf) in response {response}; "
-                                    "re-run dump (a float16 overflow? try dump.dtype: float32)")
 
 
 def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[str, float] | None:

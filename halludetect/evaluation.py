@@ -1,8 +1,10 @@
-"""Evaluating trained detectors from the layer files: every layer's figures, the best layer
-chosen on validation only, inference throughput, and HaMI (SP)'s extra cost.
+"""Evaluating trained detectors: each layer's figures (written by its train stage), the best
+layer chosen on validation only, its full metrics, inference throughput, and HaMI (SP)'s cost.
 
-The best layer is the one with the highest mean validation AUROC over seeds; test figures
-are only read at that layer (and per layer, for the AUROC-versus-layer plot). The metrics
+A layer's train stage scores its validation and test responses with every seed's best weights
+(`scores_frame`, `layer_metrics`); the method's evaluation reads those small files for every
+layer, picks the layer with the highest mean validation AUROC over seeds, and reads test
+figures at that layer only (and per layer, for the AUROC-versus-layer plot). The metrics
 themselves are in metrics.py.
 """
 
@@ -15,15 +17,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from sklearn.metrics import average_precision_score, roc_auc_score
 
-from halludetect.detector_data import SplitData, check_layer_files, split_data
+from halludetect.detector_data import SplitData
 from halludetect.detectors import load_detector
 from halludetect.detectors.inference import score
 from halludetect.errors import DataError
-from halludetect.layer_format import layer_files
-from halludetect.layer_reader import LayerReader, read_layer
-from halludetect.metrics import margin, split_metrics
+from halludetect.layer_reader import LayerReader
+from halludetect.metrics import split_metrics
 
 
 @torch.no_grad()
@@ -58,58 +58,76 @@ def end_to_end_throughput(model, path: Path, index: np.ndarray, p_sem: torch.Ten
 
 
 def load_models(detectors_dir: Path, method: str, layer: int, seeds: list[int], d: int) -> list:
+    """The trained detectors of one layer, one per seed, checked against the method and d."""
     models = []
     for seed in seeds:
-        weights = Path(detectors_dir) / f"layer_{layer:02d}_seed_{seed}.safetensors"
+        weights = Path(detectors_dir) / f"seed_{seed}.safetensors"
         if not weights.exists():
             raise FileNotFoundError(f"{weights} is missing: train layer {layer} with seed {seed} first "
                                     "(train.seeds must list the seeds evaluated)")
         model, meta = load_detector(weights)
-        if meta["method"] != method or int(meta["d"]) != d:
-            raise DataError(f"{weights} holds a '{meta['method']}' detector for d={meta['d']}, "
-                            f"not '{method}' for d={d}: re-run train")
+        if meta["method"] != method or int(meta["d"]) != d or int(meta["layer"]) != layer:
+            raise DataError(f"{weights} holds a '{meta['method']}' detector of layer {meta['layer']} for "
+                            f"d={meta['d']}, not '{method}' of layer {layer} for d={d}: re-run train")
         models.append(model)
     return models
 
 
-def evaluate_detector(method: str, activations: Path, detectors: Path, judgments: pl.DataFrame,
-                      seeds: list[int], *, bootstrap: int, seed: int, repeats: int,
-                      p_sem: dict[str, float] | None = None) -> dict:
-    """Every layer's val/test figures, the best layer's full metrics and its throughput."""
-    files = layer_files(activations)
-    check_layer_files(files, judgments, ("val", "test"), p_sem)
-    per_layer, best = [], None
-    for layer, path in files.items():
-        data = read_layer(path, dtype=None)
-        splits = {s: split_data(data, judgments, s, str(path), p_sem) for s in ("val", "test")}
-        models = load_models(detectors, method, layer, seeds, data.states.shape[1])
-        scores = {s: [score(m, d) for m in models] for s, d in splits.items()}
-        y = {s: d.y.numpy() for s, d in splits.items()}
-        row = {"layer": layer, "val_auroc": float(np.mean([roc_auc_score(y["val"], z) for z in scores["val"]])),
-               "test_auroc": float(np.mean([roc_auc_score(y["test"], z) for z in scores["test"]])),
-               "test_auprc": float(np.mean([average_precision_score(y["test"], z) for z in scores["test"]])),
-               "test_margin": float(np.mean([margin(y["test"], z) for z in scores["test"]]))}
-        per_layer.append(row)
-        if best is None or row["val_auroc"] > best[0]["val_auroc"]:  # chosen on validation only
-            best = (row, path, splits, scores, models)
-        del data
-    row, path, splits, scores, models = best
-    test = splits["test"]
+# --------------------------------------------------------------------- one method
+def best_layer(per_layer: dict[int, dict]) -> int:
+    """The layer with the highest mean validation AUROC over seeds (the lowest on ties)."""
+    return max(sorted(per_layer), key=lambda layer: per_layer[layer]["val"]["auroc"]["mean"])
+
+
+def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, list[np.ndarray], pl.DataFrame]]:
+    """Per split: labels [N], per-seed scores (each [N], same response order) and the rows of seed 0."""
+    df = pl.read_parquet(path)
+    found = sorted(df["seed"].unique().to_list())
+    if found != sorted(seeds):
+        raise DataError(f"{path} holds seeds {found}, not train.seeds {sorted(seeds)}: re-run train")
+    out = {}
+    for split in ("val", "test"):
+        part = df.filter(pl.col("split") == split)
+        per_seed = [part.filter(pl.col("seed") == s).sort("response_id") for s in seeds]
+        out[split] = (per_seed[0]["label"].to_numpy().astype(np.int64), [p["score"].to_numpy() for p in per_seed],
+                      per_seed[0])
+    return out
+
+
+def evaluate_detector(per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int,
+                      seed: int) -> dict:
+    """The method's figures: every layer's val/test AUROC (the plot), the layer chosen on
+    validation, and its full val/test metrics from its scores (the test AUROC with a bootstrap
+    interval)."""
+    counts = {layer: (m["val"]["n"], m["test"]["n"]) for layer, m in per_layer.items()}
+    if len(set(counts.values())) > 1:
+        raise DataError(f"the layers were scored on different responses (val, test counts by layer: {counts}): "
+                        "they come from different dumps or labels; re-run train for every layer")
+    best = best_layer(per_layer)
+    scores = read_scores(Path(scores_dir) / f"layer_{best}.parquet", seeds)
+    y_val, s_val, _ = scores["val"]
+    y_test, s_test, _ = scores["test"]
     return {
-        "best_layer": row["layer"],
+        "best_layer": best,
         "layer_selection": "highest mean validation AUROC over seeds",
-        "val": split_metrics(splits["val"].y.numpy(), scores["val"]),
-        "test": split_metrics(test.y.numpy(), scores["test"], bootstrap=bootstrap, seed=seed),
-        "excluded": {s: d.excluded for s, d in splits.items()},
-        "layers": per_layer,
-        "throughput": {
-            "preloaded_samples_per_s": throughput(models[0], test, repeats),
-            "end_to_end_samples_per_s": end_to_end_throughput(models[0], path, test.layer_index, test.p_sem),
-            "n": len(test),
-            "what": "detector inference on the best layer's test responses, batches of 1024, best of "
-                    f"{repeats} (preloaded float32 tensors) and of 3 (from opening the HDF5 file), "
-                    f"{torch.get_num_threads()} CPU threads",
-        },
+        "val": split_metrics(y_val, s_val),
+        "test": split_metrics(y_test, s_test, bootstrap=bootstrap, seed=seed),
+        "excluded": per_layer[best]["excluded"],
+        "layers": [{"layer": layer, "val_auroc": m["val"]["auroc"]["mean"], "test_auroc": m["test"]["auroc"]["mean"],
+                    "test_auprc": m["test"]["auprc"]["mean"], "test_margin": m["test"]["margin"]["mean"]}
+                   for layer, m in sorted(per_layer.items())],
+    }
+
+
+def detector_throughput(models: list, test: SplitData, layer_file: Path, repeats: int) -> dict:
+    """Inference speed of the chosen layer's detector on its test responses."""
+    return {
+        "preloaded_samples_per_s": throughput(models[0], test, repeats),
+        "end_to_end_samples_per_s": end_to_end_throughput(models[0], layer_file, test.layer_index, test.p_sem),
+        "n": len(test),
+        "what": "detector inference on the best layer's test responses, batches of 1024, best of "
+                f"{repeats} (preloaded float32 tensors) and of 3 (from opening the HDF5 file), "
+                f"{torch.get_num_threads()} CPU thread(s)",
     }
 
 

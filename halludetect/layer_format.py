@@ -1,7 +1,7 @@
 """The per-layer HDF5 file format, shared by its writer (`layer_writer.py`, used by dump) and its
 readers (`layer_reader.py`, used by train and evaluate).
 
-One file per layer, `layer_<LL>.h5` (so a colleague can `dvc pull` one layer):
+One file per layer, `layer_<L>.h5` (so a colleague can `dvc pull` one layer):
 
     states      float16 [total_tokens, d]   bags concatenated in response order
     offsets     int64   [n_responses + 1]   bag r is states[offsets[r]:offsets[r+1]]
@@ -18,7 +18,8 @@ from pathlib import Path
 
 
 def layer_filename(layer: int) -> str:
-    return f"layer_{layer:02d}.h5"
+    """`layer_<L>.h5`, unpadded: dvc.yaml builds the same name from a layer index (`layer_${item.layer}.h5`)."""
+    return f"layer_{layer}.h5"
 
 
 def layer_files(directory: str | Path) -> dict[int, Path]:

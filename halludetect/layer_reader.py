@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from halludetect.detectors.bags import Bags, gather_rows
+from halludetect.errors import DataError
 from halludetect.layer_format import decode_ids
 
 
@@ -31,9 +32,12 @@ class Layer:
         return np.diff(self.offsets)
 
 
-def read_layer(path: str | Path, dtype=np.float32) -> Layer:
-    """A whole layer file in memory; dtype None keeps the stored one (half the memory of float32)."""
+def read_layer(path: str | Path, dtype=np.float32, expect_layer: int | None = None) -> Layer:
+    """A whole layer file in memory; dtype None keeps the stored one (half the memory of float32).
+    With `expect_layer`, a file whose `layer` attribute says otherwise is refused."""
     with h5py.File(path, "r") as f:
+        if expect_layer is not None and "layer" in f.attrs and int(f.attrs["layer"]) != expect_layer:
+            raise DataError(f"{path} holds layer {int(f.attrs['layer'])}, not layer {expect_layer}: re-run dump")
         states = f["states"][:]
         return Layer(
             states=states if dtype is None else states.astype(dtype, copy=False),

@@ -67,9 +67,9 @@ def workers() -> Workers:
     state = PartialState(cpu=not torch.cuda.is_available())
     device = str(state.device)
     if device.startswith("cpu"):
+        # Each process keeps the pinned thread count (numerics.py): a unit computed by any of
+        # them gives the bytes it gives in a one-process run.
         device = "cpu"
-        # Split the cores between the processes instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.num_processes))
     return Workers(state.process_index, state.num_processes, device, state)
 
 

@@ -1,4 +1,5 @@
-"""Score val and test with every trained layer; pick the best layer on validation only."""
+"""Evaluate one detector method: every layer's figures, the best layer chosen on validation only,
+its full metrics (bootstrap interval), its inference throughput, and HaMI (SP)'s extra cost."""
 
 import json
 from pathlib import Path
@@ -7,41 +8,61 @@ import polars as pl
 
 from halludetect import cli
 from halludetect.atomic_io import write_json
-from halludetect.detector_data import DataError, p_sem_for
+from halludetect.detector_data import p_sem_for, split_data
 from halludetect.detectors import trained_params
-from halludetect.evaluation import evaluate_detector, hami_sp_cost
+from halludetect.errors import DataError
+from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
+from halludetect.layer_format import layer_filename
+from halludetect.layer_reader import read_layer
 
 
 def run(args, params):
-    ep = params.evaluate
-    method_params = trained_params(args.detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
-    p_sem = p_sem_for(args.method, args.clusters, method_params)
-    judgments = pl.read_parquet(args.judgments)
+    ep, seeds = params.evaluate, params.train.seeds
+    per_layer = {}
+    for layer in params.grid.layers:
+        path = Path(args.layer_metrics) / f"layer_{layer}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run the train stage of layer {layer} first "
+                                    "(grid.layers lists the layers evaluated)")
+        per_layer[layer] = json.loads(path.read_text())
     metrics = {"model": args.model, "dataset": args.dataset, "method": args.method, "family": "detector",
-               "seeds": params.train.seeds}
-    metrics |= evaluate_detector(args.method, args.activations, args.detectors, judgments, params.train.seeds,
-                                 bootstrap=ep.bootstrap, seed=ep.seed, repeats=ep.throughput_repeats, p_sem=p_sem)
+               "seeds": seeds}
+    metrics |= evaluate_detector(per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed)
+
+    # Throughput of the chosen layer's detector, on its test responses.
+    best = metrics["best_layer"]
+    detectors = Path(args.detectors) / f"layer_{best}"
+    method_params = trained_params(detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
+    p_sem = p_sem_for(args.method, args.clusters, method_params)
+    layer_file = Path(args.activations) / layer_filename(best)
+    judgments = pl.read_parquet(args.judgments)
+    test = split_data(read_layer(layer_file, dtype=None, expect_layer=best), judgments, "test", str(layer_file), p_sem)
+    models = load_models(detectors, args.method, best, seeds, int(test.tokens.shape[-1]))
+    metrics["throughput"] = detector_throughput(models, test, layer_file, ep.throughput_repeats)
     if p_sem is not None:
         if not (args.timings and args.generation_metrics):
             raise DataError(f"{args.method}: pass --timings and --generation-metrics to charge its sampling and NLI")
-        test_questions = judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list()
         metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
-                                       pl.read_parquet(args.timings), test_questions,
+                                       pl.read_parquet(args.timings),
+                                       judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list(),
                                        metrics["throughput"]["preloaded_samples_per_s"])
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
-    cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, metrics["best_layer"],
-                 metrics["test"]["auroc"]["mean"])
+    cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
 
 
 if __name__ == "__main__":
     p = cli.parser(__doc__)
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
-                       ("--method", "detector method"), ("--activations", "directory of layer files"),
-                       ("--judgments", "judgments Parquet"), ("--detectors", "trained detector directory"),
-                       ("--out", "metrics JSON"), ("--plot", "per-layer AUROC JSON (DVC plot)")]:
+                       ("--method", "detector method"),
+                       ("--layer-metrics", "directory of the per-layer figures (layer_<L>.json)"),
+                       ("--scores", "directory of the per-layer scores (layer_<L>.parquet)"),
+                       ("--detectors", "directory of the per-layer detectors (layer_<L>/seed_<S>.safetensors)"),
+                       ("--activations", "directory of layer files (for the throughput of the best layer)"),
+                       ("--judgments", "judgments Parquet"), ("--out", "metrics JSON"),
+                       ("--plot", "per-layer AUROC JSON (DVC plot)")]:
         p.add_argument(flag, required=True, help=text)
-    p.add_argument("--clusters", help="clusters Parquet (P_sem), for hami_sp only")
+    p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it")
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
     p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
     cli.main(run, p)

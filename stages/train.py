@@ -1,17 +1,18 @@
-"""Train one detector method on every dumped layer of a grid cell, for every seed."""
+"""Train one detector method on one dumped layer, for every seed, and score that layer's validation
+and test responses with each seed's best weights (the layer's own evaluation).
 
-import json
+One stage per layer, so a colleague who pulled a single layer file trains on it alone.
+"""
+
 from pathlib import Path
 
 import polars as pl
 
 from halludetect import cli
-from halludetect.atomic_io import atomic_path
-from halludetect.detector_data import check_layer_files, p_sem_for, split_data
-from halludetect.detectors import save_detector, section
-from halludetect.layer_format import layer_files
+from halludetect.detector_data import SPLITS, p_sem_for, split_data
+from halludetect.detectors import section
 from halludetect.layer_reader import read_layer
-from halludetect.training import train_detector
+from halludetect.training import train_layer
 
 
 def run(args, params):
@@ -19,37 +20,22 @@ def run(args, params):
     method_params = section(params.detectors, args.method)
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     judgments = pl.read_parquet(args.judgments)
-    files = layer_files(args.activations)
-    check_layer_files(files, judgments, ("train", "val"), p_sem)  # every layer, before any training
-    curves, summary = {}, {}
-    with atomic_path(Path(args.out), is_dir=True) as tmp:
-        for layer, path in files.items():
-            data = read_layer(path, dtype=None)
-            train = split_data(data, judgments, "train", str(path), p_sem)
-            val = split_data(data, judgments, "val", str(path), p_sem)
-            del data
-            for seed in tp.seeds:
-                res = train_detector(args.method, method_params, train, val, epochs=tp.epochs,
-                                     batch_size=tp.batch_size, seed=seed, device=tp.device)
-                key = f"layer_{layer:02d}_seed_{seed}"
-                save_detector(tmp / f"{key}.safetensors", res.state_dict,
-                              {"method": args.method, "layer": layer, "seed": seed, "best_epoch": res.best_epoch,
-                               "d": int(train.tokens.shape[-1]), "params": method_params.model_dump()})
-                curves[key] = res.curve
-                summary[key] = {"layer": layer, "seed": seed, "best_epoch": res.best_epoch,
-                                "val_auroc": res.best_val_auroc, "n_train": len(train), "n_val": len(val),
-                                "excluded": {"train": train.excluded, "val": val.excluded}}
-                cli.log.info("%s %s: best epoch %d, val AUROC %.3f", args.method, key, res.best_epoch,
-                             res.best_val_auroc)
-        (tmp / "curves.json").write_text(json.dumps(curves, indent=1))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    layer = read_layer(args.activations, dtype=None, expect_layer=args.layer)
+    data = {s: split_data(layer, judgments, s, str(args.activations), p_sem) for s in SPLITS}
+    del layer
+    train_layer(args.method, method_params, data, tp.seeds, layer=args.layer, epochs=tp.epochs,
+                batch_size=tp.batch_size, device=tp.device, out_dir=Path(args.out), scores_path=Path(args.scores),
+                metrics_path=Path(args.metrics), log=cli.log.info)
 
 
 if __name__ == "__main__":
     p = cli.parser(__doc__)
     p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
-    p.add_argument("--activations", required=True, help="directory of layer_XX.h5 files")
+    p.add_argument("--layer", required=True, type=int, help="the layer index (checked against the file's)")
+    p.add_argument("--activations", required=True, help="the layer's HDF5 file (layer_<L>.h5)")
     p.add_argument("--judgments", required=True, help="judgments Parquet (labels)")
-    p.add_argument("--clusters", help="clusters Parquet (P_sem), for hami_sp only")
-    p.add_argument("--out", required=True, help="output directory of detector weights")
+    p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it (train_sp)")
+    p.add_argument("--out", required=True, help="output directory: seed_<S>.safetensors, curves.json, summary.json")
+    p.add_argument("--scores", required=True, help="Parquet: every val/test response's logit, per seed")
+    p.add_argument("--metrics", required=True, help="the layer's val/test figures (JSON)")
     cli.main(run, p)

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+from halludetect import numerics
+
+# The stages' numerics (halludetect/numerics.py), pinned before torch loads, so that what a test
+# computes in this process matches what a stage subprocess computes.
+numerics.pin()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

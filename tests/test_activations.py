@@ -105,7 +105,7 @@ def test_hdf5_bytes_are_deterministic(tiny, tmp_path):
         (tmp_path / name).mkdir()
         dump(model, tok, qs, gens, tmp_path / name, [1], positions="predicting", dtype="float16", batch_size=2,
              attrs={"model": "tiny"}, log=lambda *_: None)
-        digests.append(hashlib.sha256((tmp_path / name / "layer_01.h5").read_bytes()).hexdigest())
+        digests.append(hashlib.sha256((tmp_path / name / "layer_1.h5").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
 
 
@@ -136,7 +136,7 @@ def test_sampling_time_states_equal_teacher_forced_states(tiny, tmp_path, positi
          attrs={}, log=lambda *_: None)
     steps = out.hidden_states  # steps[t][layer]: [rows, seq, d]; step t's last position predicts token t
     for layer in (0, 2, 3):
-        got = read_layer(tmp_path / f"layer_{layer:02d}.h5")
+        got = read_layer(tmp_path / f"layer_{layer}.h5")
         for i, a in enumerate(answers):
             bag = got.states[got.offsets[i] : got.offsets[i + 1]]
             if positions == "predicting":
@@ -199,10 +199,10 @@ def test_dump_shards_merge_to_the_one_process_bytes(tiny, tmp_path):
     for name, workers in (("single", None), ("rank0", Workers(0, 2)), ("rank1", Workers(1, 2))):
         (tmp_path / name).mkdir()
         dump(model, tok, qs, gens, tmp_path / name, [1, 3], workers=workers, **kw)
-    assert len(read_layer(tmp_path / "rank0" / "layer_01.h5").response_ids) == 6  # 3 of 5 batches
+    assert len(read_layer(tmp_path / "rank0" / "layer_1.h5").response_ids) == 6  # 3 of 5 batches
     (tmp_path / "merged").mkdir()
     merge_parts([tmp_path / "rank0", tmp_path / "rank1"], tmp_path / "merged", [1, 3], block_rows=7)
-    for f in ("layer_01.h5", "layer_03.h5"):
+    for f in ("layer_1.h5", "layer_3.h5"):
         assert sha(tmp_path / "merged" / f) == sha(tmp_path / "single" / f)
 
 
@@ -240,5 +240,5 @@ def test_device_map_preset_generates_and_dumps_like_the_plain_model(tiny, tiny_m
         (tmp_path / name).mkdir()
         dump(m, tok, qs, gens, tmp_path / name, [0, 3], positions="predicting", dtype="float16", batch_size=4,
              attrs={}, log=lambda *_: None)
-    for f in ("layer_00.h5", "layer_03.h5"):
+    for f in ("layer_0.h5", "layer_3.h5"):
         assert sha(tmp_path / "plain" / f) == sha(tmp_path / "placed" / f)

@@ -10,7 +10,7 @@ from sklearn.metrics import roc_auc_score
 from halludetect.config import DetectorsParams
 from halludetect.detectors import DETECTORS, Bags, build_detector, gather_rows, pad_bags, params_for
 from halludetect.detectors.pooling import segment_max, segment_softmax, topk_count, topk_mean
-from halludetect.metrics import margin, split_metrics
+from halludetect.metrics import auroc, average_precision, margin, split_metrics
 from halludetect.training import hami_mil_loss
 
 D = 6
@@ -223,3 +223,38 @@ def test_metrics_match_sklearn_and_margin_definition():
     assert lo < m["auroc"]["mean"] < hi
     assert margin(np.array([1, 0]), np.array([2.0, -3.0])) == pytest.approx(2.5)
     assert split_metrics(y, [z], logits=False)["margin"] is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=2, max_size=60), st.booleans())
+def test_auroc_and_average_precision_equal_sklearns_with_ties(pairs, continuous):
+    """Our numpy AUROC and AP (metrics.py) are sklearn's, ties included (integer scores tie often)."""
+    from sklearn.metrics import average_precision_score
+
+    y = np.array([p[0] for p in pairs])
+    if y.min() == y.max():
+        y[0] = 1 - y[0]
+    s = np.array([p[1] for p in pairs], dtype=np.float64)
+    if continuous:
+        s = s + np.random.default_rng(len(pairs)).normal(size=len(s))
+    assert auroc(y, s) == pytest.approx(roc_auc_score(y, s), abs=1e-12)
+    assert average_precision(y, s) == pytest.approx(average_precision_score(y, s), abs=1e-12)
+
+
+def test_dropout_zeroes_a_p_share_scales_the_rest_and_is_seeded():
+    from halludetect.detectors.networks import Dropout
+
+    x = torch.ones(400, 250, requires_grad=True)
+    drop = Dropout(0.3).train()
+    torch.manual_seed(0)
+    y = drop(x)
+    zero = (y == 0).float().mean().item()
+    assert abs(zero - 0.3) < 0.01  # 100,000 draws: 4.6 sigma is 0.0067
+    assert torch.allclose(y[y != 0], torch.tensor(1 / 0.7))
+    y.sum().backward()
+    assert torch.equal(x.grad, (y != 0) / 0.7)  # the gradient flows through kept elements only
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)
+    assert torch.equal(drop.eval()(x), x)
+    with pytest.raises(ValueError, match="not in"):
+        Dropout(1.0)

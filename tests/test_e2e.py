@@ -32,15 +32,20 @@ SMALL = {
     "train": {"epochs": 8, "seeds": [0]},
     "evaluate": {"bootstrap": 20, "throughput_repeats": 1},
     # one of each kind of stage; every method is covered by the unit tests
-    "grid": {"methods": ["hami", "mean", "max"], "sp_methods": ["hami_sp"]},
+    "grid": {"methods": ["hami", "mean", "max"], "sp_methods": ["hami_sp"], "layers": [0, 1, 2]},
     "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "mean", "max")},
 }
-DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in ("hami", "mean", "max") for kind in ("train", "evaluate")} | {
-    "train_sp@world-world-hami_sp", "evaluate_sp@world-world-hami_sp"}
+LAYERS = (0, 1, 2)
+DETECTOR_STAGES = (
+    {f"train@world-world-{m}-{layer}" for m in ("hami", "mean", "max") for layer in LAYERS}
+    | {f"evaluate@world-world-{m}" for m in ("hami", "mean", "max")}
+    | {f"train_sp@world-world-hami_sp-{layer}" for layer in LAYERS} | {"evaluate_sp@world-world-hami_sp"}
+)
+SP_STAGES = {s for s in DETECTOR_STAGES if "hami_sp" in s}
 
 
 def run(cmd: list[str], cwd: Path, **extra_env: str) -> str:
-    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(cwd), **extra_env}
+    env = {**os.environ, "PYTHONPATH": str(cwd), **extra_env}
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = f"{bindir}:{env['PATH']}"  # `python` in dvc.yaml is this interpreter
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
@@ -110,9 +115,9 @@ def test_dag_writes_the_comparison_table(repo):
 
 def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
-    assert changed(repo) == {"train@world-world-max"}
+    assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
-    assert ran(log) == {"train@world-world-max", "evaluate@world-world-max", "report"}
+    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max", "report"}
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
@@ -138,7 +143,7 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
     assert changed(repo) == {"cluster@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert "cluster@world-world" in ran(log)
-    assert not ran(log) & (DETECTOR_STAGES - {"train_sp@world-world-hami_sp", "evaluate_sp@world-world-hami_sp"})
+    assert not ran(log) & (DETECTOR_STAGES - SP_STAGES)
 
 
 def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
@@ -161,7 +166,7 @@ def stage_args(repo: Path, tmp: Path, stage: str) -> list[str]:
 
 def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_path):
     set_params(repo, {"generate": {"batch_size": 4}})  # many small units, so the kill lands mid-way
-    env = {**os.environ, "HALLUDETECT_THREADS": "2", "PYTHONPATH": str(repo),
+    env = {**os.environ, "PYTHONPATH": str(repo),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "generate@world-world"], cwd=repo, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -13,13 +13,13 @@ from test_training import D, synthetic
 
 from halludetect.baselines import baseline_scores, evaluate_baseline
 from halludetect.config import BaselinesParams, PoolingParams
-from halludetect.detector_data import DataError, check_layer_files, split_data
-from halludetect.detectors import save_detector
-from halludetect.evaluation import evaluate_detector, hami_sp_cost
+from halludetect.detector_data import SPLITS, DataError, split_data
+from halludetect.detectors.inference import score
+from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
 from halludetect.layer_format import layer_filename
 from halludetect.layer_reader import read_layer
 from halludetect.layer_writer import LayerWriter
-from halludetect.training import train_detector
+from halludetect.training import train_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,24 +37,28 @@ def write_layers(directory: Path) -> pl.DataFrame:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """Two layers x two seeds of `max`, trained and scored as the per-layer train stage does."""
     root = tmp_path_factory.mktemp("cell")
-    acts, dets = root / "acts", root / "dets"
-    acts.mkdir(), dets.mkdir()
+    acts = root / "acts"
+    acts.mkdir()
     labels = write_layers(acts)
     params = PoolingParams(dim=16, dropout=0.0, lr=1e-2, weight_decay=0.0)
     for index in (0, 1):
-        layer = read_layer(acts / layer_filename(index), dtype=None)
-        train, val = split_data(layer, labels, "train"), split_data(layer, labels, "val")
-        for seed in (0, 1):
-            res = train_detector("max", params, train, val, epochs=10, batch_size=32, seed=seed)
-            save_detector(dets / f"layer_{index:02d}_seed_{seed}.safetensors", res.state_dict,
-                          {"method": "max", "layer": index, "seed": seed, "d": D, "params": params.model_dump()})
-    return acts, dets, labels
+        layer = read_layer(acts / layer_filename(index), dtype=None, expect_layer=index)
+        data = {s: split_data(layer, labels, s) for s in SPLITS}
+        train_layer("max", params, data, [0, 1], layer=index, epochs=10, batch_size=32, device="cpu",
+                    out_dir=root / "dets" / f"layer_{index}", scores_path=root / "scores" / f"layer_{index}.parquet",
+                    metrics_path=root / "layers" / f"layer_{index}.json", log=lambda *_: None)
+    return root, labels
+
+
+def per_layer(root: Path) -> dict[int, dict]:
+    return {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in sorted((root / "layers").glob("*.json"))}
 
 
 def test_best_layer_is_chosen_on_validation_and_metrics_are_complete(trained):
-    acts, dets, labels = trained
-    m = evaluate_detector("max", acts, dets, labels, [0, 1], bootstrap=100, seed=0, repeats=2)
+    root, labels = trained
+    m = evaluate_detector(per_layer(root), root / "scores", [0, 1], bootstrap=100, seed=0)
     assert [r["layer"] for r in m["layers"]] == [0, 1]
     assert m["best_layer"] == max(m["layers"], key=lambda r: r["val_auroc"])["layer"] == 1
     assert m["layers"][0]["test_auroc"] < 0.7 < m["layers"][1]["test_auroc"]
@@ -64,16 +68,31 @@ def test_best_layer_is_chosen_on_validation_and_metrics_are_complete(trained):
     lo, hi = test["auroc_ci95"]
     assert lo <= test["auroc"]["mean"] <= hi
     assert test["auroc"]["mean"] == pytest.approx(m["layers"][1]["test_auroc"])
-    assert m["throughput"]["preloaded_samples_per_s"] > 0 and m["throughput"]["end_to_end_samples_per_s"] > 0
-    assert m["excluded"] == {"val": {"empty_bag": 0}, "test": {"empty_bag": 0}}
+    assert m["excluded"] == {"train": {"empty_bag": 0}, "val": {"empty_bag": 0}, "test": {"empty_bag": 0}}
+    # The scores of a seed are its saved detector's logits.
+    layer = read_layer(root / "acts" / layer_filename(1), dtype=None)
+    test_split = split_data(layer, labels, "test")
+    models = load_models(root / "dets" / "layer_1", "max", 1, [0, 1], D)
+    saved = pl.read_parquet(root / "scores" / "layer_1.parquet").filter(
+        (pl.col("split") == "test") & (pl.col("seed") == 1))
+    assert saved["response_id"].to_list() == test_split.response_ids
+    np.testing.assert_array_equal(saved["score"].to_numpy(), score(models[1], test_split))
+    speed = detector_throughput(models, test_split, root / "acts" / layer_filename(1), repeats=2)
+    assert speed["preloaded_samples_per_s"] > 0 and speed["end_to_end_samples_per_s"] > 0
 
 
-def test_missing_seed_and_wrong_method_are_named(trained):
-    acts, dets, labels = trained
-    with pytest.raises(FileNotFoundError, match="layer_00_seed_7.safetensors is missing"):
-        evaluate_detector("max", acts, dets, labels, [7], bootstrap=0, seed=0, repeats=1)
-    with pytest.raises(DataError, match="holds a 'max' detector"):
-        evaluate_detector("mean", acts, dets, labels, [0], bootstrap=0, seed=0, repeats=1)
+def test_missing_seed_wrong_method_and_layers_from_other_dumps_are_named(trained, tmp_path):
+    root, _ = trained
+    with pytest.raises(FileNotFoundError, match="seed_7.safetensors is missing"):
+        load_models(root / "dets" / "layer_0", "max", 0, [7], D)
+    with pytest.raises(DataError, match="holds a 'max' detector of layer 0"):
+        load_models(root / "dets" / "layer_0", "mean", 0, [0], D)
+    with pytest.raises(DataError, match=r"holds seeds \[0, 1\], not train.seeds \[0\]"):
+        evaluate_detector(per_layer(root), root / "scores", [0], bootstrap=0, seed=0)
+    layers = per_layer(root)
+    layers[0]["test"]["n"] -= 1  # as if layer 0 had been scored on another dump
+    with pytest.raises(DataError, match="scored on different responses"):
+        evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0)
 
 
 def test_bad_layer_files_stop_the_train_stage_before_any_training(tmp_path):
@@ -87,22 +106,23 @@ def test_bad_layer_files_stop_the_train_stage_before_any_training(tmp_path):
         offsets = f["offsets"][:]
     layer, _ = synthetic()
     states = layer.states.copy()
-    states[offsets[7] + 1, 3] = np.inf  # response 7 of the last layer: train7/0
+    states[offsets[7] + 1, 3] = np.inf  # response 7: train7/0
     w = LayerWriter(acts / layer_filename(1), D, "float32", {"layer": 1})
     w.append(states, np.diff(offsets), layer.response_ids)
     w.close(fsync=False)
     out = tmp_path / "dets"
-    res = stage("stages.train", "--method", "max", "--activations", str(acts), "--judgments",
-                str(tmp_path / "labels.parquet"), "--out", str(out))
+
+    def train(layer: int) -> subprocess.CompletedProcess:
+        return stage("stages.train", "--method", "max", "--layer", str(layer), "--activations",
+                     str(acts / layer_filename(1)), "--judgments", str(tmp_path / "labels.parquet"), "--out", str(out),
+                     "--scores", str(tmp_path / "s.parquet"), "--metrics", str(tmp_path / "m.json"))
+
+    res = train(1)
     assert res.returncode == 2, res.stderr
     assert f"{acts / layer_filename(1)}: non-finite hidden states (NaN or inf) in response train7/0" in res.stderr
-    assert "seed_0" not in res.stderr and not out.exists()  # nothing trained, nothing written
-
-    w = LayerWriter(acts / layer_filename(1), D, "float32", {"layer": 1})
-    w.append(layer.states[: offsets[-2]], np.diff(offsets)[:-1], layer.response_ids[:-1])
-    w.close(fsync=False)
-    with pytest.raises(DataError, match="holds other responses than .*layer_00.h5"):
-        check_layer_files({0: acts / layer_filename(0), 1: acts / layer_filename(1)}, labels, ("train",))
+    assert "seed 0" not in res.stderr and not out.exists()  # nothing trained, nothing written
+    res = train(0)
+    assert res.returncode == 2 and "holds layer 1, not layer 0: re-run dump" in res.stderr
 
 
 def world_like_tables():
@@ -156,11 +176,12 @@ def stage(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(tmp_path):
-    res = stage("stages.train", "--method", "hami-sp", "--activations", str(tmp_path), "--judgments", "none",
-                "--out", str(tmp_path / "out"))
+    outs = ["--out", str(tmp_path / "out"), "--scores", str(tmp_path / "s"), "--metrics", str(tmp_path / "m")]
+    res = stage("stages.train", "--method", "hami-sp", "--layer", "0", "--activations", str(tmp_path), "--judgments",
+                "none", *outs)
     assert res.returncode == 2 and "unknown detector 'hami-sp'; did you mean 'hami_sp'?" in res.stderr
-    res = stage("stages.train", "--method", "hami_sp", "--activations", str(tmp_path), "--judgments", "none",
-                "--out", str(tmp_path / "out"))
+    res = stage("stages.train", "--method", "hami_sp", "--layer", "0", "--activations", str(tmp_path), "--judgments",
+                "none", *outs)
     assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
     assert not (tmp_path / "out").exists()
 

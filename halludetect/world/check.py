@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from sklearn.metrics import roc_auc_score
 
 from halludetect.atomic_io import read_jsonl
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.generation import generate
 from halludetect.hf_models import load_model, load_tokenizer
+from halludetect.metrics import auroc
 from halludetect.text import contains
 
 
@@ -37,5 +37,5 @@ def evaluate_world(world_dir: Path, params: GenerateParams) -> dict:
         "greedy_accuracy_by_exposure": {str(e): float(correct[exposure == e].mean()) for e in sorted(set(exposure))},
         "greedy_hallucination_rate": float(halluc.mean()),
         # AUROC of -mean token log-prob of the greedy answer as a hallucination score.
-        "logprob_auroc": float(roc_auc_score(halluc, -mean_lp)) if 0 < halluc.sum() < len(halluc) else None,
+        "logprob_auroc": float(auroc(halluc, -mean_lp)) if 0 < halluc.sum() < len(halluc) else None,
     }

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from halludetect import numerics
+
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 
@@ -54,6 +56,7 @@ class TrainReport:
     seconds: float
 
 
+@numerics.fixed_threads(numerics.WORLD_THREADS)
 def train_model(
     docs: list[str],
     tokenizer: PreTrainedTokenizerFast,
@@ -68,7 +71,8 @@ def train_model(
     seed: int,
     log=print,
 ) -> tuple[LlamaForCausalLM, TrainReport]:
-    """Next-token training on the corpus, each document wrapped in BOS ... EOS."""
+    """Next-token training on the corpus, each document wrapped in BOS ... EOS, on exactly
+    `numerics.WORLD_THREADS` threads (the same splits of every sum on every machine)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     encoded = [

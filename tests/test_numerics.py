@@ -1,0 +1,86 @@
+"""Reproducible CPU numerics (halludetect/numerics.py): a stage's bytes do not depend on the
+machine's core count, on what the environment asks of torch and MKL, or on how many workers
+train seeds side by side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_training import synthetic
+
+from halludetect import numerics
+from halludetect.config import PoolingParams
+from halludetect.detector_data import split_data
+from halludetect.training import train_seeds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny world trained for two epochs, as the world stage trains it (stages/__init__ pins the
+# numerics first), printing a digest of the weights.
+WORLD = """
+import hashlib, stages
+from halludetect.world.kb import build_people, corpus
+from halludetect.world.tiny_llama import train_model, train_tokenizer
+docs = corpus(build_people(40, [1, 3, 10], ["birth_city", "job"], seed=3), qa_fraction=0.5, seed=3)
+model, _ = train_model(docs, train_tokenizer(docs, 400), hidden_size=64, n_layers=2, n_heads=4,
+                       intermediate_size=128, epochs=2, batch_size=16, lr=3e-3, seed=0, log=lambda *a: None)
+h = hashlib.sha256()
+for k, v in sorted(model.state_dict().items()):
+    h.update(v.contiguous().numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def world_digest(**env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in numerics.PINNED}
+    out = subprocess.run([sys.executable, "-c", WORLD], cwd=ROOT, env={**clean, **env}, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_world_training_gives_the_same_bytes_whatever_the_machine_asks_for():
+    """What differs between machines, emulated here: the core count (torch's default thread
+    count) and the kernels torch picks (ATEN_CPU_CAPABILITY: AVX-512 on one CPU, AVX2 or
+    baseline on another). Unpinned, each changes the trained weights (checked by hand with
+    HALLUDETECT_NUMERICS=native on an AVX-512 machine); pinned, neither does."""
+    reference = world_digest()
+    assert world_digest(OMP_NUM_THREADS="1") == reference
+    assert world_digest(OMP_NUM_THREADS="2", MKL_NUM_THREADS="4", ATEN_CPU_CAPABILITY="default") == reference
+
+
+def test_portable_numerics_ignore_the_instruction_sets_mkl_would_use():
+    """MKL's branch depends on the CPU (MKL_ENABLE_INSTRUCTIONS=AVX2 is what a CPU without
+    AVX-512 gives it, and an AMD CPU gets a branch of its own); in portable mode it is fixed."""
+    reference = world_digest(HALLUDETECT_NUMERICS="portable")
+    assert world_digest(HALLUDETECT_NUMERICS="portable", MKL_ENABLE_INSTRUCTIONS="AVX2") == reference
+    assert world_digest(HALLUDETECT_NUMERICS="portable", MKL_ENABLE_INSTRUCTIONS="SSE4_2") == reference
+
+
+def test_seeds_give_the_same_bytes_however_many_workers_train_them():
+    layer, labels = synthetic()
+    data = {s: split_data(layer, labels, s) for s in ("train", "val", "test")}
+    params = PoolingParams(dim=16, dropout=0.2, lr=1e-2, weight_decay=0.0)
+    runs = [train_seeds("max", params, data["train"], data["val"], {"test": data["test"]}, [0, 1, 2], epochs=4,
+                        batch_size=32, workers=w) for w in (1, 2, 3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.seed == b.seed and a.result.best_epoch == b.result.best_epoch
+            for k in a.result.state_dict:
+                assert torch.equal(a.result.state_dict[k], b.result.state_dict[k])
+            np.testing.assert_array_equal(a.scores["test"], b.scores["test"])
+    assert not torch.equal(runs[0][0].result.state_dict["head.weight"], runs[0][1].result.state_dict["head.weight"])
+
+
+def test_pinning_is_refused_after_torch_loaded_and_a_bad_mode_is_named(monkeypatch):
+    monkeypatch.setenv("HALLUDETECT_NUMERICS", "reproducible")
+    with pytest.raises(RuntimeError, match="before torch is imported"):
+        numerics.pin()
+    monkeypatch.setenv("HALLUDETECT_NUMERICS", "fast")
+    with pytest.raises(ValueError, match="HALLUDETECT_NUMERICS='fast'"):
+        numerics.pin()
