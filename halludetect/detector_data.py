@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
 import numpy as np
 import polars as pl
 import torch
@@ -20,8 +19,8 @@ import torch
 from halludetect.config import SP_METHODS
 from halludetect.detectors.bags import Bags, gather_rows
 from halludetect.errors import DataError
-from halludetect.layer_format import decode_ids
-from halludetect.layer_reader import Layer
+from halludetect.label_tables import read_clusters
+from halludetect.layer_reader import Layer, open_layer, read_states
 from halludetect.metrics import check_two_classes
 from halludetect.responses import response_ids
 
@@ -134,8 +133,8 @@ def check_layer_files(files: dict[int, Path], judgments: pl.DataFrame, splits: t
     stays bounded; at paper scale it reads the files once more, minutes against hours."""
     first_path, first_ids = None, None
     for path in files.values():
-        with h5py.File(path, "r") as f:
-            ids, offsets = decode_ids(f["response_id"][:]), f["offsets"][:]
+        f, offsets, ids = open_layer(path)  # structure checked: datasets, offsets against states
+        with f:
             if first_ids is None:
                 first_path, first_ids = path, ids
                 for split in splits:
@@ -145,7 +144,7 @@ def check_layer_files(files: dict[int, Path], judgments: pl.DataFrame, splits: t
                                 "different dumps; re-run dump")
             states = f["states"]
             for start in range(0, states.shape[0], block_rows):
-                bad = ~np.isfinite(states[start : start + block_rows]).all(1)
+                bad = ~np.isfinite(read_states(path, states, slice(start, start + block_rows))).all(1)
                 if bad.any():
                     row = start + int(np.argmax(bad))
                     response = ids[int(np.searchsorted(offsets, row, side="right")) - 1]
@@ -159,7 +158,7 @@ def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[s
     if method in SP_METHODS:
         if not clusters:
             raise DataError(f"{method} reads P_sem: pass --clusters (the train_sp stage does)")
-        return p_sem_table(pl.read_parquet(clusters), method_params.p_sem)
+        return p_sem_table(read_clusters(clusters), method_params.p_sem)
     if clusters:
         raise DataError(f"{method} does not read P_sem: train it without --clusters (the train stage)")
     return None

@@ -20,8 +20,9 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from halludetect.detector_data import SplitData, check_layer_files, split_data
 from halludetect.detectors import load_detector
 from halludetect.detectors.inference import score
+from halludetect.detectors.registry import trained_layers
 from halludetect.errors import DataError
-from halludetect.layer_format import layer_files
+from halludetect.layer_format import layer_filename, layer_files
 from halludetect.layer_reader import LayerReader, read_layer
 from halludetect.metrics import margin, split_metrics
 
@@ -77,6 +78,13 @@ def evaluate_detector(method: str, activations: Path, detectors: Path, judgments
                       p_sem: dict[str, float] | None = None) -> dict:
     """Every layer's val/test figures, the best layer's full metrics and its throughput."""
     files = layer_files(activations)
+    # A trained layer whose states are gone is an error, not a layer silently left out of the
+    # choice of the best layer.
+    if gone := {layer: paths for layer, paths in trained_layers(detectors).items() if layer not in files}:
+        layer, paths = next(iter(gone.items()))
+        raise DataError(f"{len(gone)} trained layer(s) {sorted(gone)} have no layer file in {activations} (e.g. "
+                        f"{Path(activations) / layer_filename(layer)} for {paths[0]}): re-run dump (or dvc pull "
+                        "that file); a best layer chosen without them would not be the best layer")
     check_layer_files(files, judgments, ("val", "test"), p_sem)
     per_layer, best = [], None
     for layer, path in files.items():

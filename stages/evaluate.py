@@ -6,17 +6,19 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json
 from halludetect.detector_data import DataError, p_sem_for
 from halludetect.detectors import trained_params
 from halludetect.evaluation import evaluate_detector, hami_sp_cost
+from halludetect.label_tables import read_judgments
 
 
 def run(args, params):
     ep = params.evaluate
     method_params = trained_params(args.detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
     p_sem = p_sem_for(args.method, args.clusters, method_params)
-    judgments = pl.read_parquet(args.judgments)
+    judgments = read_judgments(args.judgments)
     metrics = {"model": args.model, "dataset": args.dataset, "method": args.method, "family": "detector",
                "seeds": params.train.seeds}
     metrics |= evaluate_detector(args.method, args.activations, args.detectors, judgments, params.train.seeds,
@@ -26,7 +28,8 @@ def run(args, params):
             raise DataError(f"{args.method}: pass --timings and --generation-metrics to charge its sampling and NLI")
         test_questions = judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list()
         metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
-                                       pl.read_parquet(args.timings), test_questions,
+                                       read_parquet(args.timings, "cluster", "cluster timings table"),
+                                       test_questions,
                                        metrics["throughput"]["preloaded_samples_per_s"])
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])

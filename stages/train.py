@@ -3,12 +3,11 @@
 import json
 from pathlib import Path
 
-import polars as pl
-
 from halludetect import cli
 from halludetect.atomic_io import atomic_path
 from halludetect.detector_data import check_layer_files, p_sem_for, split_data
 from halludetect.detectors import save_detector, section
+from halludetect.label_tables import read_judgments
 from halludetect.layer_format import layer_files
 from halludetect.layer_reader import read_layer
 from halludetect.training import train_detector
@@ -18,7 +17,7 @@ def run(args, params):
     tp = params.train
     method_params = section(params.detectors, args.method)
     p_sem = p_sem_for(args.method, args.clusters, method_params)
-    judgments = pl.read_parquet(args.judgments)
+    judgments = read_judgments(args.judgments)
     files = layer_files(args.activations)
     check_layer_files(files, judgments, ("train", "val"), p_sem)  # every layer, before any training
     curves, summary = {}, {}
