@@ -7,6 +7,7 @@ from halludetect import cli
 from halludetect.atomic_io import atomic_path
 from halludetect.detector_data import check_layer_files, p_sem_for, split_data
 from halludetect.detectors import save_detector, section
+from halludetect.devices import resolve_device
 from halludetect.label_tables import read_judgments
 from halludetect.layer_format import layer_files
 from halludetect.layer_reader import read_layer
@@ -15,6 +16,7 @@ from halludetect.training import train_detector
 
 def run(args, params):
     tp = params.train
+    device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     judgments = read_judgments(args.judgments)
@@ -29,7 +31,7 @@ def run(args, params):
             del data
             for seed in tp.seeds:
                 res = train_detector(args.method, method_params, train, val, epochs=tp.epochs,
-                                     batch_size=tp.batch_size, seed=seed, device=tp.device)
+                                     batch_size=tp.batch_size, seed=seed, device=device)
                 key = f"layer_{layer:02d}_seed_{seed}"
                 save_detector(tmp / f"{key}.safetensors", res.state_dict,
                               {"method": args.method, "layer": layer, "seed": seed, "best_epoch": res.best_epoch,

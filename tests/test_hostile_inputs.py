@@ -261,6 +261,18 @@ def test_params_reject_an_unknown_device_naming_the_key():
     parse_params(data)  # real devices pass
 
 
+def test_a_device_this_machine_lacks_is_named_with_its_key_before_anything_loads(monkeypatch):
+    import torch
+
+    from halludetect.devices import DeviceError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"^train.device: 'cuda:1' was asked for but CUDA is not available; use "
+                                          r"'cpu' or 'auto'$"):
+        resolve_device("cuda:1", "train.device")
+    assert resolve_device("auto", "train.device") == "cpu"  # auto is a device for training too
+
+
 # ----------------------------------------------------------------- label tables (train)
 def cell(tmp_path: Path, layers=(0, 1)) -> tuple[Path, pl.DataFrame, Path]:
     """Two synthetic layer files, their labels, and a params file that trains for 2 epochs, one seed."""
