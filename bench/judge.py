@@ -9,8 +9,11 @@
    requests and distinct request bodies; every request beyond the distinct ones was paid
    twice. Once with SIGINT (what Ctrl-C on `dvc repro` sends: calls in flight are awaited and
    stored) and once with SIGKILL (nothing can be stored: the calls in flight are lost).
+3. Two at once: two `judge` stages on the same inputs started together on one empty call
+   cache (what `dvc queue start -j 2` does with two queued experiments). The server counts
+   requests and distinct bodies: every request beyond the distinct ones was paid twice.
 
-    python -m bench.judge [--calls 500] [--latency 0.05] [--concurrency 32] [--repeats 3]
+    python -m bench.judge [--calls 500] [--latency 0.05] [--concurrency 32] [--repeats 3] [--only two-at-once]
 """
 
 from __future__ import annotations
@@ -109,14 +112,38 @@ def kill_and_rerun(latency: float, concurrency: int, sig: signal.Signals, env: d
                 "cache_hits_in_last_rerun": m["api"]["cache_hits"]}
 
 
+def two_at_once(latency: float, concurrency: int, env: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, server(latency) as url:
+        d = Path(tmp)
+        env = env | {"HALLUDETECT_CACHE": str(d / "cache")}
+        cmd = stage_files(d, url, concurrency)
+        runs = []
+        for i in (0, 1):
+            out = [a.replace("judgments.parquet", f"judgments{i}.parquet").replace("metrics.json", f"metrics{i}.json")
+                   for a in cmd]
+            runs.append(subprocess.Popen(out, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True))
+        errors = [p.communicate()[1] for p in runs]
+        if any(p.returncode for p in runs):
+            raise SystemExit(f"a judge run failed: {errors}")
+        s = stats(url)
+        same = (d / "judgments0.parquet").read_bytes() == (d / "judgments1.parquet").read_bytes()
+        return {"requests": s["requests"], "distinct_prompts": s["distinct"],
+                "paid_twice": s["requests"] - s["distinct"], "identical_outputs": same}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--latency", type=float, default=0.05)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", choices=["two-at-once"], help="run one part only")
     a = ap.parse_args()
     os.environ[KEY] = "bench-key-not-secret"
+    if a.only == "two-at-once":
+        emit({"two_at_once": two_at_once(a.latency, a.concurrency, dict(os.environ))})
+        return
     walls = []
     with server(a.latency) as url:
         for _ in range(a.repeats):
@@ -127,6 +154,8 @@ def main() -> None:
     runs = [kill_and_rerun(a.latency, a.concurrency, s, dict(os.environ)) for s in (signal.SIGINT, signal.SIGKILL)]
     for r in runs:
         print(json.dumps(r, sort_keys=True))
+    both = two_at_once(a.latency, a.concurrency, dict(os.environ))
+    print(json.dumps({"two_at_once": both}, sort_keys=True))
     emit({
         "calls": a.calls, "latency_s": a.latency, "concurrency": a.concurrency,
         "wall_s": round(wall, 3), "wall_s_runs": [round(w, 3) for w in walls], "ideal_s": round(ideal, 3),
@@ -134,6 +163,8 @@ def main() -> None:
         "repeat_calls_after_rerun": runs[0]["repeat_calls"] + runs[0]["calls_in_last_rerun"],
         "repeat_calls_after_sigkill": runs[1]["repeat_calls"],
         "calls_in_rerun_after_completion": runs[0]["calls_in_last_rerun"] + runs[1]["calls_in_last_rerun"],
+        "two_at_once_requests": both["requests"], "two_at_once_distinct": both["distinct_prompts"],
+        "two_at_once_paid_twice": both["paid_twice"],
     })
 
 

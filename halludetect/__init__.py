@@ -20,6 +20,7 @@ import importlib
 _EXPORTS = {
     # params
     "Params": "halludetect.config", "load_params": "halludetect.config", "UserError": "halludetect.errors",
+    "DataError": "halludetect.errors",
     # base models and their inputs
     "load_model": "halludetect.hf_models", "load_tokenizer": "halludetect.hf_models",
     "encode_prompt": "halludetect.model_inputs",
@@ -29,7 +30,8 @@ _EXPORTS = {
     "LayerReader": "halludetect.layer_reader",
     # labels
     "get_judge": "halludetect.judges", "two_pass": "halludetect.judges", "get_nli": "halludetect.nli",
-    "cluster_responses": "halludetect.nli",
+    "cluster_responses": "halludetect.nli", "read_judgments": "halludetect.label_tables",
+    "read_clusters": "halludetect.label_tables",
     # detectors
     "DETECTORS": "halludetect.detectors", "Bags": "halludetect.detectors", "build_detector": "halludetect.detectors",
     "load_detector": "halludetect.detectors", "save_detector": "halludetect.detectors",

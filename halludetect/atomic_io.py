@@ -1,7 +1,10 @@
 """Atomic outputs: everything is written to a temporary sibling, then renamed into place.
 
 A stage killed mid-way therefore leaves either the previous output or nothing, never a
-half-written file that DVC or the next stage would take for a result.
+half-written file that DVC or the next stage would take for a result. A rename alone does
+not survive a power loss, though: the new name can reach the disk before the data does. Files
+that a later run trusts without re-checking their bytes (resume units) are written
+`durable=True`: the data is fsynced before the rename and the directory after it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,21 @@ from pathlib import Path
 import polars as pl
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path, *, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success move it over `path`."""
+def atomic_path(path: str | Path, *, is_dir: bool = False, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success move it over `path`.
+
+    `durable` (files only): fsync the data before the rename and the directory after it, so
+    that after a power loss `path` holds either the old bytes or all of the new ones."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if is_dir:
@@ -36,7 +51,11 @@ def atomic_path(path: str | Path, *, is_dir: bool = False) -> Iterator[Path]:
                 shutil.rmtree(path)
             os.replace(tmp, path)
         else:
+            if durable:
+                fsync_path(tmp)
             os.replace(tmp, path)
+            if durable:
+                fsync_path(path.parent)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -55,9 +74,9 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def write_parquet(path: str | Path, df: pl.DataFrame) -> None:
+def write_parquet(path: str | Path, df: pl.DataFrame, *, durable: bool = False) -> None:
     # No statistics timestamps are written by polars, so equal frames give equal bytes.
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable=durable) as tmp:
         df.write_parquet(tmp)
 
 

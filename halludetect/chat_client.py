@@ -6,12 +6,19 @@ vLLM, Ollama, llama.cpp's server. On top of the official `openai` client this ad
 
 - the key comes from the environment variable named in params, checked before any work;
 - bounded concurrency: `AsyncOpenAI` under a semaphore;
-- the client's own retries with backoff on 429 (honouring Retry-After), 5xx, timeouts and
-  dropped connections; a malformed body is retried here (the client does not);
+- `timeout` is a deadline per HTTP request, headers and body together: a server that trickles
+  a byte a second is cut off after `timeout` seconds (the HTTP client's own timeout is per read);
+- retries here, with backoff, on 408/409/429/5xx, timeouts, dropped connections and malformed
+  bodies. Retry-After is honoured; one longer than the request's remaining patience
+  ((max_retries + 1) x timeout in all) fails at once, saying what the server asked for;
 - a persistent call cache (SQLite) keyed by endpoint, model, messages, sampling parameters and
   attempt number: a re-run makes no call, and an interrupted run resumes without paying twice.
   It lives outside DVC's outputs (which DVC deletes before a stage runs): `HALLUDETECT_CACHE`
-  or `~/.cache/halludetect`, shared by every workspace and queued experiment;
+  or `~/.cache/halludetect`, shared by every workspace and queued experiment. Processes
+  running at once claim a request before sending it, and wait for another's reply rather than
+  send the same request (`call_cache.py`);
+- the API key is redacted from every error message (an endpoint may echo the Authorization
+  header in an error body);
 - strict parsing by the caller's parser: an unparseable reply is asked again (a new attempt,
   so a new cache key) and after `parse_retries` it is invalid, never read as a guess;
 - usage accounting: calls, cache hits, tokens, and a cost estimate from the price table.
@@ -24,9 +31,11 @@ Ctrl-C on `dvc repro` loses no paid reply.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import time
@@ -46,6 +55,8 @@ from halludetect.config import ChatParams, Price
 from halludetect.errors import UserError
 
 OPENAI_URL = "https://api.openai.com/v1"
+RETRY_STATUS = (408, 409, 429)  # and every 5xx: what the openai client itself retries
+POLL_S = (0.05, 0.5)  # waiting for another process's reply: first and longest poll interval
 
 
 class ApiError(UserError, RuntimeError):
@@ -65,6 +76,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    waited: int = 0  # of the cache hits, replies another process was asking for at the same time
     cached_prompt_tokens: int = 0  # tokens of the cache hits (not paid again)
     cached_completion_tokens: int = 0
     seconds: float = 0.0  # wall time spent waiting for the endpoint in this run
@@ -107,6 +119,41 @@ class Reply:
     attempts: int
 
 
+def retry_after(headers) -> float | None:
+    """Seconds the server asks to wait (`retry-after-ms`, or `Retry-After` in seconds or as an
+    HTTP date), or None when it says nothing readable."""
+    if headers is None:
+        return None
+    try:
+        if (ms := headers.get("retry-after-ms")) is not None:
+            return max(0.0, float(ms) / 1000)
+    except ValueError:
+        pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _backoff(n: int) -> float:
+    """The n-th retry's wait (0-based) without a Retry-After: 0.5 s doubling to 8 s, with jitter."""
+    return min(0.5 * 2**n, 8.0) * (1 - 0.25 * random.random())
+
+
 def _connect_failure(e: BaseException) -> str | None:
     """The connection error behind `e`, if any (refused, unreachable, DNS): not a slow server."""
     while e is not None:
@@ -141,6 +188,7 @@ class ChatRunner:
             key = "no-key"  # local servers ignore it; the client requires some string
         self.base_url = (p.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
         self._key = key
+        self._secret = key if p.api_key_env else None  # what never appears in a message
         self.usage = Usage(model=p.model)
         # Sampling parameters: part of the cache key, so changing one asks again.
         self.sampling: dict[str, Any] = {}
@@ -164,12 +212,20 @@ class ChatRunner:
         request = {"base_url": self.base_url, "body": body, "attempt": attempt}
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest(), request
 
+    def redact(self, text: str) -> str:
+        """`text` without the API key (an endpoint may echo the Authorization header in an error)."""
+        return text.replace(self._secret, f"[{self.params.api_key_env} redacted]") if self._secret else text
+
+    def _error(self, message: str) -> ApiError:
+        return ApiError(self.redact(message))
+
     # ------------------------------------------------------------------ internals
     async def _run_all(self, prompts, parse, desc) -> list[Reply]:
         from tqdm import tqdm
 
         p = self.params
-        self._client = openai.AsyncOpenAI(api_key=self._key, base_url=self.base_url, max_retries=p.max_retries,
+        # Retries are ours (`_call`): they honour the per-request deadline and the patience.
+        self._client = openai.AsyncOpenAI(api_key=self._key, base_url=self.base_url, max_retries=0,
                                           timeout=p.timeout, http_client=openai.DefaultAioHttpClient())
         self._sem = asyncio.Semaphore(p.concurrency)
         self._stopping: str | None = None
@@ -191,6 +247,12 @@ class ChatRunner:
             results[prompt] = await self._resolve(prompt, parse)
             bar.update()
 
+        async def renew() -> None:  # keep this run's claims alive while their requests are in flight
+            while True:
+                await asyncio.sleep(self.cache.lease_s / 3)
+                self.cache.renew()
+
+        renewing = asyncio.create_task(renew())
         outcomes: list = []
         try:
             # The first prompt that needs a call goes alone: a wrong URL, key or model name then
@@ -201,6 +263,8 @@ class ChatRunner:
             tasks = [asyncio.create_task(one(q)) for q in distinct if q not in results]
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
+            renewing.cancel()
+            self.cache.release()  # claims of requests that never completed: others may take them now
             bar.close()
             self.usage.seconds += time.perf_counter() - t0
             for sig in handled:
@@ -211,8 +275,8 @@ class ChatRunner:
             saved = f"{len(results)} of {len(distinct)} distinct prompts done; every reply received is cached, " \
                     "re-run to resume"
             if errors:
-                raise ApiError(f"{errors[0]} ({saved})") from errors[0]
-            raise KeyboardInterrupt(f"{self._stopping} ({saved})")
+                raise self._error(f"{errors[0]} ({saved})") from errors[0]
+            raise KeyboardInterrupt(self.redact(f"{self._stopping} ({saved})"))
         return [results[q] for q in prompts]
 
     def _interrupt(self, sig) -> None:
@@ -230,65 +294,105 @@ class ChatRunner:
         return Reply(text, None, self.params.parse_retries + 1)
 
     async def _reply(self, prompt: str, attempt: int) -> str | None:
+        """The reply to one request: from the cache, from another process that is asking for it
+        right now (waited for, not sent again), or sent here under this process's claim."""
         key, request = self.key(prompt, attempt)
-        hit = self.cache.get(key)
-        if hit is not None:
-            self.usage.add(hit, cached=True)
-            return hit["reply"]
-        async with self._sem:
-            if self._stopping:
-                raise _Stop
-            try:
-                reply = await self._call(request)
-            except ApiError as e:
-                self._stopping = self._stopping or str(e)
-                raise
-        self.cache.put(key, request, reply)
-        self.usage.add(reply, cached=False)
-        return reply["reply"]
+        waited, poll = False, POLL_S[0]
+        while True:
+            hit = self.cache.get(key)
+            if hit is None:
+                async with self._sem:  # claimed only when a slot is free: others may take what waits
+                    if self._stopping:
+                        raise _Stop
+                    state, hit = self.cache.claim(key)
+                    if state == "mine":
+                        try:
+                            reply = await self._call(request)
+                        except BaseException as e:
+                            self.cache.release(key)
+                            if isinstance(e, ApiError):
+                                self._stopping = self._stopping or str(e)
+                            raise
+                        self.cache.put(key, request, reply)
+                        self.usage.add(reply, cached=False)
+                        return reply["reply"]
+            if isinstance(hit, dict):
+                self.usage.add(hit, cached=True)
+                self.usage.waited += waited
+                return hit["reply"]
+            # Another process holds a live claim: its reply will land in the cache.
+            waited = True
+            await asyncio.sleep(poll)
+            poll = min(poll * 1.5, POLL_S[1])
 
     async def _call(self, request: dict) -> dict:
+        """One request, retried: a deadline of `timeout` per HTTP request, at most `max_retries`
+        retries for timeouts, dropped connections and 408/409/429/5xx, and as many again for
+        malformed bodies. A Retry-After beyond the patience left fails at once."""
         p, where = self.params, self.where
-        for n in range(p.max_retries + 1):
+        patience = (p.max_retries + 1) * p.timeout
+        deadline = time.monotonic() + patience
+        failures = malformed = 0
+        while True:
             t0 = time.perf_counter()
             try:
-                # A raw POST through the client (its auth, retries and errors) rather than
+                # A raw POST through the client (its auth and errors) rather than
                 # `chat.completions.create`: it skips the typed-params transform and the response
                 # model, about 0.6 ms of CPU a call on the 2-core machines (of ~3 ms in all).
-                resp = await self._client.post("/chat/completions", cast_to=httpx.Response, body=request["body"])
+                resp = await asyncio.wait_for(
+                    self._client.post("/chat/completions", cast_to=httpx.Response, body=request["body"]), p.timeout)
                 data = json.loads(resp.content)
                 text = data["choices"][0]["message"]["content"]  # a body without them is malformed
                 if text is not None and not isinstance(text, str):
                     raise TypeError(f"message content is {type(text).__name__}")
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:  # the client does not retry these
-                if n == p.max_retries:
-                    raise ApiError(f"{where}: {self.base_url} kept returning malformed replies "
-                                   f"({p.max_retries + 1} tries): {type(e).__name__}: {e}") from None
-                await asyncio.sleep(min(0.5 * 2**n, 8.0))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+                if malformed == p.max_retries:
+                    raise self._error(f"{where}: {self.base_url} kept returning malformed replies "
+                                      f"({p.max_retries + 1} tries): {type(e).__name__}: {e}") from None
+                await asyncio.sleep(_backoff(malformed))
+                malformed += 1
                 continue
             except openai.AuthenticationError as e:
-                raise ApiError(f"{where}: {self.base_url} rejected the key in ${p.api_key_env}: {e.message}") from None
+                raise self._error(f"{where}: {self.base_url} rejected the key in ${p.api_key_env}: "
+                                  f"{e.message}") from None
             except openai.NotFoundError as e:
-                raise ApiError(f"{where}: {self.base_url} has no model '{p.model}' (or no chat completions route): "
-                               f"{e.message}; check {where}.model and {where}.base_url") from None
+                raise self._error(f"{where}: {self.base_url} has no model '{p.model}' (or no chat completions "
+                                  f"route): {e.message}; check {where}.model and {where}.base_url") from None
             except (openai.BadRequestError, openai.UnprocessableEntityError, openai.PermissionDeniedError) as e:
-                raise ApiError(f"{where}: {self.base_url} refused the request for model '{p.model}' "
-                               f"(HTTP {e.status_code}): {e.message}; check {where} (model, temperature, "
-                               f"reasoning_effort, max_completion_tokens)") from None
-            except openai.APIConnectionError as e:  # includes timeouts
+                raise self._error(f"{where}: {self.base_url} refused the request for model '{p.model}' "
+                                  f"(HTTP {e.status_code}): {e.message}; check {where} (model, temperature, "
+                                  f"reasoning_effort, max_completion_tokens)") from None
+            except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError is a connection error
                 refused = _connect_failure(e)  # the aiohttp transport reports a refused connection as a timeout
-                if isinstance(e, openai.APITimeoutError) and not refused:
-                    raise ApiError(f"{where}: {self.base_url} timed out {p.max_retries + 1} times "
-                                   f"({p.timeout:g} s each); raise {where}.timeout or lower concurrency") from None
-                raise ApiError(f"{where}: cannot reach {self.base_url} ({p.max_retries + 1} tries): "
-                               f"{refused or e.__cause__ or e}; is the server up and {where}.base_url right?") from None
-            except openai.APIStatusError as e:  # 429 / 5xx still failing after the client's retries
-                raise ApiError(f"{where}: {self.base_url} answered HTTP {e.status_code} after "
-                               f"{p.max_retries} retries: {e.message}") from None
-            latency = time.perf_counter() - t0
-            usage = data.get("usage") or {}
-            details = usage.get("completion_tokens_details") or {}
-            return {"reply": text, "prompt_tokens": usage.get("prompt_tokens"),
-                    "completion_tokens": usage.get("completion_tokens"),
-                    "reasoning_tokens": details.get("reasoning_tokens"), "latency_s": latency}
-        raise AssertionError("unreachable")
+                if isinstance(e, asyncio.TimeoutError | openai.APITimeoutError) and not refused:
+                    final = (f"{where}: {self.base_url} timed out {p.max_retries + 1} times ({p.timeout:g} s each); "
+                             f"raise {where}.timeout or lower concurrency")
+                else:
+                    final = (f"{where}: cannot reach {self.base_url} ({p.max_retries + 1} tries): "
+                             f"{refused or e.__cause__ or e}; is the server up and {where}.base_url right?")
+                wait = None
+            except openai.APIStatusError as e:
+                if e.status_code not in RETRY_STATUS and e.status_code < 500:
+                    raise self._error(f"{where}: {self.base_url} answered HTTP {e.status_code}: {e.message}") from None
+                final = f"{where}: {self.base_url} answered HTTP {e.status_code} after {p.max_retries} retries: " \
+                        f"{e.message}"
+                wait = retry_after(e.response.headers)
+                left = deadline - time.monotonic()
+                if wait is not None and wait > left:
+                    raise self._error(
+                        f"{where}: {self.base_url} answered HTTP {e.status_code} and asked to retry after {wait:g} s "
+                        f"({_duration(wait)}), longer than this request's remaining patience of {max(left, 0):.0f} s "
+                        f"((max_retries + 1) x timeout = {patience:g} s in all): {e.message}. The endpoint is "
+                        f"rate-limiting or out of quota: re-run later (every reply so far is cached), or raise "
+                        f"{where}.max_retries or {where}.timeout to wait that long") from None
+            else:
+                latency = time.perf_counter() - t0
+                usage = data.get("usage") or {}
+                details = usage.get("completion_tokens_details") or {}
+                return {"reply": text, "prompt_tokens": usage.get("prompt_tokens"),
+                        "completion_tokens": usage.get("completion_tokens"),
+                        "reasoning_tokens": details.get("reasoning_tokens"), "latency_s": latency}
+            if failures == p.max_retries:
+                raise self._error(final) from None
+            await asyncio.sleep(wait if wait is not None else _backoff(failures))
+            failures += 1

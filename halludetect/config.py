@@ -8,17 +8,66 @@ never silently fall back to a default.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from halludetect.errors import UserError
 from halludetect.registry import suggest as _suggest
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+def _split_fraction(value: float) -> float:
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{value:g} is not a share strictly between 0 and 1: every split is needed (train fits the "
+                         "detectors, val picks their epoch and layer, test reports)")
+    return value
+
+
+SplitFraction = Annotated[float, AfterValidator(_split_fraction)]
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _device(value: str) -> str:
+    """A torch device a stage can place a model on, checked before anything loads."""
+    if not DEVICE.fullmatch(value):
+        raise ValueError(f"'{value}' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_device)]
+
+
+def _seeds(value: list[int]) -> list[int]:
+    if not value:
+        raise ValueError("no seeds: list at least one (the paper: [0, 1, 2, 3, 4]); an empty list trains nothing")
+    if len(set(value)) != len(value):
+        raise ValueError(f"repeated seeds in {value}: each seed trains one detector per layer")
+    return value
+
+
+def _layers(value):
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("no layers: list at least one index (0 = embeddings), or write all")
+        if len(set(value)) != len(value):
+            raise ValueError(f"repeated layers in {value}")
+    return value
+
+
+def _stops(value: list[str]) -> list[str]:
+    """A stop string that is empty or only spaces and tabs matches at once (answers begin with a
+    space), so every answer would come back empty: refused. Newlines are real stops."""
+    for s in value:
+        if not s.strip(" \t"):
+            raise ValueError(f"{s!r} is empty or only spaces/tabs: it would stop every answer before its first "
+                             "word; remove it (newline stops such as '\\n' are fine)")
+    return value
 
 
 class Section(BaseModel):
@@ -94,9 +143,9 @@ class WorldParams(Section):
 
 class PrepareParams(Section):
     seed: int = 0
-    train: Fraction = 0.5
-    val: Fraction = 0.2
-    test: Fraction = 0.3
+    train: SplitFraction = 0.5
+    val: SplitFraction = 0.2
+    test: SplitFraction = 0.3
 
     @model_validator(mode="after")
     def _sum_to_one(self) -> PrepareParams:
@@ -113,19 +162,19 @@ class GenerateParams(Section):
     top_k: Annotated[int, Field(ge=0)] = 0  # 0 = off
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0  # 1 = off (the paper states none)
     max_new_tokens: PositiveInt = 32
-    stop: list[str] = ["\n", "Question:"]
+    stop: Annotated[list[str], AfterValidator(_stops)] = ["\n", "Question:"]
     empty_retries: Annotated[int, Field(ge=0)] = 3  # re-sample an empty answer at most this often
     batch_size: PositiveInt = 64  # questions per model call (x n_samples rows); also the unit of resume
     seed: int = 0
-    device: str = "auto"
+    device: Device = "auto"
 
 
 class DumpParams(Section):
-    layers: Literal["all"] | list[Annotated[int, Field(ge=0)]] = "all"
+    layers: Annotated[Literal["all"] | list[Annotated[int, Field(ge=0)]], AfterValidator(_layers)] = "all"
     positions: Literal["predicting", "generated"] = "predicting"
     dtype: Literal["float16", "float32"] = "float16"  # HDF5 has no bfloat16
     batch_size: PositiveInt = 64
-    device: str = "auto"
+    device: Device = "auto"
 
 
 class MatchJudgeParams(Section):
@@ -173,7 +222,7 @@ class HFNLIParams(Section):
     path: str = "microsoft/deberta-large-mnli"
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    device: str = "auto"
+    device: Device = "auto"
     batch_size: PositiveInt = 64
     max_length: PositiveInt = 256
     condition_on_question: bool = False  # prefix both answers with the question (as the SE code can)
@@ -266,8 +315,8 @@ class BaselinesParams(Section):
 class TrainParams(Section):
     epochs: PositiveInt = 100
     batch_size: PositiveInt = 128
-    seeds: list[int] = [0, 1, 2]
-    device: str = "cpu"
+    seeds: Annotated[list[int], AfterValidator(_seeds)] = [0, 1, 2]
+    device: Device = "cpu"
 
 
 class EvaluateParams(Section):
@@ -386,7 +435,15 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: no such params file (run from the repository root)")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ParamsError(f"{at}: YAML syntax error: {e.problem or e.context} (check the indentation and quoting "
+                          "at that line, or the line before it)") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     return parse_params(data, str(path))

@@ -19,6 +19,7 @@ import torch
 from halludetect.config import SP_METHODS
 from halludetect.detectors.bags import Bags, gather_rows
 from halludetect.errors import DataError
+from halludetect.label_tables import read_clusters
 from halludetect.layer_reader import Layer
 from halludetect.metrics import check_two_classes
 from halludetect.responses import response_ids
@@ -133,7 +134,7 @@ def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[s
     if method in SP_METHODS:
         if not clusters:
             raise DataError(f"{method} reads P_sem: pass --clusters (the train_sp stage does)")
-        return p_sem_table(pl.read_parquet(clusters), method_params.p_sem)
+        return p_sem_table(read_clusters(clusters), method_params.p_sem)
     if clusters:
         raise DataError(f"{method} does not read P_sem: train it without --clusters (the train stage)")
     return None

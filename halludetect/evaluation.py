@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from halludetect.artifacts import read_parquet
 from halludetect.detector_data import SplitData
 from halludetect.detectors import load_detector
 from halludetect.detectors.inference import score
@@ -81,7 +82,7 @@ def best_layer(per_layer: dict[int, dict]) -> int:
 
 def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, list[np.ndarray], pl.DataFrame]]:
     """Per split: labels [N], per-seed scores (each [N], same response order) and the rows of seed 0."""
-    df = pl.read_parquet(path)
+    df = read_parquet(path, "train", "scores table")
     found = sorted(df["seed"].unique().to_list())
     if found != sorted(seeds):
         raise DataError(f"{path} holds seeds {found}, not train.seeds {sorted(seeds)}: re-run train")

@@ -2,9 +2,10 @@
 
 `FakeOpenAI(responder)` serves `POST /v1/chat/completions` (and `GET /v1/models`) over real
 HTTP, so the real `openai` client, its retries and our cache are what is exercised.
-`responder(body, n)` gets the request body and the request's 0-based number, and returns the
-reply text, or a `Fault` (any status, headers, raw body, delay) to inject errors: 429 with
-Retry-After, 500, slow replies, malformed bodies, unparseable text.
+`responder(body, n)` gets the request body and the request's 0-based number (its headers are
+in `srv.headers[n]`), and returns the reply text, or a `Fault` (any status, headers, raw body,
+delay, a body trickled byte by byte) to inject errors: 429 with Retry-After, 500, slow or
+trickling replies, malformed bodies, unparseable text, error bodies that echo the key.
 
 `rule_responder(knowledge)` answers the paper's prompts the way the offline backends do
 (`match` judge, `exact` NLI), so a pipeline run through the `openai` backends against this
@@ -34,6 +35,7 @@ class Fault:
     headers: dict[str, str] = field(default_factory=dict)
     body: str | None = None  # raw body; None = an OpenAI-style error object
     delay: float = 0.0  # seconds before answering (beyond the server's latency)
+    trickle: float = 0.0  # > 0: send the body one byte every `trickle` seconds (a stalling server)
 
 
 Responder = Callable[[dict, int], "str | None | Fault"]
@@ -62,6 +64,7 @@ class FakeOpenAI:
     def __init__(self, responder: Responder, latency: float = 0.0, port: int = 0, models: tuple[str, ...] = ()):
         self.responder, self.latency, self.models = responder, latency, models
         self.requests: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # per request, names lower-cased
         self._lock = threading.Lock()
         self.server = _Server(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -94,12 +97,20 @@ class FakeOpenAI:
                 # ACKs adds ~40 ms to replies written in two pieces.
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def _send(self, status: int, body: str, headers: dict | None = None) -> None:
+            def _send(self, status: int, body: str, headers: dict | None = None, trickle: float = 0.0) -> None:
                 data = body.encode()
                 head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
                         f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
-                try:  # status line, headers and body in one write, as servers do
-                    self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+                head_bytes = ("\r\n".join(head) + "\r\n\r\n").encode()
+                try:
+                    if not trickle:  # status line, headers and body in one write, as servers do
+                        self.wfile.write(head_bytes + data)
+                        return
+                    self.wfile.write(head_bytes)
+                    for i in range(len(data)):  # every read gets a byte in time: only a deadline ends it
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(trickle)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
                     self.close_connection = True
 
@@ -119,6 +130,7 @@ class FakeOpenAI:
                 with srv._lock:
                     n = len(srv.requests)
                     srv.requests.append(body)
+                    srv.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if not self.path.rstrip("/").endswith("/chat/completions"):
                     return self._send(404, json.dumps({"error": {"message": f"no route {self.path}"}}))
                 if srv.models and body.get("model") not in srv.models:
@@ -129,7 +141,10 @@ class FakeOpenAI:
                 if isinstance(out, Fault):
                     time.sleep(srv.latency + out.delay)
                     err = json.dumps({"error": {"message": f"injected {out.status}", "type": "server_error"}})
-                    return self._send(out.status, out.body if out.body is not None else err, out.headers)
+                    if out.status == 200 and out.body is None:  # a good reply, delivered slowly
+                        err = json.dumps(completion("yes", body, n))
+                    return self._send(out.status, out.body if out.body is not None else err, out.headers,
+                                      out.trickle)
                 time.sleep(srv.latency)
                 self._send(200, json.dumps(completion(out, body, n)))
 

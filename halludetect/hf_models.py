@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from halludetect.config import ModelPreset
+from halludetect.devices import resolve_device
 from halludetect.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,14 +25,6 @@ def is_local(preset: ModelPreset) -> bool:
     """A path that exists, or one written like a path, is local; anything else is a hub id."""
     p = preset.path
     return Path(p).exists() or p.startswith((".", "/", "~")) or p.startswith("data/")
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"device '{device}' was asked for but CUDA is not available; use 'cpu' or 'auto'")
-    return device
 
 
 def _source_kwargs(preset: ModelPreset) -> tuple[str, dict]:

@@ -2,6 +2,12 @@
 
 Kept apart from the writer so that training and evaluation code can change without DVC
 re-running the dump stage, and the dump never imports the detectors.
+
+Every file is checked when it is opened (`open_layer`), before any training: the three
+datasets present, `states` 2-D, `offsets` one longer than the ids, starting at 0, never
+decreasing, and ending at the number of state rows. A truncated, empty, garbage or
+inconsistent file is a `DataError` naming it and the fix (re-run dump), never an h5py
+`OSError` or an `IndexError` after the first layer has trained.
 """
 
 from __future__ import annotations
@@ -14,9 +20,56 @@ import h5py
 import numpy as np
 import torch
 
+from halludetect.artifacts import ArtifactError, damaged, open_hdf5
 from halludetect.detectors.bags import Bags, gather_rows
 from halludetect.errors import DataError
 from halludetect.layer_format import decode_ids
+
+WHAT = "HDF5 layer file"
+
+
+def layer_problem(path: str | Path, problem: str) -> ArtifactError:
+    return damaged(path, WHAT, "dump", problem)
+
+
+def open_layer(path: str | Path) -> tuple[h5py.File, np.ndarray, list[str]]:
+    """An opened, structurally checked layer file: (file, offsets [n + 1], response ids [n])."""
+    f = open_hdf5(path, "dump", WHAT)
+    try:
+        missing = [k for k in ("states", "offsets", "response_id") if k not in f]
+        if missing:
+            raise layer_problem(path, f"no dataset {', '.join(missing)}")
+        states = f["states"]
+        if states.ndim != 2:
+            raise layer_problem(path, f"states has shape {states.shape}, not [tokens, d]")
+        try:
+            offsets, ids = f["offsets"][:], decode_ids(f["response_id"][:])
+        except (OSError, UnicodeDecodeError) as e:
+            raise layer_problem(path, f"offsets or response_id unreadable: {type(e).__name__}: {e}") from None
+        if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+            raise layer_problem(path, f"offsets is {offsets.dtype} {offsets.shape}, not a 1-D integer array")
+        if len(offsets) != len(ids) + 1:
+            raise layer_problem(path, f"{len(offsets)} offsets for {len(ids)} response ids (there must be one more)")
+        if len(offsets) and offsets[0] != 0:
+            raise layer_problem(path, f"offsets start at {offsets[0]}, not 0")
+        if (down := np.flatnonzero(np.diff(offsets) < 0)).size:
+            raise layer_problem(path, f"offsets decrease at response {down[0]} ({ids[down[0]]})")
+        if len(offsets) and offsets[-1] != states.shape[0]:
+            raise layer_problem(path, f"the last offset is {offsets[-1]} but states has {states.shape[0]} rows "
+                                f"(offsets {'past the end of' if offsets[-1] > states.shape[0] else 'short of'} "
+                                "states)")
+    except BaseException:
+        f.close()
+        raise
+    return f, offsets, ids
+
+
+def read_states(path: str | Path, states, rows=slice(None)) -> np.ndarray:
+    """states[rows], with a damaged chunk reported as a `DataError` naming the file."""
+    try:
+        return states[rows]
+    except OSError as e:
+        raise layer_problem(path, f"states unreadable: {type(e).__name__}: {e}") from None
 
 
 @dataclass
@@ -35,14 +88,15 @@ class Layer:
 def read_layer(path: str | Path, dtype=np.float32, expect_layer: int | None = None) -> Layer:
     """A whole layer file in memory; dtype None keeps the stored one (half the memory of float32).
     With `expect_layer`, a file whose `layer` attribute says otherwise is refused."""
-    with h5py.File(path, "r") as f:
+    f, offsets, ids = open_layer(path)
+    with f:
         if expect_layer is not None and "layer" in f.attrs and int(f.attrs["layer"]) != expect_layer:
             raise DataError(f"{path} holds layer {int(f.attrs['layer'])}, not layer {expect_layer}: re-run dump")
-        states = f["states"][:]
+        states = read_states(path, f["states"])
         return Layer(
             states=states if dtype is None else states.astype(dtype, copy=False),
-            offsets=f["offsets"][:],
-            response_ids=decode_ids(f["response_id"][:]),
+            offsets=offsets,
+            response_ids=ids,
             attrs=dict(f.attrs),
         )
 
@@ -57,10 +111,8 @@ class LayerReader:
 
     def __init__(self, path: str | Path, dtype=np.float32):
         self.path = Path(path)
-        self.f = h5py.File(self.path, "r")
+        self.f, self.offsets, self.response_ids = open_layer(self.path)
         self.states = self.f["states"]
-        self.offsets = self.f["offsets"][:]
-        self.response_ids = decode_ids(self.f["response_id"][:])
         self.attrs = dict(self.f.attrs)
         self.dtype = dtype
 

@@ -1,17 +1,17 @@
 """Evaluate the baselines that need no hidden states (P_sem, semantic entropy, log-prob, length)."""
 
-import polars as pl
-
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json
 from halludetect.baselines import baseline_scores, evaluate_baseline
+from halludetect.label_tables import read_clusters, read_judgments
 
 
 def run(args, params):
     ep, bp = params.evaluate, params.baselines
-    judgments = pl.read_parquet(args.judgments)
-    generations = pl.read_parquet(args.generations)
-    clusters = pl.read_parquet(args.clusters)
+    judgments = read_judgments(args.judgments)
+    generations = read_parquet(args.generations, "generate", "generations table")
+    clusters = read_clusters(args.clusters)
     out = {}
     for name in params.grid.baselines:
         out[name] = {"model": args.model, "dataset": args.dataset, "method": name, "family": "baseline",

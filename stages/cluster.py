@@ -3,9 +3,11 @@
 import polars as pl
 
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json, write_parquet
 from halludetect.datasets import read_questions
-from halludetect.nli import cluster_responses, get_nli
+from halludetect.errors import UserError
+from halludetect.nli import cluster_responses, get_nli, unusable_clustering
 
 
 def run(args, params):
@@ -13,7 +15,7 @@ def run(args, params):
     # Built first: a missing API key or classifier fails here, before any file is read.
     section = getattr(cp, cp.backend, None)
     nli = get_nli(cp.backend, **(section.model_dump() if section is not None else {}))
-    gens = pl.read_parquet(args.generations)
+    gens = read_parquet(args.generations, "generate", "generations table")
     df, timings = cluster_responses(nli, read_questions(args.questions), gens, equivalence=cp.equivalence)
     write_parquet(args.out, df)
     write_parquet(args.timings, timings)
@@ -37,6 +39,16 @@ def run(args, params):
         metrics["api"] = nli.usage.report(params.prices)
     write_json(args.metrics, metrics)
     cli.log.info("cluster: %s", {k: v for k, v in metrics.items() if k != "api"})
+    # Written first, so they can be inspected; then a clustering nothing can use fails the stage.
+    if unusable := unusable_clustering(df):
+        where = f"; the raw replies are in the call cache {nli.runner.cache.path} (table calls)" \
+            if hasattr(nli, "runner") else ""
+        raise UserError("cluster: no usable clustering:\n  " + "\n  ".join(unusable)
+                        + f"\nInvalid questions are the rows with valid = false in {args.out}, counted in "
+                        f"{args.metrics}{where}. Check cluster.{cp.backend} (model, endpoint); replies are cached per "
+                        "request, so re-running unchanged asks nothing new")
+    if metrics["invalid_questions"]:
+        cli.log.warning("cluster: %d questions invalid (no P_sem for their answers)", metrics["invalid_questions"])
 
 
 if __name__ == "__main__":

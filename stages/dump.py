@@ -9,10 +9,9 @@ under a temporary name first); re-running starts it again.
 import shutil
 from pathlib import Path
 
-import polars as pl
-
 from halludetect import cli
 from halludetect.activations import dump
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import atomic_path
 from halludetect.datasets import read_questions
 from halludetect.hf_models import check_layers, load_config, load_model, load_tokenizer
@@ -28,7 +27,7 @@ def run(args, params):
     me.check_placement(args.model, preset)
     # Check the layers against the config before any weights are loaded.
     layers = check_layers(params.dump.layers, load_config(preset))
-    selected, excluded = select_answers(pl.read_parquet(args.generations))
+    selected, excluded = select_answers(read_parquet(args.generations, "generate", "generations table"))
     if excluded["empty_answer"] and me.main:
         cli.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
     tokenizer = load_tokenizer(preset)

@@ -7,11 +7,13 @@ from pathlib import Path
 import polars as pl
 
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json
 from halludetect.detector_data import p_sem_for, split_data
 from halludetect.detectors import trained_params
 from halludetect.errors import DataError
 from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
+from halludetect.label_tables import read_judgments
 from halludetect.layer_format import layer_filename
 from halludetect.layer_reader import read_layer
 
@@ -35,7 +37,7 @@ def run(args, params):
     method_params = trained_params(detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     layer_file = Path(args.activations) / layer_filename(best)
-    judgments = pl.read_parquet(args.judgments)
+    judgments = read_judgments(args.judgments)
     test = split_data(read_layer(layer_file, dtype=None, expect_layer=best), judgments, "test", str(layer_file), p_sem)
     models = load_models(detectors, args.method, best, seeds, int(test.tokens.shape[-1]))
     metrics["throughput"] = detector_throughput(models, test, layer_file, ep.throughput_repeats)
@@ -43,7 +45,7 @@ def run(args, params):
         if not (args.timings and args.generation_metrics):
             raise DataError(f"{args.method}: pass --timings and --generation-metrics to charge its sampling and NLI")
         metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
-                                       pl.read_parquet(args.timings),
+                                       read_parquet(args.timings, "cluster", "cluster timings table"),
                                        judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list(),
                                        metrics["throughput"]["preloaded_samples_per_s"])
     write_json(args.out, metrics)

@@ -11,7 +11,7 @@ from pathlib import Path
 from halludetect import cli
 from halludetect.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.datasets import read_questions
-from halludetect.generation import generate
+from halludetect.generation import GENERATIONS_SCHEMA, generate
 from halludetect.hf_models import load_model, load_tokenizer
 from halludetect.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
@@ -38,7 +38,7 @@ def run(args, params):
     preset = params.model(args.model)
     me.check_placement(args.model, preset)
     questions = read_questions(args.questions)
-    store = UnitStore(args.progress, fingerprint(args, params, preset))
+    store = UnitStore(args.progress, fingerprint(args, params, preset), schema=GENERATIONS_SCHEMA)
     if me.main:
         kept = store.prepare()
         cli.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)

@@ -1,11 +1,12 @@
 """Label answers with the two-pass judge protocol (hallucination = 1)."""
 
-import polars as pl
 
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json, write_parquet
 from halludetect.datasets import read_questions
-from halludetect.judges import get_judge, label_distribution, two_pass
+from halludetect.errors import UserError
+from halludetect.judges import get_judge, label_distribution, two_pass, unusable_splits
 from halludetect.responses import select_answers
 
 
@@ -14,7 +15,7 @@ def run(args, params):
     # Built first: a missing API key fails here, before any file is read.
     judge = get_judge(jp.backend, **getattr(jp, jp.backend).model_dump())
     # The answers the detectors see: train sample 0, all val/test samples (as dump selects).
-    selected, excluded = select_answers(pl.read_parquet(args.generations))
+    selected, excluded = select_answers(read_parquet(args.generations, "generate", "generations table"))
     df = two_pass(judge, read_questions(args.questions), selected, second_pass=jp.two_pass)
     write_parquet(args.out, df)
     dist = label_distribution(df)
@@ -25,6 +26,15 @@ def run(args, params):
         cli.log.info("judge: %s", metrics["api"])
     write_json(args.metrics, metrics)
     cli.log.info("judge: %s", {s: (d["kept"], d["hallucination_rate"]) for s, d in dist.items()})
+    # Written first, so the replies can be read; then a split without a single label fails the
+    # stage (nonzero exit: DVC records nothing), since no detector could train or be scored on it.
+    if unusable := unusable_splits(df):
+        raise UserError(f"judge: no usable label in {len(unusable)} split(s):\n  " + "\n  ".join(unusable)
+                        + f"\nThe judge's raw replies are in {args.out} (columns pass1_raw, pass2_raw), the counts in "
+                        f"{args.metrics}. Check judge.{jp.backend} (model, endpoint) against them; replies are cached "
+                        "per request, so re-running unchanged asks nothing new")
+    if invalid := sum(metrics["invalid"].values()):
+        cli.log.warning("judge: %d invalid verdicts (dropped, never labels); raw replies in %s", invalid, args.out)
 
 
 if __name__ == "__main__":

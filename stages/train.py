@@ -6,25 +6,26 @@ One stage per layer, so a colleague who pulled a single layer file trains on it 
 
 from pathlib import Path
 
-import polars as pl
-
 from halludetect import cli
 from halludetect.detector_data import SPLITS, p_sem_for, split_data
 from halludetect.detectors import section
+from halludetect.devices import resolve_device
+from halludetect.label_tables import read_judgments
 from halludetect.layer_reader import read_layer
 from halludetect.training import train_layer
 
 
 def run(args, params):
     tp = params.train
+    device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
     p_sem = p_sem_for(args.method, args.clusters, method_params)
-    judgments = pl.read_parquet(args.judgments)
+    judgments = read_judgments(args.judgments)
     layer = read_layer(args.activations, dtype=None, expect_layer=args.layer)
     data = {s: split_data(layer, judgments, s, str(args.activations), p_sem) for s in SPLITS}
     del layer
     train_layer(args.method, method_params, data, tp.seeds, layer=args.layer, epochs=tp.epochs,
-                batch_size=tp.batch_size, device=tp.device, out_dir=Path(args.out), scores_path=Path(args.scores),
+                batch_size=tp.batch_size, device=device, out_dir=Path(args.out), scores_path=Path(args.scores),
                 metrics_path=Path(args.metrics), log=cli.log.info)
 
 

@@ -8,6 +8,7 @@ from halludetect.datasets import DatasetError, assign_splits, md5_id, prepare
 
 SAMPLES = Path(__file__).parent / "fixtures" / "qa_samples"
 SPLIT = PrepareParams(seed=0, train=0.5, val=0.2, test=0.3)
+THIRDS = PrepareParams(seed=0, train=0.34, val=0.33, test=0.33)  # 3 questions: one per split
 
 
 def test_trivia_qa_sample():
@@ -41,7 +42,7 @@ def test_bioasq_local_file(tmp_path):
     ]}
     path = tmp_path / "training11b.json"
     path.write_text(json.dumps(data))
-    df, report = prepare(DatasetPreset(loader="bioasq", path=str(path)), SPLIT)
+    df, report = prepare(DatasetPreset(loader="bioasq", path=str(path)), THIRDS)
     answers = dict(zip(df["id"], df["answers"].to_list()))
     assert answers == {"a1": ["BRCA1"], "a2": ["aspirin", "ibuprofen"], "a3": ["yes"]}
     assert report.dropped == {"bioasq: no exact_answer": 1}
@@ -55,12 +56,12 @@ def test_bioasq_missing_file_says_how_to_get_it(tmp_path):
 def test_generic_file_and_bad_records(tmp_path):
     good = tmp_path / "mine.jsonl"
     good.write_text('{"question": "Q1?", "answers": ["a"]}\n{"question": "Q2?", "answers": "b"}\n'
-                    '{"question": "Q3?", "answers": []}\n')
-    df, report = prepare(DatasetPreset(loader="file", path=str(good)), SPLIT)
-    assert df.height == 2 and report.dropped == {"no reference answer": 1}
+                    '{"question": "Q3?", "answers": []}\n{"question": "Q4?", "answers": ["c"]}\n')
+    df, report = prepare(DatasetPreset(loader="file", path=str(good)), THIRDS)
+    assert df.height == 3 and report.dropped == {"no reference answer": 1}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "Q1?"}\n')
-    with pytest.raises(DatasetError, match="lacks \\['answers'\\]"):
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: answers: missing"):
         prepare(DatasetPreset(loader="file", path=str(bad)), SPLIT)
     csv = tmp_path / "x.csv"
     csv.write_text("question,answers\n")

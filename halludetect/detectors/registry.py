@@ -7,12 +7,18 @@ file is self-describing and loads without pickles.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
+from halludetect.artifacts import damaged, load_safetensors, safetensors_metadata
 from halludetect.detectors import networks
 from halludetect.registry import lookup, registrar
+
+WHAT = "detector file (safetensors)"
+WEIGHTS = re.compile(r"layer_(\d+)_seed_(-?\d+)\.safetensors")
 
 DETECTORS: dict[str, Callable[..., nn.Module]] = {}
 register = registrar(DETECTORS)
@@ -82,17 +88,31 @@ def save_detector(path, state_dict: dict, meta: dict) -> None:
 
 
 def read_meta(path) -> dict:
-    """The metadata saved with a detector (method, d, layer, seed, params, ...)."""
-    from safetensors import safe_open
+    """The metadata saved with a detector (method, d, layer, seed, params, ...); a damaged file
+    (garbage, truncated, empty, or without our metadata) is a `DataError` naming it."""
+    raw = safetensors_metadata(path, "train", WHAT).get("detector")
+    if raw is None:
+        raise damaged(path, WHAT, "train", "no 'detector' metadata: not written by halludetect's train stage")
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or not {"method", "d", "params"} <= set(meta):
+            raise ValueError("metadata lacks method, d or params")
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        raise damaged(path, WHAT, "train", f"unreadable 'detector' metadata: {e}") from None
+    return meta
 
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["detector"])
+
+def trained_layers(directory) -> dict[int, list[Path]]:
+    """The detector files of a directory by layer (`layer_LL_seed_S.safetensors`)."""
+    out: dict[int, list[Path]] = {}
+    for p in sorted(Path(directory).glob("*.safetensors")):
+        if m := WEIGHTS.fullmatch(p.name):
+            out.setdefault(int(m[1]), []).append(p)
+    return dict(sorted(out.items()))
 
 
 def trained_params(directory, method: str):
     """The params a directory's detectors were trained with (evaluation must use the same)."""
-    from pathlib import Path
-
     lookup("detector", method, DETECTORS)  # an unknown method fails first, with suggestions
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
@@ -102,9 +122,11 @@ def trained_params(directory, method: str):
 
 def load_detector(path) -> tuple[nn.Module, dict]:
     """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
-    from safetensors.torch import load_file
-
     meta = read_meta(path)
     model = build_detector(meta["method"], int(meta["d"]), params_for(meta["method"], meta["params"]))
-    model.load_state_dict(load_file(path))
+    try:
+        model.load_state_dict(load_safetensors(path, "train", WHAT))
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+        raise damaged(path, WHAT, "train", f"its tensors do not fit a '{meta['method']}' detector for "
+                      f"d={meta['d']}: {str(e).splitlines()[0]}") from None
     return model.eval(), meta

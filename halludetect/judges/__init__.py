@@ -2,8 +2,9 @@
 
 from halludetect.judges import match, openai  # noqa: F401  (register the backends)
 from halludetect.judges.base import JUDGES, Judge, JudgeItem, Verdict, get_judge
-from halludetect.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass
+from halludetect.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass, unusable_splits
 
 __all__ = [
     "JUDGES", "JUDGMENTS_SCHEMA", "Judge", "JudgeItem", "Verdict", "get_judge", "label_distribution", "two_pass",
+    "unusable_splits",
 ]

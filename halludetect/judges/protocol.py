@@ -5,6 +5,10 @@ pass 2, which judges them without the references. An answer wrong in both passes
 hallucination (label 1); right in pass 1 it is correct (label 0); wrong in pass 1 but right
 in pass 2 it is inconsistent and dropped (kept = false). An invalid verdict in either pass
 drops the answer too, counted by reason: no label is ever made from an error.
+
+Partial invalidity is allowed and counted (the metrics' `invalid` and `dropped`); a split
+whose every answer was dropped is not: `unusable_splits` names it, and the judge stage fails
+with the counts after writing the table, whose `pass1_raw`/`pass2_raw` hold the replies.
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ def two_pass(judge: Judge, questions: pl.DataFrame, generations: pl.DataFrame, s
             }
         )
     return pl.DataFrame(out, schema=JUDGMENTS_SCHEMA)
+
+
+def unusable_splits(judgments: pl.DataFrame) -> list[str]:
+    """One line per split that has judged answers but no kept label, with its drop counts."""
+    out = []
+    for split in ("train", "val", "test"):
+        part = judgments.filter(pl.col("split") == split)
+        if part.height and not part["kept"].any():
+            reasons = ", ".join(f"{r}: {n}" for r, n in sorted(part.group_by("reason").len().iter_rows()))
+            out.append(f"{split}: {part.height} answers judged, none kept ({reasons})")
+    return out
 
 
 def label_distribution(judgments: pl.DataFrame) -> dict:

@@ -8,9 +8,10 @@ from halludetect.nli.clustering import (
     cluster_all,
     cluster_question,
     cluster_responses,
+    unusable_clustering,
 )
 
 __all__ = [
     "CLUSTERS_SCHEMA", "EQUIVALENCE", "NLI_BACKENDS", "TIMINGS_SCHEMA", "cluster_all", "cluster_question",
-    "cluster_responses", "get_nli",
+    "cluster_responses", "get_nli", "unusable_clustering",
 ]

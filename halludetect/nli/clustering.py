@@ -153,6 +153,23 @@ def semantic_probabilities(ids: list[int], logliks: list[float]) -> tuple[np.nda
     return mass[ids_a], count[ids_a], _entropy(mass), _entropy(count)
 
 
+def unusable_clustering(clusters: pl.DataFrame) -> list[str]:
+    """Why a clustering cannot be used, one line per reason: no question that needed the NLI
+    backend (two or more unique answers) got a valid clustering, or a split has no valid answer.
+    Partial invalidity is allowed: those questions get no P_sem, and are counted."""
+    per_q = clusters.unique("question_id", keep="first")
+    out = []
+    needed = per_q.filter(pl.col("n_unique") > 1)
+    if needed.height and not needed["valid"].any():
+        out.append(f"every one of the {needed.height} questions that needed the NLI backend is invalid (no usable "
+                   "relation came back)")
+    for split in ("train", "val", "test"):
+        part = clusters.filter(pl.col("split") == split)
+        if part.height and not part["valid"].any():
+            out.append(f"{split}: {part.height} answers, none with a valid clustering (no P_sem)")
+    return out
+
+
 def cluster_responses(nli: NLI, questions: pl.DataFrame, generations: pl.DataFrame, *,
                       equivalence: str) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(clusters: one row per non-empty answer, timings: one row per question).
