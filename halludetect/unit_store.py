@@ -47,11 +47,15 @@ class UnitStore:
     def put(self, unit: int, df: pl.DataFrame) -> None:
         write_parquet(self._path(unit), df)
 
-    def merge(self, n_units: int) -> pl.DataFrame:
+    def paths(self, n_units: int) -> list[Path]:
+        """Every unit's file in unit order (for merges that stream rather than load them all)."""
         missing = sorted(set(range(n_units)) - self.finished())
         if missing:
             raise RuntimeError(f"{len(missing)} work units missing in {self.dir} (e.g. {missing[:5]})")
-        return pl.concat([pl.read_parquet(self._path(u)) for u in range(n_units)], how="vertical")
+        return [self._path(u) for u in range(n_units)]
+
+    def merge(self, n_units: int) -> pl.DataFrame:
+        return pl.concat([pl.read_parquet(p) for p in self.paths(n_units)], how="vertical")
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
