@@ -93,8 +93,8 @@ def parse_row(rec, row: int, where: str, *, generate: bool, source: str) -> Answ
 class RowCheck:
     """What the first pass learns about the rows: their count, one id type, whether any has P_sem."""
 
-    def __init__(self, source: str):
-        self.source = source
+    def __init__(self, source: str, vocab_size: int | None = None):
+        self.source, self.vocab_size = source, vocab_size
         self.n_rows = 0
         self.id_type: type | None = None
         self.first_where = ""
@@ -108,6 +108,9 @@ class RowCheck:
             name = lambda t: t.__name__ if t else "missing"  # noqa: E731
             raise InputError(f"{self.source}, {r.where}: 'id' is {name(kind)} here but {name(self.id_type)} at "
                              f"{self.first_where}: give every row an id of one type, or none")
+        if self.vocab_size is not None and r.token_ids and max(r.token_ids) >= self.vocab_size:
+            raise InputError(f"{self.source}, {r.where}: answer_token_ids {max(r.token_ids)} is outside the model's "
+                             f"vocabulary of {self.vocab_size}: token ids of another model?")
         self.has_p_sem |= r.p_sem is not None
         self.n_rows += 1
 
@@ -155,9 +158,10 @@ class AnswerFile:
                 yield row, f"row {row}", rec
                 row += 1
 
-    def check(self) -> AnswerFile:
-        """The first pass: every row parsed and checked, ids of one type; nothing is kept."""
-        seen = RowCheck(str(self.path))
+    def check(self, vocab_size: int | None = None) -> AnswerFile:
+        """The first pass: every row parsed and checked (ids of one type, token ids within
+        `vocab_size`); nothing is kept."""
+        seen = RowCheck(str(self.path), vocab_size)
         for r in self.rows():
             seen.add(r)
         if seen.n_rows == 0:

@@ -23,6 +23,7 @@ import torch
 from halludetect.activations import bag_slice, layer_module
 from halludetect.config import GenerateParams
 from halludetect.generation import Trimmed, sample_rows
+from halludetect.model_inputs import pad_ids
 
 
 @dataclass
@@ -41,8 +42,8 @@ def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], 
     def keep(_module, _inputs, output):
         steps.append((output[0] if isinstance(output, tuple) else output).detach())
 
-    def watch(_module, _args, kwargs):  # the KV cache and mask of the latest forward, for the step after
-        last_call["cache"], last_call["mask"] = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+    def watch(_module, _args, kwargs):  # the sampling pass's KV cache, for the step after its last
+        last_call["cache"] = kwargs.get("past_key_values")
 
     handles = [layer_module(model, layer).register_forward_hook(keep),
                model.register_forward_pre_hook(watch, with_kwargs=True)]
@@ -52,8 +53,10 @@ def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], 
         generated = sum(s.shape[1] for s in steps) - width + 1  # tokens sampled: one per forward
         cut = [len(a.token_ids) == generated for a in answers]  # answers whose last token was never fed back
         if positions == "generated" and any(cut):
-            mask = last_call["mask"]
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [R, W + generated]
+            # The mask generate keeps: the left-padded prompts' own, then one column per token sampled.
+            _, prompt_mask = pad_ids(prompts, tokenizer.pad_token_id, left=True)  # [R, W]
+            mask = torch.cat([prompt_mask, torch.ones(len(prompts), generated, dtype=prompt_mask.dtype)], dim=1)
+            mask = mask.to(steps[0].device)  # [R, W + generated]
             last = torch.tensor([a.token_ids[-1] if c else tokenizer.pad_token_id for a, c in zip(answers, cut)],
                                 device=mask.device)[:, None]  # [R, 1]
             model(input_ids=last, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],

@@ -140,34 +140,42 @@ def describe_trained(base: dict) -> str:
     return f"{base['path']} at revision {base.get('revision') or 'main'} (commit {base.get('resolved_revision')})"
 
 
-def check_model(bundle: Bundle, identity: dict, positions: str | None = None) -> None:
-    """Refuse a model other than the bundle's, or another position convention, naming both."""
+def check_model(bundle: Bundle, model: ModelPreset | object, positions: str | None = None) -> dict:
+    """Refuse a model other than the bundle's, or another position convention, naming both;
+    cheap checks first (no file is hashed, no hub asked, for a plain mismatch). Returns what
+    pins the model given (`model_identity`), for the resume fingerprint."""
     base, where = bundle.meta["base_model"], bundle.path or "the bundle"
+    trained = describe_trained(base)
     if positions is not None and positions != bundle.positions:
         raise ModelMismatch(f"{where} was trained on '{bundle.positions}' token positions; '{positions}' was asked "
                             "for. A detector only reads the states it was trained on: drop the option, or export "
                             "a bundle from a dump with that convention")
-    trained = describe_trained(base)
+    if isinstance(model, ModelPreset) and not is_local(model):
+        if base.get("files"):
+            raise ModelMismatch(f"{where} was trained on {trained}; the model given is the hub model "
+                                f"{model.path}: pass the local directory it was trained on (--model DIR)")
+        if model.path != base["path"]:
+            raise ModelMismatch(f"{where} was trained on {trained}; the model given is {model.path}")
+    identity = model_identity(model) if isinstance(model, ModelPreset) else loaded_identity(model)
     if base.get("files"):
         if not identity["local"]:
-            raise ModelMismatch(f"{where} was trained on {trained}; the model given is the hub model "
-                                f"{identity['path']}: pass the local directory it was trained on (--model DIR)")
+            raise ModelMismatch(f"{where} was trained on {trained}; the model given was loaded from "
+                                f"{identity['path']}, not from that directory")
         ours, theirs = identity["files"], base["files"]
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, has other "
                                 f"files: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} differ")
-        return
-    if not identity["local"] and identity["path"] != base["path"]:
-        raise ModelMismatch(f"{where} was trained on {trained}; the model given is {identity['path']}")
+        return identity
     if identity["commit"] is None:
-        raise ModelMismatch(f"{where} was trained on {trained}; the directory given, {identity['path']}, does not "
-                            "say which commit it holds. Download it with `huggingface-cli download "
+        raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, does not say "
+                            "which commit it holds. Download it with `huggingface-cli download "
                             f"{base['path']} --revision {base.get('resolved_revision')} --local-dir DIR` (which "
                             "records the commit), or pass the hub id with the Hugging Face cache filled")
     if identity["commit"] != base.get("resolved_revision"):
         raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, is commit "
                             f"{identity['commit']}: pass --revision {base.get('resolved_revision')}")
+    return identity
 
 
 def check_config(bundle: Bundle, config) -> None:
@@ -212,14 +220,12 @@ class Scorer:
             if tokenizer is None:
                 raise UserError("a loaded model comes with its tokenizer: pass tokenizer=")
             self.preset, self.model, self.tokenizer = None, model, tokenizer
-            self.identity = loaded_identity(model)
-            check_model(b, self.identity, positions)
+            self.identity = check_model(b, model, positions)
             config = model.config
         else:
             self.preset = model_preset(b, model, revision=revision, dtype=dtype, device_map=device_map)
             self.model, self.tokenizer = None, tokenizer
-            self.identity = model_identity(self.preset)  # hashes a local model's files, loads nothing
-            check_model(b, self.identity, positions)
+            self.identity = check_model(b, self.preset, positions)  # hashes a local model's files; loads nothing
             config = load_config(self.preset)
             check_config(b, config)
         self.vocab_size = int(config.get_text_config().vocab_size)
@@ -254,11 +260,7 @@ class Scorer:
         """The answer's tokens: as given, or its text tokenized as the model writes it after the
         prompt (prompt 1 ends with "Answer:", and answers start with a space; a chat template's
         answer starts the assistant turn)."""
-        if r.token_ids is not None:
-            bad = [t for t in r.token_ids if t >= self.vocab_size]
-            if bad:
-                raise UserError(f"{r.where}: answer_token_ids {bad[:3]} are outside the model's vocabulary of "
-                                f"{self.vocab_size}: token ids of another model?")
+        if r.token_ids is not None:  # within the vocabulary: checked with the rows (RowCheck)
             return list(r.token_ids)
         text = r.answer.strip()
         if not text:
@@ -387,7 +389,7 @@ def score_answers(bundle: Bundle | str | Path, rows: Iterable[dict] | pl.DataFra
     questions only. Returns one row per input row (columns: answer_files.output_schema)."""
     scorer = Scorer(bundle, model, **kw)
     records = rows.to_dicts() if isinstance(rows, pl.DataFrame) else list(rows)
-    seen = RowCheck("rows")
+    seen = RowCheck("rows", scorer.vocab_size)
     parsed = []
     for i, rec in enumerate(records):
         parsed.append(parse_row(rec, i, f"row {i}", generate=scorer.generate is not None, source="rows"))
@@ -418,7 +420,7 @@ def score_file(bundle: Bundle | str | Path, input_path: str | Path, output_path:
     output_format(output_path)
     scorer = Scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
     generate = scorer.generate is not None
-    src = AnswerFile(input_path, generate=generate).check()  # every row, before any weights are loaded
+    src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights
     if scorer.bundle.reads_p_sem and not src.has_p_sem:
         raise UserError(f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
                         f"P_sem: {input_path} has no p_sem values (add a p_sem column)")
