@@ -60,6 +60,7 @@ from halludetect.hf_models import (
     load_model,
     load_tokenizer,
     n_layers,
+    resolve_device,
 )
 from halludetect.model_inputs import encode_prompt, pad_ids
 from halludetect.prompts import template_hash
@@ -212,7 +213,7 @@ class Scorer:
                             "column instead")
         self.generate, self.greedy, self.batch_size, self.per_seed, self.log = \
             generate, greedy, batch_size, per_seed, log
-        self.device = device
+        self.device = device if device_map else resolve_device(device)
         self.threshold_name, self.threshold = b.threshold(threshold)
         self.states_dtype = DTYPES[inputs["states_dtype"]]
         self._named: Counter = Counter()
@@ -224,6 +225,10 @@ class Scorer:
             config = model.config
         else:
             self.preset = model_preset(b, model, revision=revision, dtype=dtype, device_map=device_map)
+            trained_dtype = b.meta["base_model"]["preset"].get("dtype")
+            if self.preset.dtype != trained_dtype:
+                log(f"the detector was trained on states of the model in {trained_dtype}; running it in "
+                    f"{self.preset.dtype} gives slightly different states (and scores)")
             self.model, self.tokenizer = None, tokenizer
             self.identity = check_model(b, self.preset, positions)  # hashes a local model's files; loads nothing
             config = load_config(self.preset)

@@ -406,3 +406,27 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
     score_file(bundle_path, src, out, threshold="fpr_0.05", log=logged.append, **kw)
     assert not any("resuming" in m for m in logged)  # another threshold: the two parts are not reused
     assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
+
+
+def test_reading_rows_is_streamed(tmp_path):
+    """The first pass and the parts keep one part of rows at a time: the peak of Python
+    allocations while reading 20,000 rows is that of reading 2,000."""
+    import tracemalloc
+
+    from halludetect.answer_files import AnswerFile
+
+    def peak(n: int) -> int:
+        rows = [{"id": i, "question": f"Where was Tavo Mir{i} born?", "answer": "Tavo Mir was born in " + "x" * 80}
+                for i in range(n)]
+        src = write_jsonl(tmp_path / f"{n}.jsonl", rows)
+        del rows
+        tracemalloc.start()
+        f = AnswerFile(src).check()
+        parts = sum(len(p) for _, p in f.parts(500))
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert f.n_rows == parts == n
+        return top
+
+    small, large = peak(2_000), peak(20_000)
+    assert large < 1.5 * small, (small, large)
