@@ -106,3 +106,34 @@ def build(root: Path, model, tokenizer, model_dir: Path, *, method: str = "max",
                 "hidden_size": model.config.hidden_size, "files": dir_fingerprint(model_dir)}
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+def dumped_rows(questions: pl.DataFrame, dumped: pl.DataFrame, token_ids: bool = True) -> list[dict]:
+    """The dumped answers as scoring input, in the dump's order (question id, sample index)."""
+    text = questions.select(question_id="id", question="question")
+    gens = dumped.sort("question_id", "sample_index").join(text, on="question_id", maintain_order="left")
+    return [{"id": f"{r['question_id']}/{r['sample_index']}", "question": r["question"], "answer": r["text"],
+             **({"answer_token_ids": r["token_ids"]} if token_ids else {})} for r in gens.iter_rows(named=True)]
+
+
+def assert_bundle_scores_match_dag(bundle_path: Path, scores_dir: Path, questions: pl.DataFrame,
+                                   dumped: pl.DataFrame, model_dir: Path, batch_size: int) -> int:
+    """Score every dumped answer from scratch through the bundle (question, answer and its token
+    ids), in the dump's order and batch size, so that the model sees the inputs the dump gave
+    it: each test answer gets each seed's evaluate logit at the bundle's layer (`scores_dir/
+    layer_LL.parquet`), up to the float noise of the detector's batch shape. Returns how many
+    (answer, seed) pairs were compared."""
+    from halludetect.bundle import load_bundle
+    from halludetect.scoring import score_answers
+
+    b = load_bundle(bundle_path)
+    rows = dumped_rows(questions, dumped)
+    df = score_answers(bundle_path, rows, model=str(model_dir), per_seed=True, device="cpu", batch_size=batch_size)
+    assert df["reason"].null_count() == df.height == len(rows)
+    by_id = dict(zip(df["id"], df["seed_scores"]))
+    dag = pl.read_parquet(Path(scores_dir) / f"layer_{b.layer:02d}.parquet").filter(pl.col("split") == "test")
+    assert dag.height, f"no test scores in {scores_dir}"
+    for k, seed in enumerate(b.seeds):
+        ids, want = dag.filter(pl.col("seed") == seed).select("response_id", "score")
+        np.testing.assert_allclose([by_id[i][k] for i in ids], want.to_numpy(), rtol=1e-5, atol=1e-6)
+    return dag.height

@@ -91,27 +91,21 @@ def test_early_exit_neither_loads_nor_runs_the_blocks_above(tiny, tiny_model_dir
 
 # ------------------------------------------------------------------------------ bundle scores
 def test_bundle_scores_equal_the_dag_evaluate_scores(contract, bundle_path, tiny_model_dir):
-    """Every dumped answer scored from scratch (question, answer and its token ids) through the
-    bundle, in the dump's order and batch size (the same model inputs): the test split gets each
-    seed's evaluate logit at the bundle's layer, and the score is their mean."""
+    """The test split's evaluate logits at the bundle's layer, seed by seed, from answers scored
+    from scratch (contract_layout.assert_bundle_scores_match_dag; test_e2e runs it on the DAG)."""
+    from contract_layout import assert_bundle_scores_match_dag
+
+    qs, gens = (pl.read_parquet(contract / f) for f in ("questions.parquet", "generations.parquet"))
+    n = assert_bundle_scores_match_dag(bundle_path, contract / "scores" / "max", qs, gens, tiny_model_dir, 64)
+    assert n == 2 * pl.read_parquet(contract / "judgments.parquet").filter(pl.col("split") == "test").height
+    # the score is the mean of the seeds' logits, the probability Platt's, the flag at the threshold
     b = load_bundle(bundle_path)
-    rows = dag_rows(contract, split=None)
-    df = score_answers(bundle_path, rows, model=str(tiny_model_dir), per_seed=True, device="cpu", batch_size=64)
-    assert df["reason"].null_count() == df.height == len(rows) and df["id"].to_list() == [r["id"] for r in rows]
-    dag = pl.read_parquet(contract / "scores" / "max" / f"layer_{b.layer:02d}.parquet")
-    dag = dag.filter(pl.col("split") == "test")
-    by_id = {r["id"]: r for r in df.to_dicts()}
-    for k, seed in enumerate(b.seeds):
-        ids, want = dag.filter(pl.col("seed") == seed).select("response_id", "score")
-        got = [by_id[i]["seed_scores"][k] for i in ids]
-        # states are bit-equal (test above); the detector sees other batches than evaluate's, so
-        # allow the float noise of its matrix products' shapes (none on the CI machine)
-        np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-5, atol=1e-6)
+    df = score_answers(bundle_path, dag_rows(contract), model=str(tiny_model_dir), per_seed=True, device="cpu")
     z = df["score"].to_numpy()
     np.testing.assert_allclose(z, np.mean(np.stack(df["seed_scores"].to_list()), axis=1))
     np.testing.assert_allclose(df["probability"].to_numpy(), b.probability(z))
     assert df["flag"].to_list() == (z >= b.threshold()[1]).tolist()
-    assert df["n_tokens"].to_list() == [len(r["answer_token_ids"]) for r in rows]
+    assert df["n_tokens"].to_list() == [len(r["answer_token_ids"]) for r in dag_rows(contract)]
 
 
 def test_text_answers_are_tokenized_as_the_model_writes_them(contract, bundle_path, tiny_model_dir, tiny):
