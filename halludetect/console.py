@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from halludetect.errors import UserError
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted: finished parts are kept; run the same command again to continue", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `halludetect show B | head`: the reader left early, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ def model_identity(preset: ModelPreset) -> dict:
     if is_local(preset):
         path = Path(preset.path).expanduser()
         if not path.is_dir():
-            raise ModelMismatch(f"model directory {path} does not exist")
+            raise ModelMismatch(f"model directory {path} does not exist (a bundle names a local model as the DAG "
+                                "did, relative to the repository: run from there, or pass --model DIR)")
         return {"path": str(path), "local": True, "files": dir_fingerprint(path), "commit": local_commit(path)}
     return {"path": preset.path, "local": False, "files": None, "commit": resolve_hub_revision(preset)}
 

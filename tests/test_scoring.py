@@ -424,3 +424,22 @@ def test_reading_rows_is_streamed(tmp_path):
 
     small, large = peak(2_000), peak(20_000)
     assert large < 1.5 * small, (small, large)
+
+
+def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny_model_dir, tmp_path, capsys):
+    from halludetect import console
+
+    def fails(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as e:
+            console.main(argv)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "no such bundle" in fails(["show", str(tmp_path / "none.safetensors")])
+    score = ["score", "--bundle", str(bundle_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "o.jsonl")]
+    assert "pass --generate, or drop them" in fails([*score, "--input", "in.jsonl", "--seed", "3"])
+    assert "no such input file" in fails([*score, "--input", str(tmp_path / "none.jsonl")])
+    src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
+    assert "unknown threshold 'f1'" in fails([*score, "--input", str(src), "--threshold", "f1"])
+    console.main(["show", str(bundle_path)])
+    assert json.loads(capsys.readouterr().out)["method"] == "max"
