@@ -35,7 +35,7 @@ from halludetect.atomic_io import atomic_path
 from halludetect.errors import UserError
 
 READERS = (".jsonl", ".parquet")
-REASONS = ("empty_answer", "too_long", "no_p_sem")
+REASONS = ("empty_answer", "too_long", "no_p_sem")  # why a row has no score (the output's `reason`)
 
 
 class InputError(UserError, ValueError):

@@ -34,12 +34,8 @@ from halludetect.hf_models import (
 )
 
 
-class _ExitReached(Exception):  # noqa: N818 - a signal, not an error
+class _ExitReached(Exception):
     """Raised by the exit hook once layer L's states are stored: the rest of the forward is skipped."""
-
-
-def _text_config(config):
-    return getattr(config, "text_config", None) or config
 
 
 def cut_config(config, layer: int):
@@ -48,7 +44,7 @@ def cut_config(config, layer: int):
     Per-layer lists (`layer_types` of models with sliding-window layers) are cut with it, so
     the blocks that remain keep their own attention type.
     """
-    cfg = _text_config(config)
+    cfg = config.get_text_config()  # the language model's own config (the whole config of a plain LM)
     top = int(cfg.num_hidden_layers)
     if not 0 <= layer <= top:
         raise ModelError(f"layer {layer} out of range: this model has layers 0..{top} (0 = embeddings)")
@@ -107,10 +103,6 @@ def load_until(preset: ModelPreset, layer: int, device: str = "auto"):
     if "device_map" not in kw:
         model = model.to(resolve_device(device))
     return model.eval()
-
-
-def blocks_loaded(model) -> int:
-    return int(_text_config(model.config).num_hidden_layers)
 
 
 @torch.no_grad()

@@ -439,7 +439,8 @@ def score_file(bundle: Bundle | str | Path, input_path: str | Path, output_path:
     if kept:
         log(f"resuming: {kept} of {n_parts} parts kept from an earlier run in {store.dir}")
     kept_rows = sum(min(rows_per_part, src.n_rows - u * rows_per_part) for u in done)
-    scorer.load()
+    if len(done) < n_parts:
+        scorer.load()  # the weights, now that every check has passed
     with tqdm(total=src.n_rows, initial=kept_rows, unit="answer", desc="score", disable=not progress) as bar:
         for u, rows in src.parts(rows_per_part):
             if u in done:
