@@ -37,6 +37,9 @@ _EXPORTS = {
     "load_detector": "halludetect.detectors", "save_detector": "halludetect.detectors",
     "split_data": "halludetect.detector_data", "train_detector": "halludetect.training",
     "evaluate_detector": "halludetect.evaluation",
+    # scoring new answers with an exported bundle
+    "load_bundle": "halludetect.bundle", "Scorer": "halludetect.scoring", "score_answers": "halludetect.scoring",
+    "score_file": "halludetect.scoring",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -31,10 +31,15 @@ from halludetect.responses import response_id
 POSITIONS = ("predicting", "generated")
 
 
+def _base(model) -> nn.Module:
+    """The decoder of a causal LM (`model.model`), or the model itself when it is one (`AutoModel`)."""
+    return getattr(model, "model", model)
+
+
 def _decoder_layers(model) -> nn.ModuleList:
     n = model.config.num_hidden_layers
-    base = getattr(model, "model", None)
-    if base is not None and isinstance(getattr(base, "layers", None), nn.ModuleList):
+    base = _base(model)
+    if isinstance(getattr(base, "layers", None), nn.ModuleList):
         return base.layers
     for module in model.modules():  # other architectures: the block list of the right length
         if isinstance(module, nn.ModuleList) and len(module) == n:
@@ -43,8 +48,28 @@ def _decoder_layers(model) -> nn.ModuleList:
 
 
 def _final_norm(model) -> nn.Module | None:
-    base = getattr(model, "model", None)
-    return getattr(base, "norm", None)
+    return getattr(_base(model), "norm", None)
+
+
+def layer_module(model, layer: int, n_layers: int | None = None) -> nn.Module:
+    """The module whose output is hidden state `layer`, in the numbering of a model of `n_layers` blocks.
+
+    0: the input embeddings; i < n_layers: decoder block i; n_layers: the final norm (what
+    `hidden_states[-1]` holds), or block n_layers for a model without one. `n_layers` defaults
+    to the blocks `model` has; a model loaded with its top blocks cut off (`early_exit`) passes
+    the full model's count, so that its last block is not taken for the top of the model.
+    """
+    blocks = _decoder_layers(model)
+    top = len(blocks) if n_layers is None else n_layers
+    if not 0 <= layer <= top:
+        raise ValueError(f"layer {layer} out of range: the model has layers 0..{top} (0 = embeddings)")
+    if layer == 0:
+        return model.get_input_embeddings()
+    if layer == top and _final_norm(model) is not None:
+        return _final_norm(model)
+    if layer > len(blocks):
+        raise ValueError(f"layer {layer} needs decoder block {layer}, but only {len(blocks)} blocks are loaded")
+    return blocks[layer - 1]
 
 
 @contextlib.contextmanager
@@ -54,8 +79,6 @@ def capture(model, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
     Yields a dict filled on each forward: layer -> [batch, seq, d]. Hooks are removed on
     exit, also when the body raises.
     """
-    blocks = _decoder_layers(model)
-    top = len(blocks)
     store: dict[int, torch.Tensor] = {}
     handles = []
 
@@ -67,13 +90,7 @@ def capture(model, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
 
     try:
         for layer in layers:
-            if layer == 0:
-                module = model.get_input_embeddings()
-            elif layer == top and _final_norm(model) is not None:
-                module = _final_norm(model)
-            else:
-                module = blocks[layer - 1]
-            handles.append(module.register_forward_hook(keep(layer)))
+            handles.append(layer_module(model, layer).register_forward_hook(keep(layer)))
         yield store
     finally:
         for h in handles:
@@ -92,6 +109,20 @@ def bag_slice(prompt_len: int, n_tokens: int, positions: str) -> slice:
     if positions == "generated":
         return slice(prompt_len, prompt_len + n_tokens)
     raise ValueError(f"unknown positions '{positions}'; choose from {POSITIONS}")
+
+
+def bag_positions(starts, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every bag token of a batch as (row, position) in the padded inputs, bags back to back.
+
+    starts [B]: where each row's bag begins (`bag_slice(...).start`); lengths [B]: its tokens.
+    Returns row [N] and col [N], N = sum(lengths), to gather the packed bags at once:
+    `states[row, col]` -> [N, d].
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row = np.repeat(np.arange(len(lengths)), lengths)  # [N]
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [B] first flat index of each bag
+    col = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + np.arange(len(row)) - np.repeat(first, lengths)
+    return torch.from_numpy(row), torch.from_numpy(col)
 
 
 # ---------------------------------------------------------------------------- dump
@@ -129,18 +160,13 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
                 batch = generations.slice(b * batch_size, batch_size).select(
                     "question_id", "sample_index", "token_ids", "n_tokens").to_dicts()
                 seqs = [prompts[r["question_id"]] + list(r["token_ids"]) for r in batch]
-                starts = np.asarray([bag_slice(len(prompts[r["question_id"]]), r["n_tokens"], positions).start
-                                     for r in batch])  # [B]
+                starts = [bag_slice(len(prompts[r["question_id"]]), r["n_tokens"], positions).start for r in batch]
                 lengths = np.asarray([r["n_tokens"] for r in batch])  # [B]
                 # Right padding: a plain forward numbers positions from 0, so real tokens keep
                 # the positions they had unpadded and causal attention never sees the pads.
                 ids, mask = pad_ids(seqs, tokenizer.pad_token_id, left=False)  # [B, W]
                 model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-                # Every bag token of the batch as (row, position), gathered on the device at once.
-                row = np.repeat(np.arange(len(batch)), lengths)  # [N]
-                first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [B] first flat index of each bag
-                col = np.repeat(starts, lengths) + np.arange(len(row)) - np.repeat(first, lengths)  # [N]
-                row_t, col_t = torch.from_numpy(row).to(device), torch.from_numpy(col).to(device)
+                row_t, col_t = (t.to(device) for t in bag_positions(starts, lengths))
                 response_ids = [response_id(r["question_id"], r["sample_index"]) for r in batch]
                 for layer, writer in writers.items():
                     block = store[layer][row_t, col_t].to(torch_dtype).cpu().numpy()  # [N, d]

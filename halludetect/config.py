@@ -325,6 +325,25 @@ class EvaluateParams(Section):
     throughput_repeats: PositiveInt = 5  # best of this many timed passes
 
 
+def threshold_name(target_fpr: float) -> str:
+    """The name of a bundle's threshold at a target false-positive rate: fpr_0.05, ..."""
+    return f"fpr_{target_fpr:g}"
+
+
+class ExportParams(Section):
+    """The detector bundle of each evaluated method's best layer (stage export; `halludetect score` reads it)."""
+
+    fpr_targets: list[Annotated[float, Field(gt=0, lt=1)]] = [0.01, 0.05, 0.1]  # thresholds at these val FPRs
+    threshold: str = "best_f1"  # the bundle's default flag: best_f1, or fpr_<target> for a target above
+
+    @model_validator(mode="after")
+    def _known_threshold(self) -> ExportParams:
+        names = ["best_f1", *(threshold_name(t) for t in self.fpr_targets)]
+        if self.threshold not in names:
+            raise ValueError(f"threshold '{self.threshold}' is none the bundle stores{_suggest(self.threshold, names)}")
+        return self
+
+
 class GridParams(Section):
     models: list[str]
     datasets: list[str]
@@ -350,6 +369,7 @@ class Params(Section):
     baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    export: ExportParams = ExportParams()
 
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:

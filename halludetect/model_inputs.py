@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from halludetect.hf_models import ModelError, context_length
-from halludetect.prompts import generation_prompt
+from halludetect.prompts import GENERATION, generation_prompt
 
 
-def encode_prompt(tokenizer, question: str, chat_template: bool) -> list[int]:
-    """Prompt 1 as token ids, with the special tokens the model expects (BOS for Llama)."""
-    text = generation_prompt(question)
+def encode_prompt(tokenizer, question: str, chat_template: bool, template: str = GENERATION) -> list[int]:
+    """Prompt 1 (or another `template` with a {question} field, e.g. a detector bundle's) as token ids,
+    with the special tokens the model expects (BOS for Llama)."""
+    text = generation_prompt(question, template)
     if chat_template:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True

@@ -68,10 +68,13 @@ def pin(threads: int = THREADS) -> None:
     current = mode()
     if current == "native":
         return
+    pins = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": MKL_BRANCH[current], "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads)}
+    if all(os.environ.get(k) == v for k, v in pins.items()):
+        return  # pinned already (a stage module imported by a test that pinned first)
     if "torch" in sys.modules:
         raise RuntimeError("numerics.pin() must run before torch is imported (the kernel choices are made then)")
-    os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR=MKL_BRANCH[current], OMP_NUM_THREADS=str(threads),
-                      MKL_NUM_THREADS=str(threads))
+    os.environ.update(pins)
 
 
 @contextlib.contextmanager

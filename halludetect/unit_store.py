@@ -94,18 +94,24 @@ class UnitStore:
         # Durable: a later run trusts a unit that exists (after reading it back once).
         write_parquet(self._path(unit), df, durable=True)
 
-    def merge(self, n_units: int) -> pl.DataFrame:
+    def paths(self, n_units: int) -> list[Path]:
+        """Every unit's file in unit order (for merges that stream rather than load them all)."""
         missing = sorted(set(range(n_units)) - self.finished())
         if missing:
             raise RuntimeError(f"{len(missing)} work units missing in {self.dir} (e.g. {missing[:5]})")
-        frames = []
-        for u in range(n_units):
-            df, why = self._read(self._path(u))
-            if why:
-                raise DataError(f"work unit {self._path(u)} is {why}; re-run the stage: it discards the damaged "
-                                "unit and computes it again")
-            frames.append(df)
-        return pl.concat(frames, how="vertical")
+        return [self._path(u) for u in range(n_units)]
+
+    def read(self, unit: int) -> pl.DataFrame:
+        """One finished unit; a damaged one is an error that says a re-run heals it."""
+        df, why = self._read(self._path(unit))
+        if why:
+            raise DataError(f"work unit {self._path(unit)} is {why}; re-run the stage: it discards the damaged "
+                            "unit and computes it again")
+        return df
+
+    def merge(self, n_units: int) -> pl.DataFrame:
+        self.paths(n_units)  # every unit there
+        return pl.concat([self.read(u) for u in range(n_units)], how="vertical")
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -46,3 +46,29 @@ def tiny(tiny_model_dir):
 
     preset = ModelPreset(path=str(tiny_model_dir), dtype="float32")
     return load_model(preset, "cpu"), load_tokenizer(preset)
+
+
+@pytest.fixture(scope="session")
+def contract(tiny, tiny_model_dir, tmp_path_factory):
+    """A miniature DAG in the per-layer layout of train/evaluate (tests/contract_layout.py)."""
+    from contract_layout import build
+
+    model, tok = tiny
+    return build(tmp_path_factory.mktemp("dag"), model, tok, tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def bundle_path(contract, tmp_path_factory):
+    """The export of the miniature DAG's `max` detector."""
+    import json
+
+    from halludetect.bundle import export_bundle
+    from halludetect.prompts import GENERATION
+
+    out = tmp_path_factory.mktemp("bundle") / "max.safetensors"
+    export_bundle(out, metrics=json.loads((contract / "metrics" / "max.json").read_text()),
+                  detectors_dir=contract / "detectors" / "max", scores_dir=contract / "scores" / "max",
+                  manifest=json.loads((contract / "manifest.json").read_text()), positions="predicting",
+                  states_dtype="float16", prompt_template=GENERATION, fpr_targets=[0.01, 0.05, 0.1],
+                  default_threshold="best_f1")
+    return out

@@ -204,3 +204,19 @@ def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
     assert files and files == sorted(p.name for p in (two / "acts").iterdir())
     for name in files:
         assert (one / "acts" / name).read_bytes() == (two / "acts" / name).read_bytes()
+
+
+def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
+    """The exported bundle scores the world's test answers from scratch as evaluate scored them,
+    seed by seed, at the bundle's layer (reads data/scores/..., written by evaluate since issue 14)."""
+    from contract_layout import assert_bundle_scores_match_dag
+
+    from halludetect.responses import select_answers
+
+    dumped, _ = select_answers(pl.read_parquet(repo / "data/generations/world/world.parquet"))
+    batch_size = yaml.safe_load((repo / "params.yaml").read_text())["dump"]["batch_size"]
+    n = assert_bundle_scores_match_dag(repo / "data/bundles/world/world/max.safetensors",
+                                       repo / "data/scores/world/world/max",
+                                       pl.read_parquet(repo / "data/questions/world.parquet"), dumped,
+                                       repo / "data/world/model", batch_size)
+    assert n > 0

@@ -79,6 +79,8 @@ def test_seeds_give_the_same_bytes_however_many_workers_train_them():
 
 def test_pinning_is_refused_after_torch_loaded_and_a_bad_mode_is_named(monkeypatch):
     monkeypatch.setenv("HALLUDETECT_NUMERICS", "reproducible")
+    numerics.pin()  # pinned already (conftest): importing a stage module in a test is fine
+    monkeypatch.setenv("HALLUDETECT_NUMERICS", "portable")  # other pins, too late: the kernels are chosen
     with pytest.raises(RuntimeError, match="before torch is imported"):
         numerics.pin()
     monkeypatch.setenv("HALLUDETECT_NUMERICS", "fast")

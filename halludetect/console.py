@@ -1,0 +1,120 @@
+"""The `halludetect` command (a console script of the package).
+
+    halludetect score --bundle B.safetensors --input answers.jsonl --out scores.parquet
+    halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
+    halludetect show B.safetensors
+
+`score` is `halludetect.scoring.score_file`; `show` prints a bundle's metadata. Bad input
+(a malformed row, a bundle for another model) prints one error line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from halludetect.errors import UserError
+
+
+def _score(args) -> None:
+    from halludetect.atomic_io import write_json
+    from halludetect.config import GenerateParams, load_params
+    from halludetect.scoring import score_file
+
+    generate = None
+    if args.generate:
+        generate = load_params(args.params).generate if args.params else GenerateParams()
+        if args.seed is not None:
+            generate = generate.model_copy(update={"seed": args.seed})
+        if args.max_new_tokens is not None:
+            generate = generate.model_copy(update={"max_new_tokens": args.max_new_tokens})
+    elif args.params or args.seed is not None or args.max_new_tokens is not None or args.greedy:
+        raise UserError("--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
+                        "pass --generate, or drop them")
+    threshold = args.threshold
+    summary = score_file(
+        args.bundle, args.input, args.out, args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+        device_map=args.device_map, positions=args.positions, generate=generate, greedy=args.greedy,
+        threshold=threshold, batch_size=args.batch_size, per_seed=args.per_seed, rows_per_part=args.rows_per_part,
+        progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr),
+    )
+    if args.summary:
+        write_json(args.summary, summary)
+    print(json.dumps(summary, sort_keys=True))
+
+
+def _show(args) -> None:
+    from halludetect.bundle import load_bundle
+
+    b = load_bundle(args.bundle)
+    print(json.dumps({"sha256": b.sha256, **b.meta}, indent=2, sort_keys=True))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="halludetect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("score", help="score answers (or sampled answers to questions) with a detector bundle",
+                       description="Score answers with a detector bundle (the export stage writes them to "
+                                   "data/bundles/<model>/<dataset>/<method>.safetensors). The base model runs only "
+                                   "up to the detector's layer.")
+    s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
+    s.add_argument("--input", required=True, help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem]; "
+                                                  "with --generate: question[, id]")
+    s.add_argument("--out", required=True, help="output file, .parquet or .jsonl (parts of an unfinished run are "
+                                                "kept next to it in .<name>.parts/ and reused by a re-run)")
+    s.add_argument("--model", help="base model: a local directory or hub id (default: the one the bundle names); "
+                                   "it must be the model the detector was trained on")
+    s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="model dtype (default: the bundle's preset)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
+    s.add_argument("--device-map", help="accelerate placement over several GPUs, e.g. auto")
+    s.add_argument("--positions", choices=["predicting", "generated"],
+                   help="the token-position convention you expect; a bundle with another one is refused")
+    s.add_argument("--threshold", help="flag threshold: best_f1, fpr_0.05, ... (stored in the bundle; `halludetect "
+                                       "show` lists them) or a logit value (default: the bundle's default)")
+    s.add_argument("--batch-size", type=int, default=32, help="answers per forward pass (default: 32)")
+    s.add_argument("--rows-per-part", type=int, default=1024,
+                   help="rows per resumable part: a killed run loses at most one part (default: 1024)")
+    s.add_argument("--per-seed", action="store_true", help="also write each seed's logit (seed_scores)")
+    s.add_argument("--generate", action="store_true",
+                   help="the input has questions only: sample one answer each and score it from the states "
+                        "of the sampling pass itself")
+    s.add_argument("--params", help="with --generate: a params file whose `generate` section sets the sampling "
+                                    "(default: the built-in defaults, as in params.yaml)")
+    s.add_argument("--seed", type=int, help="with --generate: sampling seed (each row draws from its own stream)")
+    s.add_argument("--max-new-tokens", type=int, help="with --generate: longest answer in tokens")
+    s.add_argument("--greedy", action="store_true", help="with --generate: the most likely answer instead of a sample")
+    s.add_argument("--summary", help="also write the run's summary JSON here")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(run=_score)
+
+    show = sub.add_parser("show", help="print a bundle's metadata (model, layer, thresholds, calibration, AUROC)")
+    show.add_argument("bundle", help="detector bundle (.safetensors)")
+    show.set_defaults(run=_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if getattr(args, "batch_size", 1) < 1 or getattr(args, "rows_per_part", 1) < 1:
+        parser().error("--batch-size and --rows-per-part must be at least 1")
+    try:
+        args.run(args)
+    except (UserError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: finished parts are kept; run the same command again to continue", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # `halludetect show B | head`: the reader left early, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

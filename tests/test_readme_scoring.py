@@ -1,0 +1,59 @@
+"""README "Scoring new answers": its shell commands and its Python example run as written, in a
+directory laid out like the repository (data/world/model, data/bundles/world/world/max.safetensors)
+with the tiny test model and a bundle exported from the miniature DAG on it."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+
+from halludetect.bundle import load_bundle, save_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def section_blocks(title: str) -> dict[str, list[str]]:
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, flags=re.S):
+        blocks.setdefault(lang, []).append(code)
+    return blocks
+
+
+def world_like(tmp_path: Path, bundle_path: Path, model_dir: Path) -> Path:
+    """The tiny model at data/world/model and its bundle at the path the README uses, naming the
+    model by that relative path, as the export of the world's DAG does."""
+    shutil.copytree(model_dir, tmp_path / "data" / "world" / "model")
+    b = load_bundle(bundle_path)
+    meta = json.loads(json.dumps(b.meta))
+    meta["base_model"]["path"] = meta["base_model"]["preset"]["path"] = "data/world/model"
+    out = tmp_path / "data" / "bundles" / "world" / "world" / "max.safetensors"
+    out.parent.mkdir(parents=True)
+    save_bundle(out, {s: d.state_dict() for s, d in b.detectors.items()}, meta)
+    return tmp_path
+
+
+def test_readme_scoring_commands_run_as_written(bundle_path, tiny_model_dir, tmp_path, monkeypatch):
+    blocks = section_blocks("Scoring new answers")
+    assert len(blocks["bash"]) == 1 and len(blocks["python"]) == 1
+    repo = world_like(tmp_path, bundle_path, tiny_model_dir)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", "-euo", "pipefail", "-c", blocks["bash"][0]], cwd=repo, env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert '"method": "max"' in res.stdout  # halludetect show
+    scores = pl.read_parquet(repo / "scores.parquet")
+    assert scores["id"].to_list() == ["a1", "a2", "a3"]
+    assert scores["reason"].to_list() == [None, None, "empty_answer"] and scores["score"].null_count() == 1
+    sampled = [json.loads(line) for line in (repo / "sampled.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in sampled] == ["q1", "q2"] and all("answer" in r and "flag" in r for r in sampled)
+    monkeypatch.chdir(repo)
+    scope: dict = {}
+    exec(compile(blocks["python"][0], "README.md", "exec"), scope)  # the README's own example, as written
+    assert scope["df"].height == 1 and scope["df"]["score"][0] is not None
