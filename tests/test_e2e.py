@@ -38,8 +38,9 @@ SMALL = {
 LAYERS = (0, 1, 2)
 DETECTOR_STAGES = (
     {f"train@world-world-{m}-{layer}" for m in ("hami", "mean", "max") for layer in LAYERS}
-    | {f"evaluate@world-world-{m}" for m in ("hami", "mean", "max")}
-    | {f"train_sp@world-world-hami_sp-{layer}" for layer in LAYERS} | {"evaluate_sp@world-world-hami_sp"}
+    | {f"{kind}@world-world-{m}" for m in ("hami", "mean", "max") for kind in ("evaluate", "export")}
+    | {f"train_sp@world-world-hami_sp-{layer}" for layer in LAYERS}
+    | {"evaluate_sp@world-world-hami_sp", "export_sp@world-world-hami_sp"}
 )
 SP_STAGES = {s for s in DETECTOR_STAGES if "hami_sp" in s}
 
@@ -117,7 +118,8 @@ def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
     assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
-    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max", "report"}
+    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {
+        "evaluate@world-world-max", "export@world-world-max", "report"}
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
