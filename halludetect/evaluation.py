@@ -24,7 +24,7 @@ from halludetect.detectors import load_detector
 from halludetect.detectors.inference import score
 from halludetect.errors import DataError
 from halludetect.layer_reader import LayerReader
-from halludetect.metrics import split_metrics
+from halludetect.metrics import question_groups, split_metrics
 
 
 @torch.no_grad()
@@ -106,13 +106,17 @@ def evaluate_detector(per_layer: dict[int, dict], scores_dir: Path, seeds: list[
                         "they come from different dumps or labels; re-run train for every layer")
     best = best_layer(per_layer)
     scores = read_scores(Path(scores_dir) / f"layer_{best}.parquet", seeds)
-    y_val, s_val, _ = scores["val"]
-    y_test, s_test, _ = scores["test"]
+    figures = {}
+    for split, (y, per_seed, rows) in scores.items():
+        # The bootstrap resamples questions; margins are also reported by answer length (the bag's tokens).
+        figures[split] = split_metrics(y, per_seed, bootstrap=bootstrap if split == "test" else 0, seed=seed,
+                                       groups=question_groups(rows["question_id"].to_list()),
+                                       lengths=rows["n_tokens"].to_numpy())
     return {
         "best_layer": best,
         "layer_selection": "highest mean validation AUROC over seeds",
-        "val": split_metrics(y_val, s_val),
-        "test": split_metrics(y_test, s_test, bootstrap=bootstrap, seed=seed),
+        "val": figures["val"],
+        "test": figures["test"],
         "excluded": per_layer[best]["excluded"],
         "layers": [{"layer": layer, "val_auroc": m["val"]["auroc"]["mean"], "test_auroc": m["test"]["auroc"]["mean"],
                     "test_auprc": m["test"]["auprc"]["mean"], "test_margin": m["test"]["margin"]["mean"]}
