@@ -289,6 +289,8 @@ class ProbeParams(Section):
 SP_METHODS = ("hami_sp",)
 # Scores without hidden states (halludetect/baselines.py registers each).
 BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
+# Detectors the sensitivity analysis applies to: HaMI networks (token MLP with batch norm, top-k mean).
+ANALYZABLE = ("hami", "hami_sp")
 
 
 class DetectorsParams(Section):
@@ -325,6 +327,18 @@ class EvaluateParams(Section):
     throughput_repeats: PositiveInt = 5  # best of this many timed passes
 
 
+class AnalyzeParams(Section):
+    """The sensitivity analysis of HaMI detectors (stage analyze; halludetect/analysis.py)."""
+
+    steps: PositiveInt = 1000  # N midpoint steps of the path integral C_B^int (the paper's)
+    layers: list[Annotated[int, Field(ge=0)]] = []  # analysed besides the best layer (chosen on validation)
+    splits: list[Literal["train", "val", "test"]] = ["train", "test"]  # the paper's appendix: train and test
+    # HaMI is trained without scaling: it is analysed under the scaling HaMI (SP) would apply.
+    hami_lam: Annotated[float, Field(gt=0)] = 1.0  # the paper's lambda
+    hami_p_sem: Literal["mean", "sum", "count"] = "mean"
+    bins: PositiveInt = 40  # histogram bins of the distribution plots
+
+
 class GridParams(Section):
     models: list[str]
     datasets: list[str]
@@ -333,6 +347,7 @@ class GridParams(Section):
     methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
     sp_methods: list[str] = []  # detectors that also read P_sem (train_sp@, evaluate_sp@): hami_sp
     baselines: list[str] = []  # scores without hidden states (baselines@)
+    analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
 
 
 class Params(Section):
@@ -350,6 +365,7 @@ class Params(Section):
     baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    analyze: AnalyzeParams = AnalyzeParams()
 
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
@@ -361,6 +377,7 @@ class Params(Section):
             ("grid.methods", self.grid.methods, hidden),
             ("grid.sp_methods", self.grid.sp_methods, SP_METHODS),
             ("grid.baselines", self.grid.baselines, BASELINES),
+            ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
                 if name in SP_METHODS and key == "grid.methods":
@@ -368,6 +385,9 @@ class Params(Section):
                                     "under grid.sp_methods")
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
+                elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
+                    problems.append(f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
+                                    f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too")
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if self.dump.layers != "all" and (undumped := sorted(set(self.grid.layers) - set(self.dump.layers))):

@@ -1,6 +1,5 @@
 """Evaluation from HDF5 layer files, baselines, HaMI (SP) cost, and the stages' early errors."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -184,27 +183,3 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
                 "none", *outs)
     assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
     assert not (tmp_path / "out").exists()
-
-
-def test_report_tables_carry_every_method_and_baseline(tmp_path):
-    from halludetect.report import load_metrics, table
-
-    entry = {"family": "detector", "best_layer": 2, "test": {
-        "auroc": {"mean": 0.8, "stderr": 0.01}, "margin": {"mean": 1.5, "stderr": None}, "auroc_ci95": [0.7, 0.9]},
-        "throughput": {"preloaded_samples_per_s": 5000.0, "end_to_end_samples_per_s": 800.0}}
-    (tmp_path / "eval" / "m" ).mkdir(parents=True)
-    (tmp_path / "eval" / "m" / "d").mkdir()
-    for method in ("max", "hami_sp"):
-        e = dict(entry, cost={"samples_per_s_with_sampling_and_nli": 0.2}) if method == "hami_sp" else entry
-        (tmp_path / "eval" / "m" / "d" / f"{method}.json").write_text(json.dumps(e))
-    (tmp_path / "base" / "m").mkdir(parents=True)
-    (tmp_path / "base" / "m" / "d.json").write_text(json.dumps({"p_sem": {
-        "family": "baseline", "best_layer": None, "test": {"auroc": {"mean": 0.7, "stderr": None}, "margin": None}}}))
-    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max", "hami_sp"], tmp_path / "base", ["p_sem"])
-    auroc = table(metrics, "auroc", ["m"], ["d"], ["max", "hami_sp", "p_sem"])
-    assert "| max | 0.800 ± 0.010 [0.700, 0.900] (L2) |" in auroc and "| p_sem | 0.700 |" in auroc
-    assert "| p_sem | - |" in table(metrics, "margin", ["m"], ["d"], ["p_sem"])
-    speed = table(metrics, "throughput", ["m"], ["d"], ["max", "hami_sp"])
-    assert "5,000 / 800 |" in speed and "with sampling and NLI 0.2" in speed
-    with pytest.raises(FileNotFoundError, match=r"d.json \[length\]"):
-        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["length"])

@@ -108,6 +108,36 @@ def test_batched_and_chunked_equal_bag_by_bag(monkeypatch):
             np.testing.assert_allclose(getattr(alone, field), getattr(whole, field)[i : i + 1], rtol=1e-5, atol=1e-5)
 
 
+def test_closed_form_path_slopes_equal_autograd():
+    """The fast path slopes of C_B^int are autograd's derivative of the model's own forward pass."""
+    for seed in range(3):
+        m, b = random_hami(seed), bags(seed=seed)
+        p = torch.rand(7, len(b), generator=torch.Generator().manual_seed(seed))  # 7 points of the path per bag
+        with torch.no_grad():
+            projected = b.tokens @ m.net[0].weight.T
+            fast = sensitivity._path_slopes(sensitivity._fold(m, projected), b, m.k_ratio, p)
+        torch.testing.assert_close(fast, sensitivity._slopes(m, projected, b, p), rtol=1e-5, atol=1e-5)
+
+
+def test_crossing_path_sum_equals_the_dense_path():
+    """Following the units that cross zero gives the same slopes as evaluating every unit at
+    every step (whose slopes are autograd's, above), chunked or not."""
+    for seed in range(3):
+        m, b = random_hami(seed), bags(seed=seed)
+        p = torch.rand(len(b), generator=torch.Generator().manual_seed(seed)) * 2
+        steps = 64
+        t = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
+        with torch.no_grad():
+            f = sensitivity._fold(m, b.tokens @ m.net[0].weight.T)
+            dense = sensitivity._path_slopes(f, b, m.k_ratio, t[:, None] * p[None]).sum(0)
+            sparse = sensitivity._crossing_path_sum(f, b, m.k_ratio, p, steps)
+        torch.testing.assert_close(sparse.float(), dense, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            f.c.zero_()  # no offsets: nothing crosses, the slope is constant along the path
+            n_cross = int(((f.xg + f.c > 0) != ((1 + b.per_token(p))[:, None] * f.xg + f.c > 0)).sum())
+        assert n_cross == 0
+
+
 def test_bad_input_is_refused():
     m, b = random_hami(), bags()
     with pytest.raises(ValueError, match="eval mode"):
@@ -130,7 +160,7 @@ def test_gamma_and_the_condition_on_a_hand_built_case():
     assert e["neg"] == {"n": 2, "p_sem": pytest.approx(0.85), "c": 15.0, "p_sem_c": pytest.approx(12.5)}
     assert e["pos"]["p_sem"] == pytest.approx(0.25) and e["pos"]["p_sem_c"] == pytest.approx(1.25)
     assert e["gamma"] == pytest.approx(10.0) and e["inv_gamma"] == pytest.approx(0.1)
-    assert e["class_ratio"] == 1.0 and e["condition_holds"] and e["margin_widens"]
+    assert e["class_ratio"] == 1.0 and e["condition_applies"] and e["condition_holds"] and e["margin_widens"]
 
 
 def test_condition_fails_when_positives_dominate():
@@ -143,7 +173,17 @@ def test_condition_fails_when_positives_dominate():
 def test_gamma_is_undefined_without_a_positive_cost():
     e = class_expectations(np.array([0.5, 0.5]), np.array([1.0, 0.0]), np.array([0, 1]))
     assert e["gamma"] is None and e["inv_gamma"] is None and e["condition_holds"] is None
-    assert e["margin_widens"] is True
+    assert e["condition_applies"] is False and e["margin_widens"] is True
+
+
+def test_the_ratio_form_does_not_apply_when_the_scaling_raises_logits():
+    # C < 0 in both classes (the scaling raises logits): gamma = (-2.4) / (-3.2) > 0 and the class
+    # ratio exceeds 1/gamma, yet the margin shrinks: 1054 * -2.4 < 746 * -3.2
+    p_sem, y = np.ones(1800), np.r_[np.zeros(1054), np.ones(746)]
+    c = np.where(y == 0, -2.4, -3.2)
+    e = class_expectations(p_sem, c, y)
+    assert e["class_ratio"] > e["inv_gamma"] > 0
+    assert e["condition_applies"] is False and e["condition_holds"] is None and e["margin_widens"] is False
     with pytest.raises(ValueError, match="both classes"):
         class_expectations(np.ones(2), np.ones(2), np.ones(2))
 

@@ -1,0 +1,83 @@
+"""The paper's analysis of HaMI (SP): how each bag's logit answers the semantic scaling (C_B, C_B^int),
+class expectations, gamma and the margin condition, at the best layer (and analyze.layers)."""
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from halludetect import cli
+from halludetect.analysis import analyze_split, histograms
+from halludetect.atomic_io import atomic_path, write_json, write_parquet
+from halludetect.config import ANALYZABLE, SP_METHODS
+from halludetect.detector_data import DataError, check_layer_files, p_sem_table, split_data
+from halludetect.detectors import trained_params
+from halludetect.evaluation import load_models
+from halludetect.layer_format import layer_files
+from halludetect.layer_reader import read_layer
+
+
+def run(args, params):
+    ap = params.analyze
+    if args.method not in ANALYZABLE:
+        raise DataError(f"the sensitivity analysis applies to HaMI networks ({', '.join(ANALYZABLE)}), "
+                        f"not '{args.method}': remove it from grid.analyze")
+    evaluation = json.loads(Path(args.evaluation).read_text())
+    best = int(evaluation["best_layer"])
+    trained = trained_params(args.detectors, args.method)
+    if args.method in SP_METHODS:  # the scaling it was trained with, the only one it applies
+        lam, variant = trained.lam, trained.p_sem
+        why = "the lam and P_sem variant the detector was trained with (read from its files)"
+    else:
+        lam, variant = ap.hami_lam, ap.hami_p_sem
+        why = ("HaMI applies no scaling: the analysis asks what HaMI (SP)'s scaling (analyze.hami_lam, "
+               "analyze.hami_p_sem) would do to its margin")
+    files = layer_files(args.activations)
+    layers = sorted({best, *ap.layers})
+    unknown = [layer for layer in layers if layer not in files]
+    if unknown:
+        raise DataError(f"analyze.layers: no layer file for {unknown} in {args.activations} (dumped: {sorted(files)})")
+    p_sem = p_sem_table(pl.read_parquet(args.clusters), variant)
+    judgments = pl.read_parquet(args.judgments)
+    check_layer_files({k: files[k] for k in layers}, judgments, tuple(ap.splits), p_sem)
+    seeds = params.train.seeds
+    out = {"model": args.model, "dataset": args.dataset, "method": args.method, "lam": lam, "p_sem": variant,
+           "lam_source": why, "steps": ap.steps, "best_layer": best, "seeds": seeds,
+           "classes": "neg = correct (label 0), pos = hallucinated (label 1)", "layers": {}}
+    frames = []
+    for layer in layers:
+        data = read_layer(files[layer], dtype=None)
+        models = dict(zip(seeds, load_models(args.detectors, args.method, layer, seeds, data.states.shape[1])))
+        out["layers"][str(layer)] = {}
+        for split in ap.splits:
+            split_set = split_data(data, judgments, split, str(files[layer]), p_sem)
+            rows, summary = analyze_split(models, split_set, lam, ap.steps)
+            summary["excluded"] = split_set.excluded
+            out["layers"][str(layer)][split] = summary
+            frames.append(rows.with_columns(pl.lit(split).alias("split"), pl.lit(layer).alias("layer")))
+            m = summary["mean"]["c_int"]
+            cli.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition %d/%d seeds",
+                         args.method, layer, split, m["gamma"] or float("nan"), m["inv_gamma"] or float("nan"),
+                         m["class_ratio"], *m["condition_holds_seeds"])
+        del data
+    rows = pl.concat(frames)
+    write_parquet(args.responses, rows)
+    with atomic_path(Path(args.plots), is_dir=True) as tmp:
+        for split in ap.splits:
+            at_best = rows.filter((pl.col("layer") == best) & (pl.col("split") == split))
+            for name, frame in histograms(at_best, ap.bins).items():
+                frame.write_csv(tmp / f"{split}_{name}.csv", float_precision=6)
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
+                       ("--method", "hami or hami_sp"), ("--evaluation", "the method's evaluate metrics JSON "
+                                                                         "(its best layer)"),
+                       ("--activations", "directory of layer files"), ("--judgments", "judgments Parquet"),
+                       ("--clusters", "clusters Parquet (P_sem)"), ("--detectors", "trained detector directory"),
+                       ("--out", "analysis metrics JSON"), ("--responses", "per-response Parquet"),
+                       ("--plots", "directory of distribution CSVs (DVC plots)")]:
+        p.add_argument(flag, required=True, help=text)
+    cli.main(run, p)
