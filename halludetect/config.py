@@ -102,19 +102,34 @@ class ModelPreset(Section):
         return self
 
 
+class SplitSizes(Section):
+    """Exact question counts per split (the paper's), instead of prepare's fractions."""
+
+    train: PositiveInt
+    val: PositiveInt
+    test: PositiveInt
+
+
 class DatasetPreset(Section):
     loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file"]
     path: str | None = Field(None, description="local file for loaders that read one")
     hf_id: str | None = None
     hf_config: str | None = None
-    hf_split: str | None = None
+    hf_split: str | None = None  # the hub split questions come from (val/test ones, with train_hf_split)
     revision: str | None = None
     max_questions: PositiveInt | None = None
+    sizes: SplitSizes | None = Field(None, description="questions per split; None: prepare's fractions")
+    train_hf_split: str | None = Field(None, description="hub split of the train questions (disjoint from the "
+                                                         "evaluation ones); None: every split from one source")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DatasetPreset:
         if self.loader in ("world", "bioasq", "file") and not self.path:
             raise ValueError(f"loader '{self.loader}' reads a local file: set 'path'")
+        if self.sizes is not None and self.max_questions is not None:
+            raise ValueError("sizes fixes the number of questions: remove max_questions")
+        if self.train_hf_split is not None and self.sizes is None:
+            raise ValueError("train_hf_split draws exactly sizes.train questions from it: set sizes too")
         return self
 
 

@@ -1,0 +1,120 @@
+"""Figures of one grid cell (PNGs in metrics/figures, and their data as DVC plots): AUROC by layer
+of every method, ROC curves and score distributions at the best layer, answer length and P_sem by
+class, and the sensitivity distributions of the analysed HaMI detectors."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from halludetect import cli, figures
+from halludetect.atomic_io import atomic_path
+from halludetect.baselines import baseline_scores
+from halludetect.errors import DataError
+from halludetect.layer_format import layer_filename
+from halludetect.responses import response_ids
+
+
+def detector_scores(scores_dir: Path, method: str, layer: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """Test labels, per-seed scores and answer lengths at `layer`, from train's per-response scores."""
+    path = scores_dir / method / layer_filename(layer).replace(".h5", ".parquet")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the scores of {method} at its best layer {layer} "
+                                "(train writes them)")
+    test = pl.read_parquet(path).filter(pl.col("split") == "test").sort("response_id", "seed")
+    seeds = test["seed"].unique().sort().to_list()
+    first = test.filter(pl.col("seed") == seeds[0])
+    per_seed = [test.filter(pl.col("seed") == s)["score"].to_numpy() for s in seeds]
+    return first["label"].to_numpy(), per_seed, first["n_tokens"].to_numpy()
+
+
+def run(args, params):
+    g = params.grid
+    cell = f"{args.model} / {args.dataset}"
+    detectors = [*g.methods, *g.sp_methods]
+    evals = {m: json.loads((Path(args.eval_dir) / f"{m}.json").read_text()) for m in detectors}
+    best = {m: int(e["best_layer"]) for m, e in evals.items()}
+    judgments = pl.read_parquet(args.judgments)
+    clusters = pl.read_parquet(args.clusters)
+    generations = pl.read_parquet(args.generations)
+    figs, plots = Path(args.figures), Path(args.plots)
+
+    curves, aurocs, score_panels, score_data = {}, {}, {}, {}
+    for m in detectors:
+        y, per_seed, _ = detector_scores(Path(args.scores_dir), m, best[m])
+        curves[m] = (y, per_seed)
+        a = evals[m]["test"]["auroc"]
+        aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
+        pooled = np.concatenate(per_seed)
+        score_panels[f"{m} (layer {best[m]})"] = (pooled, np.tile(y, len(per_seed)))
+        score_data[m] = figures.class_histogram_data(pooled, np.tile(y, len(per_seed)))
+    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
+    for name in g.baselines:  # the same test responses' scores without hidden states
+        s = labels.filter(pl.col("split") == "test").join(
+            baseline_scores(name, generations, clusters, params.baselines), on="rid", how="inner")
+        s = s.filter(pl.col("score").is_finite())
+        curves[name] = (s["label"].to_numpy(), [s["score"].to_numpy()])
+        aurocs[name] = "baseline"
+
+    # Answer length and P_sem by class, per split, over the labelled responses the detectors see.
+    lengths = generations.select(response_ids(generations).alias("rid"), "n_tokens")
+    p_sem = clusters.filter(pl.col("valid")).select(response_ids(clusters).alias("rid"),
+                                                    pl.col("p_sem_mean").alias("p_sem"))
+    per_response = labels.join(lengths, on="rid", how="left").join(p_sem, on="rid", how="left")
+    response_panels, response_data = {}, {}
+    for split in ("train", "test"):
+        part = per_response.filter(pl.col("split") == split)
+        if part.height == 0:
+            continue
+        y = part["label"].to_numpy()
+        response_panels[f"answer tokens ({split})"] = (part["n_tokens"].to_numpy(), y)
+        response_data[f"{split}_n_tokens"] = figures.class_histogram_data(part["n_tokens"].to_numpy(), y,
+                                                                           discrete=True)
+        has = part.filter(pl.col("p_sem").is_not_null())
+        response_panels[f"P_sem ({split})"] = (has["p_sem"].to_numpy(), has["label"].to_numpy())
+        response_data[f"{split}_p_sem"] = figures.class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
+
+    if not curves:
+        raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")
+    layers = {m: evals[m]["layers"] for m in detectors}
+    with atomic_path(figs, is_dir=True) as tmp:
+        figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"),
+                         tmp / "auroc_by_layer.png")
+        figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), tmp / "roc.png")
+        figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, all seeds, {cell}",
+                                              {k: "bag logit" for k in score_panels}), tmp / "scores.png")
+        figures.save_png(figures.class_panels(response_panels, f"Answer length and P_sem by class, {cell}", cols=2,
+                                              discrete=tuple(k for k in response_panels if k.startswith("answer"))),
+                         tmp / "responses.png")
+        for m in g.analyze:
+            rows = pl.read_parquet(Path(args.analysis_dir) / f"{m}.parquet").filter(pl.col("layer") == best[m])
+            panels = {}
+            for split in rows["split"].unique().sort(descending=True).to_list():  # train, then test
+                r = rows.filter(pl.col("split") == split)
+                y = r["label"].to_numpy()
+                panels[f"C_B^int ({split})"] = (r["c_int"].to_numpy(), y)
+                panels[f"P_sem C_B^int ({split})"] = ((r["p_sem"] * r["c_int"]).to_numpy(), y)
+            figures.save_png(figures.class_panels(
+                panels, f"{m}: sensitivity to the semantic scaling at layer {best[m]}, all seeds, {cell}", cols=2),
+                tmp / f"sensitivity_{m}.png")
+    figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / args.model / f"{args.dataset}.csv")
+    figures.save_csv(figures.roc_data(curves), plots / "roc" / args.model / f"{args.dataset}.csv")
+    for sub, data in (("scores", score_data), ("responses", response_data)):
+        with atomic_path(plots / "distributions" / args.model / args.dataset / sub, is_dir=True) as tmp:
+            for name, frame in data.items():
+                frame.write_csv(tmp / f"{name}.csv", float_precision=6)
+    cli.log.info("figures of %s: %s", cell, sorted(p.name for p in figs.iterdir()))
+
+
+if __name__ == "__main__":
+    p = cli.parser(__doc__)
+    for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
+                       ("--eval-dir", "directory of the cell's <method>.json evaluate metrics"),
+                       ("--scores-dir", "directory of <method>/layer_LL.parquet per-response scores"),
+                       ("--analysis-dir", "directory of <method>.parquet sensitivity rows (analyze)"),
+                       ("--judgments", "judgments Parquet"), ("--clusters", "clusters Parquet"),
+                       ("--generations", "generations Parquet"), ("--figures", "directory of PNGs"),
+                       ("--plots", "root of the plot data (layers/, roc/, distributions/)")]:
+        p.add_argument(flag, required=True, help=text)
+    cli.main(run, p)
