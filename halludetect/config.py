@@ -337,9 +337,17 @@ class TrainParams(Section):
 
 
 class EvaluateParams(Section):
-    bootstrap: Annotated[int, Field(ge=0)] = 1000  # resamples of test responses for the AUROC interval
+    bootstrap: Annotated[int, Field(ge=0)] = 1000  # resamples of test questions for the AUROC interval
     seed: int = 0
     throughput_repeats: PositiveInt = 5  # best of this many timed passes
+    device: Device = "auto"  # where throughput is timed (auto: CUDA when there is one; CUDA timings synchronised)
+
+
+class LatencyParams(Section):
+    """HaMI (SP)'s cost one response at a time (stage latency): real sampling and NLI calls."""
+
+    questions: PositiveInt = 8  # test questions timed one at a time
+    device: Device = "auto"
 
 
 class AnalyzeParams(Section):
@@ -380,6 +388,7 @@ class Params(Section):
     baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    latency: LatencyParams = LatencyParams()
     analyze: AnalyzeParams = AnalyzeParams()
 
     @model_validator(mode="after")

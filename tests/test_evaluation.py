@@ -168,6 +168,31 @@ def test_hami_sp_cost_adds_sampling_and_nli_per_response():
     assert cost["extra_seconds_per_response"] == pytest.approx(4 * 0.5 + 2.0)
     assert cost["nli_calls_per_question"] == 3.0
     assert cost["samples_per_s_with_sampling_and_nli"] == pytest.approx(1 / (4.0 + 0.001))
+    assert "sequential" not in cost
+    latency = {"seconds_per_question": 6.0, "nli_calls_per_question": 4.0}
+    both = hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a", "b"], 1000.0,
+                        latency, 0.002)
+    assert both["sequential"]["seconds_per_response"] == pytest.approx(6.002)
+    assert both["sequential_samples_per_s"] == pytest.approx(1 / 6.002)
+    assert both["samples_per_s_with_sampling_and_nli"] == cost["samples_per_s_with_sampling_and_nli"]
+    with pytest.raises(ValueError, match="one response alone"):
+        hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a"], 1000.0, latency)
+
+
+def test_throughput_device_is_resolved_and_timed_there(trained):
+    import torch
+
+    from halludetect.evaluation import resolve_device
+
+    acts, dets, labels = trained
+    m = evaluate_detector("max", acts, dets, labels, [0], bootstrap=0, seed=0, repeats=1, device="cpu")
+    t = m["throughput"]
+    assert t["device"].startswith("CPU") and 0 < t["single_response_seconds"] < 1
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DataError, match="evaluate.device is cuda but CUDA is not available"):
+            resolve_device("cuda")
 
 
 def stage(*args: str) -> subprocess.CompletedProcess:
