@@ -128,9 +128,10 @@ def _edges(values: np.ndarray, bins: int, discrete: bool) -> np.ndarray:
 
 
 def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, xlabel: dict[str, str] | None = None,
-                 cols: int = 3, bins: int = 40, discrete: tuple[str, ...] = ()) -> Figure:
+                 cols: int = 3, bins: int = 40, discrete: tuple[str, ...] = (), counted: str = "n") -> Figure:
     """One histogram panel per entry {panel title: (values, labels)}, both classes overlaid, with
-    each class's mean as a dashed line (the paper's E_neg and E_pos)."""
+    each class's mean as a dashed line (the paper's E_neg and E_pos). `counted` names what the
+    legend counts (e.g. responses x seeds where seeds are pooled)."""
     fig, axes = _grid(len(panels), cols)
     for ax, (name, (values, y)) in zip(axes, panels.items()):
         edges = _edges(values, bins, name in discrete)
@@ -139,7 +140,7 @@ def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, x
             if not sel.any():
                 continue
             ax.hist(values[sel], bins=edges, density=True, alpha=0.45, color=color,
-                    label=f"{cls}, n={int(sel.sum()):,}, mean {np.mean(values[sel]):.3g}")
+                    label=f"{cls}, {counted} {int(sel.sum()):,}, mean {np.mean(values[sel]):.3g}")
             ax.axvline(np.mean(values[sel]), color=color, ls="--", lw=1.2)
         ax.set(title=name, xlabel=(xlabel or {}).get(name, "value"), ylabel="density")
         ax.legend(fontsize=7)

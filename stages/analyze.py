@@ -56,7 +56,8 @@ def run(args, params):
             out["layers"][str(layer)][split] = summary
             frames.append(rows.with_columns(pl.lit(split).alias("split"), pl.lit(layer).alias("layer")))
             m = summary["mean"]["c_int"]
-            cli.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition %d/%d seeds",
+            cli.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition holds in %d of "
+                         "the %d seeds where it applies",
                          args.method, layer, split, m["gamma"] or float("nan"), m["inv_gamma"] or float("nan"),
                          m["class_ratio"], *m["condition_holds_seeds"])
         del data

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from sklearn.metrics import roc_auc_score
 
 from halludetect import cli, figures
 from halludetect.atomic_io import atomic_path
@@ -54,8 +55,9 @@ def run(args, params):
         s = labels.filter(pl.col("split") == "test").join(
             baseline_scores(name, generations, clusters, params.baselines), on="rid", how="inner")
         s = s.filter(pl.col("score").is_finite())
-        curves[name] = (s["label"].to_numpy(), [s["score"].to_numpy()])
-        aurocs[name] = "baseline"
+        y, score = s["label"].to_numpy(), s["score"].to_numpy()
+        curves[name] = (y, [score])
+        aurocs[name] = f"{roc_auc_score(y, score):.3f}, baseline"
 
     # Answer length and P_sem by class, per split, over the labelled responses the detectors see.
     lengths = generations.select(response_ids(generations).alias("rid"), "n_tokens")
@@ -82,11 +84,13 @@ def run(args, params):
         figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"),
                          tmp / "auroc_by_layer.png")
         figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), tmp / "roc.png")
-        figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, all seeds, {cell}",
-                                              {k: "bag logit" for k in score_panels}), tmp / "scores.png")
-        figures.save_png(figures.class_panels(response_panels, f"Answer length and P_sem by class, {cell}", cols=2,
-                                              discrete=tuple(k for k in response_panels if k.startswith("answer"))),
-                         tmp / "responses.png")
+        figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, seeds pooled, {cell}",
+                                              {k: "bag logit" for k in score_panels}, counted="responses x seeds"),
+                         tmp / "scores.png")
+        figures.save_png(figures.class_panels(
+            response_panels, f"Answer length and P_sem by class, {cell}",
+            {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels}, cols=2,
+            discrete=tuple(k for k in response_panels if k.startswith("answer"))), tmp / "responses.png")
         for m in g.analyze:
             rows = pl.read_parquet(Path(args.analysis_dir) / f"{m}.parquet").filter(pl.col("layer") == best[m])
             panels = {}
@@ -96,7 +100,8 @@ def run(args, params):
                 panels[f"C_B^int ({split})"] = (r["c_int"].to_numpy(), y)
                 panels[f"P_sem C_B^int ({split})"] = ((r["p_sem"] * r["c_int"]).to_numpy(), y)
             figures.save_png(figures.class_panels(
-                panels, f"{m}: sensitivity to the semantic scaling at layer {best[m]}, all seeds, {cell}", cols=2),
+                panels, f"{m}: sensitivity to the semantic scaling at layer {best[m]}, seeds pooled, {cell}",
+                {k: k.split(" (")[0] for k in panels}, cols=2, counted="responses x seeds"),
                 tmp / f"sensitivity_{m}.png")
     figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / args.model / f"{args.dataset}.csv")
     figures.save_csv(figures.roc_data(curves), plots / "roc" / args.model / f"{args.dataset}.csv")
