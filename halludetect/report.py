@@ -150,7 +150,8 @@ def _cell_tex(c: Cell) -> str:
 
 def legend(table: Table) -> str:
     ranked = any(c.group is not None and c.value is not None for r in table.rows for c in r.cells)
-    return "ours; the paper's published figure in parentheses where it has the cell" + (
+    paper_side = table.paper_label is not None or any(c.paper is not None for r in table.rows for c in r.cells)
+    return ("ours; the paper's published figure in parentheses where it has the cell" if paper_side else "ours") + (
         "; best in bold, second underlined" if ranked else "")
 
 
@@ -543,15 +544,17 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
                  paper.SD_MARGIN),
         label_table(labels or {}, grid),
         *expected_tables(analysis or {}, grid),
-        method_table("detection_auroc", "Test AUROC of every detector and baseline [bootstrap 95% interval]", metrics,
+        method_table("detection_auroc", "Test AUROC of every detector and baseline, mean ± standard error over seeds "
+                     "[bootstrap 95% interval]", metrics,
                      grid, [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
                      "auroc", {}, with_ci=True),
         method_table("detection_prr", "Test PRR (lm-polygraph's normalised prediction-rejection ratio, up to 100% "
-                     "rejected)", metrics, grid,
+                     "rejected), mean ± standard error over seeds", metrics, grid,
                      [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
                      "prr", {}),
         _lower_is_better(method_table(
-            "detection_fpr95", "Test FPR at 95% TPR (correct answers flagged when 95% of hallucinations are caught)",
+            "detection_fpr95", "Test FPR at 95% TPR (correct answers flagged when 95% of hallucinations are caught), "
+            "mean ± standard error over seeds",
             metrics, grid, [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
             "fpr_at_95_tpr", {})),
         length_table(metrics, grid, detectors),
