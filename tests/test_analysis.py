@@ -99,14 +99,26 @@ def test_analyze_stage_writes_every_layer_split_and_seed(cell):
 
 
 def test_analyze_refuses_what_it_cannot_analyse(cell, tmp_path):
+    import argparse
+
+    from halludetect.config import load_params
+    from halludetect.errors import DataError
+    from stages import analyze
+
     root, _ = cell
     res, out = run_stage(root, method="max", out="refused")
     assert res.returncode == 2 and "applies to HaMI networks" in res.stderr and not out.exists()
     data = yaml.safe_load((root / "params.yaml").read_text())
     data["analyze"]["layers"] = [7]
-    (root / "bad.yaml").write_text(yaml.safe_dump(data))
-    res, out = run_stage(root, params="bad.yaml", out="refused")
-    assert res.returncode == 2 and "analyze.layers: no layer file for [7]" in res.stderr and not out.exists()
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
+    args = argparse.Namespace(method="hami_sp", model="m", dataset="d", evaluation=str(root / "eval.json"),
+                              activations=str(root / "acts"), judgments=str(root / "judgments.parquet"),
+                              clusters=str(root / "clusters.parquet"), detectors=str(root / "dets" / "hami_sp"),
+                              out=str(tmp_path / "a.json"), responses=str(tmp_path / "r.parquet"),
+                              plots=str(tmp_path / "plots"))
+    with pytest.raises(DataError, match=r"analyze.layers: no layer file for \[7\]"):
+        analyze.run(args, load_params(tmp_path / "bad.yaml"))
+    assert not any(tmp_path.glob("a.json")) and not (tmp_path / "plots").exists()
 
 
 def test_mean_over_seeds_counts_the_condition(cell):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pytest
 import yaml
 
 from halludetect import figures
@@ -118,5 +119,7 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     assert sorted(p.name for p in (dist / "responses").iterdir()) == [
         "test_n_tokens.csv", "test_p_sem.csv", "train_n_tokens.csv", "train_p_sem.csv"]
     (tmp_path / "scores" / "max" / "layer_01.parquet").unlink()
-    res = subprocess.run([sys.executable, "-m", "stages.figures", *args], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 2 and "scores of max at its best layer 1" in res.stderr
+    from stages.figures import detector_scores
+
+    with pytest.raises(FileNotFoundError, match="scores of max at its best layer 1"):
+        detector_scores(tmp_path / "scores", "max", 1)
