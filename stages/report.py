@@ -4,7 +4,8 @@ from pathlib import Path
 
 from halludetect import cli, paper
 from halludetect.atomic_io import write_json, write_text
-from halludetect.report import Grid, build_tables, load_metrics, load_per_cell, summary, to_latex, to_markdown
+from halludetect.report import Grid, build_tables, load_metrics, load_per_cell, summary
+from halludetect.tables import to_latex, to_markdown
 
 
 def run(args, params):

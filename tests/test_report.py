@@ -10,19 +10,8 @@ import pytest
 import yaml
 
 from halludetect.config import parse_params
-from halludetect.report import (
-    Cell,
-    Grid,
-    Row,
-    Table,
-    build_tables,
-    latex_escape,
-    load_metrics,
-    rank,
-    sweep_table,
-    to_latex,
-    to_markdown,
-)
+from halludetect.report import Grid, build_tables, load_metrics, sweep_table
+from halludetect.tables import Cell, Row, Table, latex_escape, rank, to_latex, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
