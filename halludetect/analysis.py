@@ -19,6 +19,7 @@ import polars as pl
 import torch
 
 from halludetect.detector_data import SplitData
+from halludetect.plot_data import class_histogram_data
 from halludetect.sensitivity import bag_sensitivity, class_expectations, margin_change, ratios
 
 VARIANTS = ("c0", "c_int")  # C_B at p = 0, and the path-integrated C_B^int
@@ -85,14 +86,4 @@ def histograms(rows: pl.DataFrame, bins: int) -> dict[str, pl.DataFrame]:
     quantities = {"c_int": rows["c_int"], "p_sem_c_int": rows["p_sem"] * rows["c_int"], "c0": rows["c0"],
                   "p_sem_c0": rows["p_sem"] * rows["c0"]}
     label = rows["label"].to_numpy()
-    out = {}
-    for name, values in quantities.items():
-        v = values.to_numpy()
-        edges = np.histogram_bin_edges(v, bins=bins)
-        centres = (edges[:-1] + edges[1:]) / 2
-        parts = []
-        for cls, sel in (("neg (correct)", label == 0), ("pos (hallucinated)", label == 1)):
-            density, _ = np.histogram(v[sel], bins=edges, density=True)
-            parts.append(pl.DataFrame({"value": centres, "series": cls, "density": density}))
-        out[name] = pl.concat(parts)
-    return out
+    return {name: class_histogram_data(values.to_numpy(), label, bins) for name, values in quantities.items()}

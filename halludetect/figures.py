@@ -22,8 +22,9 @@ from matplotlib.figure import Figure
 from sklearn.metrics import roc_curve
 
 from halludetect.atomic_io import atomic_path
+from halludetect.plot_data import CLASSES, bin_edges
 
-CLASSES = (("correct (neg)", 0, "#1f77b4"), ("hallucinated (pos)", 1, "#d62728"))
+COLORS = {0: "#1f77b4", 1: "#d62728"}  # correct, hallucinated
 FPR_GRID = np.linspace(0.0, 1.0, 101)
 DPI = 110
 
@@ -108,25 +109,6 @@ def roc(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]], aurocs: dict[str
 
 
 # ----------------------------------------------------------------------------- per class
-def class_histogram_data(values: np.ndarray, y: np.ndarray, bins: int = 40, discrete: bool = False) -> pl.DataFrame:
-    """Density per class on shared bins -> long frame: value, series, density."""
-    edges = _edges(values, bins, discrete)
-    centres = (edges[:-1] + edges[1:]) / 2
-    parts = []
-    for name, label, _ in CLASSES:
-        sel = y == label
-        density = np.histogram(values[sel], bins=edges, density=True)[0] if sel.any() else np.zeros(len(centres))
-        parts.append(pl.DataFrame({"value": centres, "series": name, "density": density}))
-    return pl.concat(parts)
-
-
-def _edges(values: np.ndarray, bins: int, discrete: bool) -> np.ndarray:
-    if discrete:  # token counts: one bin per integer
-        lo, hi = int(np.min(values)), int(np.max(values))
-        return np.arange(lo, hi + 2) - 0.5
-    return np.histogram_bin_edges(values, bins=bins)
-
-
 def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, xlabel: dict[str, str] | None = None,
                  cols: int = 3, bins: int = 40, discrete: tuple[str, ...] = (), counted: str = "n") -> Figure:
     """One histogram panel per entry {panel title: (values, labels)}, both classes overlaid, with
@@ -134,8 +116,9 @@ def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, x
     legend counts (e.g. responses x seeds where seeds are pooled)."""
     fig, axes = _grid(len(panels), cols)
     for ax, (name, (values, y)) in zip(axes, panels.items()):
-        edges = _edges(values, bins, name in discrete)
-        for cls, label, color in CLASSES:
+        edges = bin_edges(values, bins, name in discrete)
+        for cls, label in CLASSES:
+            color = COLORS[label]
             sel = y == label
             if not sel.any():
                 continue

@@ -14,6 +14,7 @@ from halludetect.atomic_io import atomic_path
 from halludetect.baselines import baseline_scores
 from halludetect.errors import DataError
 from halludetect.layer_format import layer_filename
+from halludetect.plot_data import class_histogram_data
 from halludetect.responses import response_ids
 
 
@@ -49,7 +50,7 @@ def run(args, params):
         aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
         pooled = np.concatenate(per_seed)
         score_panels[f"{m} (layer {best[m]})"] = (pooled, np.tile(y, len(per_seed)))
-        score_data[m] = figures.class_histogram_data(pooled, np.tile(y, len(per_seed)))
+        score_data[m] = class_histogram_data(pooled, np.tile(y, len(per_seed)))
     labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
     for name in g.baselines:  # the same test responses' scores without hidden states
         s = labels.filter(pl.col("split") == "test").join(
@@ -71,11 +72,10 @@ def run(args, params):
             continue
         y = part["label"].to_numpy()
         response_panels[f"answer tokens ({split})"] = (part["n_tokens"].to_numpy(), y)
-        response_data[f"{split}_n_tokens"] = figures.class_histogram_data(part["n_tokens"].to_numpy(), y,
-                                                                           discrete=True)
+        response_data[f"{split}_n_tokens"] = class_histogram_data(part["n_tokens"].to_numpy(), y, discrete=True)
         has = part.filter(pl.col("p_sem").is_not_null())
         response_panels[f"P_sem ({split})"] = (has["p_sem"].to_numpy(), has["label"].to_numpy())
-        response_data[f"{split}_p_sem"] = figures.class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
+        response_data[f"{split}_p_sem"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
 
     if not curves:
         raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")

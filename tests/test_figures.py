@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from halludetect import figures
+from halludetect.plot_data import class_histogram_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,13 +35,13 @@ def test_class_histograms_are_densities_on_shared_bins():
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, 500)
     v = rng.normal(size=500) + 2 * y
-    data = figures.class_histogram_data(v, y, bins=20)
+    data = class_histogram_data(v, y, bins=20)
     assert data.columns == ["value", "series", "density"] and data.height == 40
     for series in data["series"].unique():
         part = data.filter(pl.col("series") == series)
         width = np.diff(part["value"].to_numpy()).mean()
         assert abs(np.sum(part["density"].to_numpy()) * width - 1) < 1e-6
-    counts = figures.class_histogram_data(np.array([1, 2, 2, 5]), np.array([0, 1, 1, 0]), discrete=True)
+    counts = class_histogram_data(np.array([1, 2, 2, 5]), np.array([0, 1, 1, 0]), discrete=True)
     assert counts["value"].unique().sort().to_list() == [1.0, 2.0, 3.0, 4.0, 5.0]  # one bin per token count
 
 
