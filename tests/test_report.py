@@ -176,3 +176,25 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
     assert "0.800" in (tmp_path / "tables" / "p_sem_auroc.md").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["my-llama/tqa/max"]["test_prr"] == 0.5
+
+
+@pytest.mark.skipif(__import__("shutil").which("pdflatex") is None, reason="pdflatex is not installed")
+def test_every_table_compiles_with_latex(tmp_path):
+    """The real check of the escaping: pdflatex accepts every table, a caption and cells made of
+    nothing but special characters included."""
+    grid = grid_of(renamed_params())
+    methods = ("hami", "hami_sp", "mean", "max", "raw_mean", "raw_max", "attention", "gated_attention")
+    metrics = {(m, "tqa", method): entry(cost={"samples_per_s_with_sampling_and_nli": 177.0,
+                                               "sequential_samples_per_s": 0.3})
+               for m in ("my-llama", "world") for method in methods}
+    metrics |= {(m, "tqa", "p_sem"): entry(family="baseline") for m in ("my-llama", "world")}
+    tables = build_tables(metrics, grid)
+    special = r"a_b & 50% $x$ #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — … é"
+    tables.append(Table("special", special, special, [(special, [special])], [Row(special, [Cell(1.0, note=special)])],
+                        notes=[special]))
+    doc = tmp_path / "all.tex"
+    doc.write_text("\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
+                   + "".join(to_latex(t) for t in tables) + "\\end{document}\n")
+    res = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-2000:]
