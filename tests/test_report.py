@@ -189,7 +189,7 @@ def test_every_table_compiles_with_latex(tmp_path):
                for m in ("my-llama", "world") for method in methods}
     metrics |= {(m, "tqa", "p_sem"): entry(family="baseline") for m in ("my-llama", "world")}
     tables = build_tables(metrics, grid)
-    special = r"a_b & 50% $x$ #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — … é"
+    special = r"a_b & 50% $x #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — … é"  # an odd $ too
     tables.append(Table("special", special, special, [(special, [special])], [Row(special, [Cell(1.0, note=special)])],
                         notes=[special]))
     doc = tmp_path / "all.tex"
