@@ -414,6 +414,9 @@ class Params(Section):
                                     f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too")
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
+        if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):
+            problems.append(f"analyze.layers: {untrained} are not trained (grid.layers is {self.grid.layers}); "
+                            "add them to grid.layers or drop them from analyze.layers")
         if self.dump.layers != "all" and (undumped := sorted(set(self.grid.layers) - set(self.dump.layers))):
             problems.append(f"grid.layers: {undumped} are not dumped (dump.layers is {self.dump.layers}); "
                             "add them to dump.layers or drop them from grid.layers")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from halludetect.detectors.bags import Bags
-from halludetect.detectors.networks import HaMI
+from halludetect.detectors.networks import Dropout, HaMI
 from halludetect.detectors.pooling import topk_count, topk_mean
 
 # Elements of one [steps, tokens] chunk of the path (x4 tensors, 128 MiB in float64): bounds
@@ -104,7 +104,7 @@ class _Folded:
 
 def _fold(model: HaMI, projected: torch.Tensor) -> _Folded:
     first, bn, relu, drop, last = model.net
-    kinds = (torch.nn.Linear, torch.nn.BatchNorm1d, torch.nn.ReLU, torch.nn.Dropout, torch.nn.Linear)
+    kinds = (torch.nn.Linear, torch.nn.BatchNorm1d, torch.nn.ReLU, (Dropout, torch.nn.Dropout), torch.nn.Linear)
     if not all(isinstance(m, k) for m, k in zip((first, bn, relu, drop, last), kinds)):
         raise TypeError("the path integral folds HaMI's Linear-BN-ReLU-Dropout-Linear; this network differs")
     g = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # [D]

@@ -10,10 +10,12 @@ from halludetect import cli
 from halludetect.analysis import analyze_split, histograms
 from halludetect.atomic_io import atomic_path, write_json, write_parquet
 from halludetect.config import ANALYZABLE, SP_METHODS
-from halludetect.detector_data import DataError, check_layer_files, p_sem_table, split_data
+from halludetect.detector_data import p_sem_table, split_data
 from halludetect.detectors import trained_params
+from halludetect.errors import DataError
 from halludetect.evaluation import load_models
-from halludetect.layer_format import layer_files
+from halludetect.label_tables import read_clusters, read_judgments
+from halludetect.layer_format import layer_filename
 from halludetect.layer_reader import read_layer
 
 
@@ -24,7 +26,13 @@ def run(args, params):
                         f"not '{args.method}': remove it from grid.analyze")
     evaluation = json.loads(Path(args.evaluation).read_text())
     best = int(evaluation["best_layer"])
-    trained = trained_params(args.detectors, args.method)
+    layers = sorted({best, *ap.layers})
+    untrained = [layer for layer in layers if layer not in params.grid.layers]
+    if untrained:
+        raise DataError(f"analyze.layers: {untrained} are not trained (grid.layers is {params.grid.layers}); "
+                        "add them to grid.layers or drop them from analyze.layers")
+    detectors = Path(args.detectors)
+    trained = trained_params(detectors / f"layer_{best}", args.method)
     if args.method in SP_METHODS:  # the scaling it was trained with, the only one it applies
         lam, variant = trained.lam, trained.p_sem
         why = "the lam and P_sem variant the detector was trained with (read from its files)"
@@ -32,25 +40,21 @@ def run(args, params):
         lam, variant = ap.hami_lam, ap.hami_p_sem
         why = ("HaMI applies no scaling: the analysis asks what HaMI (SP)'s scaling (analyze.hami_lam, "
                "analyze.hami_p_sem) would do to its margin")
-    files = layer_files(args.activations)
-    layers = sorted({best, *ap.layers})
-    unknown = [layer for layer in layers if layer not in files]
-    if unknown:
-        raise DataError(f"analyze.layers: no layer file for {unknown} in {args.activations} (dumped: {sorted(files)})")
-    p_sem = p_sem_table(pl.read_parquet(args.clusters), variant)
-    judgments = pl.read_parquet(args.judgments)
-    check_layer_files({k: files[k] for k in layers}, judgments, tuple(ap.splits), p_sem)
+    p_sem = p_sem_table(read_clusters(args.clusters), variant)
+    judgments = read_judgments(args.judgments)
     seeds = params.train.seeds
     out = {"model": args.model, "dataset": args.dataset, "method": args.method, "lam": lam, "p_sem": variant,
            "lam_source": why, "steps": ap.steps, "best_layer": best, "seeds": seeds,
            "classes": "neg = correct (label 0), pos = hallucinated (label 1)", "layers": {}}
     frames = []
     for layer in layers:
-        data = read_layer(files[layer], dtype=None)
-        models = dict(zip(seeds, load_models(args.detectors, args.method, layer, seeds, data.states.shape[1])))
+        path = Path(args.activations) / layer_filename(layer)
+        data = read_layer(path, dtype=None, expect_layer=layer)
+        models = dict(zip(seeds, load_models(detectors / f"layer_{layer}", args.method, layer, seeds,
+                                             data.states.shape[1])))
         out["layers"][str(layer)] = {}
         for split in ap.splits:
-            split_set = split_data(data, judgments, split, str(files[layer]), p_sem)
+            split_set = split_data(data, judgments, split, str(path), p_sem)
             rows, summary = analyze_split(models, split_set, lam, ap.steps)
             summary["excluded"] = split_set.excluded
             out["layers"][str(layer)][split] = summary
@@ -76,8 +80,9 @@ if __name__ == "__main__":
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
                        ("--method", "hami or hami_sp"), ("--evaluation", "the method's evaluate metrics JSON "
                                                                          "(its best layer)"),
-                       ("--activations", "directory of layer files"), ("--judgments", "judgments Parquet"),
-                       ("--clusters", "clusters Parquet (P_sem)"), ("--detectors", "trained detector directory"),
+                       ("--activations", "directory of layer files (layer_<L>.h5)"),
+                       ("--judgments", "judgments Parquet"), ("--clusters", "clusters Parquet (P_sem)"),
+                       ("--detectors", "the method's detector directory (layer_<L>/seed_<S>.safetensors)"),
                        ("--out", "analysis metrics JSON"), ("--responses", "per-response Parquet"),
                        ("--plots", "directory of distribution CSVs (DVC plots)")]:
         p.add_argument(flag, required=True, help=text)

@@ -10,25 +10,15 @@ import polars as pl
 from sklearn.metrics import roc_auc_score
 
 from halludetect import cli, figures
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import atomic_path
 from halludetect.baselines import baseline_scores
 from halludetect.errors import DataError
+from halludetect.evaluation import read_scores
+from halludetect.label_tables import read_clusters, read_judgments
 from halludetect.layer_format import layer_filename
 from halludetect.plot_data import class_histogram_data
 from halludetect.responses import response_ids
-
-
-def detector_scores(scores_dir: Path, method: str, layer: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-    """Test labels, per-seed scores and answer lengths at `layer`, from train's per-response scores."""
-    path = scores_dir / method / layer_filename(layer).replace(".h5", ".parquet")
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the scores of {method} at its best layer {layer} "
-                                "(train writes them)")
-    test = pl.read_parquet(path).filter(pl.col("split") == "test").sort("response_id", "seed")
-    seeds = test["seed"].unique().sort().to_list()
-    first = test.filter(pl.col("seed") == seeds[0])
-    per_seed = [test.filter(pl.col("seed") == s)["score"].to_numpy() for s in seeds]
-    return first["label"].to_numpy(), per_seed, first["n_tokens"].to_numpy()
 
 
 def run(args, params):
@@ -37,14 +27,16 @@ def run(args, params):
     detectors = [*g.methods, *g.sp_methods]
     evals = {m: json.loads((Path(args.eval_dir) / f"{m}.json").read_text()) for m in detectors}
     best = {m: int(e["best_layer"]) for m, e in evals.items()}
-    judgments = pl.read_parquet(args.judgments)
-    clusters = pl.read_parquet(args.clusters)
-    generations = pl.read_parquet(args.generations)
+    judgments = read_judgments(args.judgments)
+    clusters = read_clusters(args.clusters)
+    generations = read_parquet(args.generations, "generate", "generations table")
     figs, plots = Path(args.figures), Path(args.plots)
 
     curves, aurocs, score_panels, score_data = {}, {}, {}, {}
     for m in detectors:
-        y, per_seed, _ = detector_scores(Path(args.scores_dir), m, best[m])
+        # train's per-response scores at the best layer (checked: its seeds are train.seeds)
+        path = Path(args.scores_dir) / m / layer_filename(best[m]).replace(".h5", ".parquet")
+        y, per_seed, _ = read_scores(path, params.train.seeds)["test"]
         curves[m] = (y, per_seed)
         a = evals[m]["test"]["auroc"]
         aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
@@ -92,7 +84,8 @@ def run(args, params):
             {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels}, cols=2,
             discrete=tuple(k for k in response_panels if k.startswith("answer"))), tmp / "responses.png")
         for m in g.analyze:
-            rows = pl.read_parquet(Path(args.analysis_dir) / f"{m}.parquet").filter(pl.col("layer") == best[m])
+            rows = read_parquet(Path(args.analysis_dir) / f"{m}.parquet", "analyze", "sensitivity rows").filter(
+                pl.col("layer") == best[m])
             panels = {}
             for split in rows["split"].unique().sort(descending=True).to_list():  # train, then test
                 r = rows.filter(pl.col("split") == split)

@@ -7,8 +7,10 @@ import tempfile
 import polars as pl
 
 from halludetect import cli
+from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json
 from halludetect.datasets import read_questions
+from halludetect.devices import resolve_device
 from halludetect.errors import UserError
 from halludetect.hf_models import load_model, load_tokenizer
 from halludetect.latency import sequential_cost
@@ -18,6 +20,7 @@ from halludetect.nli import get_nli
 def run(args, params):
     lp, cp = params.latency, params.cluster
     preset = params.model(args.model)
+    device = resolve_device(lp.device, "latency.device")  # before anything loads
     with tempfile.TemporaryDirectory() as empty_cache:
         # Real NLI calls: an empty call cache of our own, so no cached reply passes for the API's latency
         # (the stage's own process only; the shared cache is never touched).
@@ -27,8 +30,9 @@ def run(args, params):
         questions = read_questions(args.questions).filter(pl.col("split") == "test").sort("id").head(lp.questions)
         if questions.height == 0:
             raise UserError(f"{args.questions} has no test question to time")
-        model = load_model(preset, lp.device)
-        out = sequential_cost(model, load_tokenizer(preset), nli, questions, pl.read_parquet(args.generations),
+        model = load_model(preset, device)
+        generations = read_parquet(args.generations, "generate", "generations table")
+        out = sequential_cost(model, load_tokenizer(preset), nli, questions, generations,
                               params.generate, cp.equivalence, chat_template=preset.chat_template)
     write_json(args.out, out)
     cli.log.info("one response at a time: %.3g s for %d more answers + %.3g s for %.1f NLI calls, on %s",

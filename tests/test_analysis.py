@@ -15,10 +15,9 @@ from test_evaluation import write_layers
 from halludetect.analysis import analyze_split, mean_over_seeds
 from halludetect.config import HaMISPParams
 from halludetect.detector_data import split_data
-from halludetect.detectors import save_detector
 from halludetect.layer_format import layer_filename
 from halludetect.layer_reader import read_layer
-from halludetect.training import train_detector
+from halludetect.training import train_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
@@ -29,9 +28,10 @@ def clusters_for(labels: pl.DataFrame) -> pl.DataFrame:
     """P_sem higher for correct answers, as on real data."""
     rng = np.random.default_rng(3)
     p = np.clip(np.where(labels["label"].to_numpy() == 1, 0.4, 0.9) + 0.1 * rng.normal(size=labels.height), 0.05, 1)
-    return labels.select("question_id", "sample_index").with_columns(
+    return labels.select("question_id", "sample_index", "split").with_columns(
         pl.lit(True).alias("valid"), pl.Series("p_sem_mean", p), pl.lit(0.5).alias("p_sem_sum"),
-        pl.lit(0.5).alias("p_sem_count"))
+        pl.lit(0.5).alias("p_sem_count"), *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum",
+                                                                                                 "discrete")))
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,12 @@ def cell(tmp_path_factory):
     p_sem = dict(zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()],
                      clusters["p_sem_mean"]))
     params = HaMISPParams(dim=16, lr=1e-2)
-    for index in (0, 1):
-        layer = read_layer(acts / layer_filename(index), dtype=None)
-        train, val = (split_data(layer, labels, s, p_sem=p_sem) for s in ("train", "val"))
-        for seed in SEEDS:
-            res = train_detector("hami_sp", params, train, val, epochs=4, batch_size=32, seed=seed)
-            save_detector(dets / f"layer_{index:02d}_seed_{seed}.safetensors", res.state_dict,
-                          {"method": "hami_sp", "layer": index, "seed": seed, "d": D, "params": params.model_dump()})
+    for index in (0, 1):  # as the per-layer train stage lays them out: layer_<L>/seed_<S>.safetensors
+        layer = read_layer(acts / layer_filename(index), dtype=None, expect_layer=index)
+        data = {s: split_data(layer, labels, s, p_sem=p_sem) for s in ("train", "val", "test")}
+        train_layer("hami_sp", params, data, list(SEEDS), layer=index, epochs=4, batch_size=32, device="cpu",
+                    out_dir=dets / f"layer_{index}", scores_path=root / "scores" / f"layer_{index}.parquet",
+                    metrics_path=root / "layers" / f"layer_{index}.json", log=lambda *_: None)
     (root / "eval.json").write_text(json.dumps({"best_layer": 1}))
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["train"]["seeds"] = list(SEEDS)
@@ -99,11 +98,7 @@ def test_analyze_stage_writes_every_layer_split_and_seed(cell):
 
 
 def test_analyze_refuses_what_it_cannot_analyse(cell, tmp_path):
-    import argparse
-
-    from halludetect.config import load_params
-    from halludetect.errors import DataError
-    from stages import analyze
+    from halludetect.config import ParamsError, load_params
 
     root, _ = cell
     res, out = run_stage(root, method="max", out="refused")
@@ -111,14 +106,8 @@ def test_analyze_refuses_what_it_cannot_analyse(cell, tmp_path):
     data = yaml.safe_load((root / "params.yaml").read_text())
     data["analyze"]["layers"] = [7]
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(data))
-    args = argparse.Namespace(method="hami_sp", model="m", dataset="d", evaluation=str(root / "eval.json"),
-                              activations=str(root / "acts"), judgments=str(root / "judgments.parquet"),
-                              clusters=str(root / "clusters.parquet"), detectors=str(root / "dets" / "hami_sp"),
-                              out=str(tmp_path / "a.json"), responses=str(tmp_path / "r.parquet"),
-                              plots=str(tmp_path / "plots"))
-    with pytest.raises(DataError, match=r"analyze.layers: no layer file for \[7\]"):
-        analyze.run(args, load_params(tmp_path / "bad.yaml"))
-    assert not any(tmp_path.glob("a.json")) and not (tmp_path / "plots").exists()
+    with pytest.raises(ParamsError, match=r"analyze.layers: \[7\] are not trained \(grid.layers is"):
+        load_params(tmp_path / "bad.yaml")
 
 
 def test_mean_over_seeds_counts_the_condition(cell):
@@ -126,8 +115,9 @@ def test_mean_over_seeds_counts_the_condition(cell):
     from halludetect.detectors import load_detector
 
     labels = pl.read_parquet(root / "judgments.parquet")
-    data = split_data(read_layer(root / "acts" / layer_filename(1), dtype=None), labels, "test", p_sem=p_sem)
-    models = {s: load_detector(root / "dets" / "hami_sp" / f"layer_01_seed_{s}.safetensors")[0] for s in SEEDS}
+    data = split_data(read_layer(root / "acts" / layer_filename(1), dtype=None, expect_layer=1), labels, "test",
+                      p_sem=p_sem)
+    models = {s: load_detector(root / "dets" / "hami_sp" / "layer_1" / f"seed_{s}.safetensors")[0] for s in SEEDS}
     rows, summary = analyze_split(models, data, lam=1.0, steps=50, batch_size=7)  # batches of 7 bags
     whole, again = analyze_split(models, data, lam=1.0, steps=50)
     np.testing.assert_allclose(rows["c_int"].to_numpy(), whole["c_int"].to_numpy(), rtol=1e-5, atol=1e-6)

@@ -109,6 +109,9 @@ def test_dag_writes_the_comparison_table(repo):
         a = json.loads((repo / f"metrics/analysis/world/world/{method}.json").read_text())
         assert set(a["layers"][str(a["best_layer"])]) == {"train", "test"}
     assert json.loads((repo / "metrics/latency/world/world.json").read_text())["questions"] > 0
+    assert {p.name for p in (repo / "metrics/figures/world/world").iterdir()} == {
+        "auroc_by_layer.png", "roc.png", "scores.png", "responses.png", "sensitivity_hami_sp.png",
+        "sensitivity_hami.png"}
     for method in ("hami", "mean", "max", "hami_sp"):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
         assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in (0, 1, 2)
@@ -126,7 +129,8 @@ def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
     assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
-    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max", "report"}
+    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max", "report",
+                                                                            "figures@world-world"}
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
@@ -142,8 +146,9 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
     # the latency stage samples with these settings itself
     assert changed(repo) == {"generate@world-world", "latency@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
-    downstream = {"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
-                  "baselines@world-world", "latency@world-world", "report"} | DETECTOR_STAGES | ANALYSIS_STAGES
+    downstream = ({"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
+                   "baselines@world-world", "latency@world-world", "figures@world-world", "report"}
+                  | DETECTOR_STAGES | ANALYSIS_STAGES)
     assert ran(log) == downstream
     assert not ran(log) & {"world", "manifest@world", "prepare@world"}
 

@@ -1,5 +1,6 @@
 """Evaluation from HDF5 layer files, baselines, HaMI (SP) cost, and the stages' early errors."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -179,20 +180,22 @@ def test_hami_sp_cost_adds_sampling_and_nli_per_response():
         hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a"], 1000.0, latency)
 
 
-def test_throughput_device_is_resolved_and_timed_there(trained):
+def test_throughput_is_timed_on_the_device_named(trained):
     import torch
 
-    from halludetect.evaluation import resolve_device
+    from halludetect.devices import DeviceError, resolve_device
 
-    acts, dets, labels = trained
-    m = evaluate_detector("max", acts, dets, labels, [0], bootstrap=0, seed=0, repeats=1, device="cpu")
-    t = m["throughput"]
-    assert t["device"].startswith("CPU") and 0 < t["single_response_seconds"] < 1
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(DataError, match="evaluate.device is cuda but CUDA is not available"):
-            resolve_device("cuda")
+    root, labels = trained
+    layer = read_layer(root / "acts" / layer_filename(1), dtype=None)
+    test_split = split_data(layer, labels, "test")
+    models = load_models(root / "dets" / "layer_1", "max", 1, [0, 1], D)
+    t = detector_throughput(models, test_split, root / "acts" / layer_filename(1), repeats=1,
+                            device=resolve_device("cpu", "evaluate.device"))
+    assert t["device"].startswith("CPU") and 0 < t["single_response_seconds"] < 1 and t["n"] == 60
+    assert resolve_device("auto", "evaluate.device") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # tests never need a GPU; where there is none, asking for one is an error
+        with pytest.raises(DeviceError, match="evaluate.device: 'cuda' was asked for but CUDA is not available"):
+            resolve_device("cuda", "evaluate.device")
 
 
 def stage(*args: str) -> subprocess.CompletedProcess:

@@ -73,9 +73,11 @@ def write_cell(root: Path) -> list[str]:
     base.with_columns(pl.Series("n_tokens", rng.integers(1, 40, labels.height)),
                       pl.Series("token_logprobs", [[-0.1 - 0.5 * v] * 3 for v in y])).write_parquet(
         root / "generations.parquet")
-    base.with_columns(pl.lit(True).alias("valid"), pl.Series("p_sem_mean", np.clip(0.9 - 0.5 * y + 0.1 * rng.random(
-        len(y)), 0, 1)), pl.lit(0.5).alias("p_sem_sum"), pl.lit(0.5).alias("p_sem_count"),
-        pl.lit(0.3).alias("semantic_entropy_mean")).write_parquet(root / "clusters.parquet")
+    labels.select("question_id", "sample_index", "split").with_columns(
+        pl.lit(True).alias("valid"), pl.Series("p_sem_mean", np.clip(0.9 - 0.5 * y + 0.1 * rng.random(len(y)), 0, 1)),
+        pl.lit(0.5).alias("p_sem_sum"), pl.lit(0.5).alias("p_sem_count"),
+        *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum", "discrete"))).write_parquet(
+        root / "clusters.parquet")
     methods = ["max", "hami_sp"]
     for m in methods:
         (root / "eval").mkdir(exist_ok=True)
@@ -87,7 +89,7 @@ def write_cell(root: Path) -> list[str]:
             pl.lit(seed).alias("seed"), pl.Series("score", test["label"].to_numpy() + rng.normal(size=test.height)),
             pl.lit(5).alias("n_tokens")) for seed in (0, 1)]
         (root / "scores" / m).mkdir(parents=True)
-        pl.concat(frames).write_parquet(root / "scores" / m / "layer_01.parquet")
+        pl.concat(frames).write_parquet(root / "scores" / m / "layer_1.parquet")
     (root / "analysis").mkdir()
     analysed = labels.filter(pl.col("split").is_in(["train", "test"]))
     analysed.select("split", "label").with_columns(
@@ -102,6 +104,7 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["grid"] |= {"methods": ["max"], "sp_methods": ["hami_sp"], "baselines": ["p_sem", "length"],
                      "analyze": ["hami_sp"]}
+    data["train"]["seeds"] = [0, 1]
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     args = ["--params", str(tmp_path / "params.yaml"), "--model", "m", "--dataset", "d",
             "--eval-dir", str(tmp_path / "eval"), "--scores-dir", str(tmp_path / "scores"),
@@ -119,8 +122,9 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     assert sorted(p.name for p in (dist / "scores").iterdir()) == ["hami_sp.csv", "max.csv"]
     assert sorted(p.name for p in (dist / "responses").iterdir()) == [
         "test_n_tokens.csv", "test_p_sem.csv", "train_n_tokens.csv", "train_p_sem.csv"]
-    (tmp_path / "scores" / "max" / "layer_01.parquet").unlink()
-    from stages.figures import detector_scores
+    from halludetect.artifacts import ArtifactError
+    from halludetect.evaluation import read_scores
 
-    with pytest.raises(FileNotFoundError, match="scores of max at its best layer 1"):
-        detector_scores(tmp_path / "scores", "max", 1)
+    (tmp_path / "scores" / "max" / "layer_1.parquet").unlink()
+    with pytest.raises(ArtifactError, match=r"layer_1.parquet does not exist: run the train stage first"):
+        read_scores(tmp_path / "scores" / "max" / "layer_1.parquet", [0, 1])
