@@ -6,6 +6,7 @@
   scores             score distributions per class, one panel per method
   responses          answer length and P_sem by class, per split (the paper's appendix figures)
   sensitivity_<m>    C_B^int and P_sem C_B^int by class, per split, for an analysed HaMI detector
+                     (drawn by the analyze stage)
 
 PNGs are drawn with matplotlib's object API on the Agg canvas (no display, no global pyplot
 state) and written atomically without the Software/date metadata, so the same data gives the same
@@ -130,6 +131,18 @@ def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, x
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     return fig
+
+
+def sensitivity(rows: pl.DataFrame, title: str) -> Figure:
+    """C_B^int and P_sem C_B^int per class, one pair of panels per split (train, then test):
+    the paper's appendix figures. `rows`: the analysis rows of one layer (all seeds pooled)."""
+    panels = {}
+    for split in rows["split"].unique().sort(descending=True).to_list():  # train, then test
+        r = rows.filter(pl.col("split") == split)
+        y = r["label"].to_numpy()
+        panels[f"C_B^int ({split})"] = (r["c_int"].to_numpy(), y)
+        panels[f"P_sem C_B^int ({split})"] = ((r["p_sem"] * r["c_int"]).to_numpy(), y)
+    return class_panels(panels, title, {k: k.split(" (")[0] for k in panels}, cols=2, counted="responses x seeds")
 
 
 def _palette(n: int) -> list:

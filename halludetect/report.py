@@ -342,6 +342,13 @@ def load_per_cell(directory: str | Path, models: list[str], datasets: list[str],
     return out
 
 
+def load_analysis(eval_dir: str | Path, models: list[str], datasets: list[str], methods: list[str]) -> dict:
+    """{(m, d, method): analysis JSON}: analyze writes beside evaluate, in <eval_dir>/<m>/<d>/analysis/
+    (a directory every grid has, so the report's dependency exists even when nothing is analysed)."""
+    found = load_per_cell(eval_dir, models, datasets, [f"analysis/{m}" for m in methods]) if methods else {}
+    return {(m, d, method.removeprefix("analysis/")): a for (m, d, method), a in found.items()}
+
+
 def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis: dict | None = None) -> list[Table]:
     detectors = sorted({k[2] for k, e in metrics.items() if e.get("family") == "detector"})
     baselines = sorted({k[2] for k, e in metrics.items() if e.get("family") == "baseline"})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect import cli
+from halludetect import cli, figures
 from halludetect.analysis import analyze_split, histograms
 from halludetect.atomic_io import atomic_path, write_json, write_parquet
 from halludetect.config import ANALYZABLE, SP_METHODS
@@ -72,6 +72,10 @@ def run(args, params):
             at_best = rows.filter((pl.col("layer") == best) & (pl.col("split") == split))
             for name, frame in histograms(at_best, ap.bins).items():
                 frame.write_csv(tmp / f"{split}_{name}.csv", float_precision=6)
+    scaling = f"lam = {lam:g}" + ("" if args.method in SP_METHODS else ", HaMI (SP)'s, applied to HaMI")
+    figures.save_png(figures.sensitivity(rows.filter(pl.col("layer") == best),
+                                         f"{args.method}: sensitivity to the semantic scaling ({scaling}) at layer "
+                                         f"{best}, seeds pooled, {args.model} / {args.dataset}"), args.figure)
     write_json(args.out, out)
 
 
@@ -84,6 +88,7 @@ if __name__ == "__main__":
                        ("--judgments", "judgments Parquet"), ("--clusters", "clusters Parquet (P_sem)"),
                        ("--detectors", "the method's detector directory (layer_<L>/seed_<S>.safetensors)"),
                        ("--out", "analysis metrics JSON"), ("--responses", "per-response Parquet"),
-                       ("--plots", "directory of distribution CSVs (DVC plots)")]:
+                       ("--plots", "directory of distribution CSVs (DVC plots)"),
+                       ("--figure", "PNG of the C_B^int and P_sem C_B^int distributions per class")]:
         p.add_argument(flag, required=True, help=text)
     cli.main(run, p)

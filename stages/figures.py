@@ -1,6 +1,6 @@
 """Figures of one grid cell (PNGs in metrics/figures, and their data as DVC plots): AUROC by layer
 of every method, ROC curves and score distributions at the best layer, answer length and P_sem by
-class, and the sensitivity distributions of the analysed HaMI detectors."""
+class. (The sensitivity distributions of the analysed HaMI detectors are the analyze stage's.)"""
 
 import json
 from pathlib import Path
@@ -72,37 +72,23 @@ def run(args, params):
     if not curves:
         raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")
     layers = {m: evals[m]["layers"] for m in detectors}
-    with atomic_path(figs, is_dir=True) as tmp:
-        figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"),
-                         tmp / "auroc_by_layer.png")
-        figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), tmp / "roc.png")
-        figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, seeds pooled, {cell}",
-                                              {k: "bag logit" for k in score_panels}, counted="responses x seeds"),
-                         tmp / "scores.png")
-        figures.save_png(figures.class_panels(
-            response_panels, f"Answer length and P_sem by class, {cell}",
-            {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels}, cols=2,
-            discrete=tuple(k for k in response_panels if k.startswith("answer"))), tmp / "responses.png")
-        for m in g.analyze:
-            rows = read_parquet(Path(args.analysis_dir) / f"{m}.parquet", "analyze", "sensitivity rows").filter(
-                pl.col("layer") == best[m])
-            panels = {}
-            for split in rows["split"].unique().sort(descending=True).to_list():  # train, then test
-                r = rows.filter(pl.col("split") == split)
-                y = r["label"].to_numpy()
-                panels[f"C_B^int ({split})"] = (r["c_int"].to_numpy(), y)
-                panels[f"P_sem C_B^int ({split})"] = ((r["p_sem"] * r["c_int"]).to_numpy(), y)
-            figures.save_png(figures.class_panels(
-                panels, f"{m}: sensitivity to the semantic scaling at layer {best[m]}, seeds pooled, {cell}",
-                {k: k.split(" (")[0] for k in panels}, cols=2, counted="responses x seeds"),
-                tmp / f"sensitivity_{m}.png")
+    # One file per figure, each written atomically: analyze writes sensitivity_<method>.png beside them.
+    figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"), figs / "auroc_by_layer.png")
+    figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), figs / "roc.png")
+    figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, seeds pooled, {cell}",
+                                          {k: "bag logit" for k in score_panels}, counted="responses x seeds"),
+                     figs / "scores.png")
+    figures.save_png(figures.class_panels(
+        response_panels, f"Answer length and P_sem by class, {cell}",
+        {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels}, cols=2,
+        discrete=tuple(k for k in response_panels if k.startswith("answer"))), figs / "responses.png")
     figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / args.model / f"{args.dataset}.csv")
     figures.save_csv(figures.roc_data(curves), plots / "roc" / args.model / f"{args.dataset}.csv")
     for sub, data in (("scores", score_data), ("responses", response_data)):
         with atomic_path(plots / "distributions" / args.model / args.dataset / sub, is_dir=True) as tmp:
             for name, frame in data.items():
                 frame.write_csv(tmp / f"{name}.csv", float_precision=6)
-    cli.log.info("figures of %s: %s", cell, sorted(p.name for p in figs.iterdir()))
+    cli.log.info("figures of %s in %s", cell, figs)
 
 
 if __name__ == "__main__":
@@ -110,9 +96,8 @@ if __name__ == "__main__":
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
                        ("--eval-dir", "directory of the cell's <method>.json evaluate metrics"),
                        ("--scores-dir", "directory of <method>/layer_LL.parquet per-response scores"),
-                       ("--analysis-dir", "directory of <method>.parquet sensitivity rows (analyze)"),
                        ("--judgments", "judgments Parquet"), ("--clusters", "clusters Parquet"),
-                       ("--generations", "generations Parquet"), ("--figures", "directory of PNGs"),
+                       ("--generations", "generations Parquet"), ("--figures", "directory of the PNGs"),
                        ("--plots", "root of the plot data (layers/, roc/, distributions/)")]:
         p.add_argument(flag, required=True, help=text)
     cli.main(run, p)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from halludetect import cli, paper
 from halludetect.atomic_io import write_json, write_text
-from halludetect.report import Grid, build_tables, load_metrics, load_per_cell, summary
+from halludetect.report import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.tables import to_latex, to_markdown
 
 
@@ -16,7 +16,7 @@ def run(args, params):
     metrics = load_metrics(args.metrics_dir, g.models, g.datasets, [*g.methods, *g.sp_methods], args.baselines_dir,
                            g.baselines)
     labels = load_per_cell(args.labels_dir, g.models, g.datasets)
-    analysis = load_per_cell(args.analysis_dir, g.models, g.datasets, g.analyze) if g.analyze else {}
+    analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
@@ -30,10 +30,10 @@ def run(args, params):
 
 if __name__ == "__main__":
     p = cli.parser(__doc__)
-    p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json")
+    p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json (and the "
+                                                        "analyses, <model>/<dataset>/analysis/<method>.json)")
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
-    p.add_argument("--analysis-dir", required=True, help="directory of <model>/<dataset>/<method>.json analyses")
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
     cli.main(run, p)

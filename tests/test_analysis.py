@@ -66,7 +66,8 @@ def run_stage(root: Path, method="hami_sp", params="params.yaml", out="out"):
             "--evaluation", str(root / "eval.json"), "--activations", str(root / "acts"),
             "--judgments", str(root / "judgments.parquet"), "--clusters", str(root / "clusters.parquet"),
             "--detectors", str(root / "dets" / method), "--out", str(out / "analysis.json"),
-            "--responses", str(out / "responses.parquet"), "--plots", str(out / "plots")]
+            "--responses", str(out / "responses.parquet"), "--plots", str(out / "plots"),
+            "--figure", str(out / "sensitivity.png")]
     res = subprocess.run([sys.executable, "-m", "stages.analyze", *args], cwd=ROOT, capture_output=True, text=True)
     return res, out
 
@@ -93,6 +94,7 @@ def test_analyze_stage_writes_every_layer_split_and_seed(cell):
     plots = sorted(p.name for p in (out / "plots").iterdir())
     assert plots == sorted(f"{s}_{q}.csv" for s in ("train", "test") for q in ("c0", "c_int", "p_sem_c0",
                                                                               "p_sem_c_int"))
+    assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
     hist = pl.read_csv(out / "plots" / "test_c_int.csv")
     assert hist.columns == ["value", "series", "density"] and hist.height == 2 * 10
 

@@ -106,7 +106,7 @@ def test_dag_writes_the_comparison_table(repo):
     for name in ("auroc", "margin", "throughput", "label_distribution", "expected_c_int_world_test"):
         assert (repo / f"metrics/tables/{name}.md").exists() and (repo / f"metrics/tables/{name}.tex").exists()
     for method in ("hami_sp", "hami"):
-        a = json.loads((repo / f"metrics/analysis/world/world/{method}.json").read_text())
+        a = json.loads((repo / f"metrics/eval/world/world/analysis/{method}.json").read_text())
         assert set(a["layers"][str(a["best_layer"])]) == {"train", "test"}
     assert json.loads((repo / "metrics/latency/world/world.json").read_text())["questions"] > 0
     assert {p.name for p in (repo / "metrics/figures/world/world").iterdir()} == {

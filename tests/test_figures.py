@@ -22,6 +22,17 @@ def layers():
             "max": [{"layer": i, "val_auroc": 0.7 - 0.02 * i, "test_auroc": 0.69 - 0.01 * i} for i in range(4)]}
 
 
+def test_sensitivity_figure_has_a_pair_of_panels_per_split(tmp_path):
+    rng = np.random.default_rng(3)
+    rows = pl.DataFrame({"split": ["train"] * 40 + ["test"] * 40, "label": rng.integers(0, 2, 80),
+                         "p_sem": rng.random(80), "c_int": rng.normal(size=80)})
+    fig = figures.sensitivity(rows, "title")
+    assert [ax.get_title() for ax in fig.axes] == ["C_B^int (train)", "P_sem C_B^int (train)", "C_B^int (test)",
+                                                  "P_sem C_B^int (test)"]
+    figures.save_png(fig, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_pngs_are_byte_stable_and_carry_no_software_stamp(tmp_path):
     for name in ("a.png", "b.png"):
         figures.save_png(figures.auroc_by_layer(layers(), {"hami": 3, "max": 0}, "title"), tmp_path / name)
@@ -58,7 +69,7 @@ def test_mean_roc_and_layers_data():
 
 def write_cell(root: Path) -> list[str]:
     """A cell as the pipeline lays it out: evaluate metrics, train's per-response scores (the
-    layer_LL.parquet contract), labels, clusters, generations and the analysis rows."""
+    layer_<L>.parquet contract), labels, clusters and generations."""
     rng = np.random.default_rng(1)
     rows = []
     for split, n in (("train", 40), ("val", 30), ("test", 60)):
@@ -90,12 +101,6 @@ def write_cell(root: Path) -> list[str]:
             pl.lit(5).alias("n_tokens")) for seed in (0, 1)]
         (root / "scores" / m).mkdir(parents=True)
         pl.concat(frames).write_parquet(root / "scores" / m / "layer_1.parquet")
-    (root / "analysis").mkdir()
-    analysed = labels.filter(pl.col("split").is_in(["train", "test"]))
-    analysed.select("split", "label").with_columns(
-        pl.lit(1).alias("layer"), pl.Series("p_sem", rng.random(analysed.height)),
-        pl.Series("c_int", rng.normal(size=analysed.height) + 3 * (1 - analysed["label"].to_numpy()))).write_parquet(
-        root / "analysis" / "hami_sp.parquet")
     return methods
 
 
@@ -108,13 +113,13 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     args = ["--params", str(tmp_path / "params.yaml"), "--model", "m", "--dataset", "d",
             "--eval-dir", str(tmp_path / "eval"), "--scores-dir", str(tmp_path / "scores"),
-            "--analysis-dir", str(tmp_path / "analysis"), "--judgments", str(tmp_path / "judgments.parquet"),
+            "--judgments", str(tmp_path / "judgments.parquet"),
             "--clusters", str(tmp_path / "clusters.parquet"), "--generations", str(tmp_path / "generations.parquet"),
             "--figures", str(tmp_path / "figures"), "--plots", str(tmp_path / "plots")]
     res = subprocess.run([sys.executable, "-m", "stages.figures", *args], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == [
-        "auroc_by_layer.png", "responses.png", "roc.png", "scores.png", "sensitivity_hami_sp.png"]
+        "auroc_by_layer.png", "responses.png", "roc.png", "scores.png"]
     roc = pl.read_csv(tmp_path / "plots" / "roc" / "m" / "d.csv")
     assert set(roc["series"]) == {*methods, "p_sem", "length"} and roc.columns == ["fpr", "series", "tpr"]
     assert set(pl.read_csv(tmp_path / "plots" / "layers" / "m" / "d.csv")["series"]) == set(methods)

@@ -151,7 +151,7 @@ def test_load_metrics_names_what_is_missing(tmp_path):
 def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     data = renamed_params()
     data["grid"] |= {"models": ["my-llama"], "datasets": ["tqa"], "methods": ["hami", "max"], "sp_methods": [],
-                     "baselines": ["p_sem"], "analyze": []}
+                     "baselines": ["p_sem"], "analyze": ["hami"]}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     for method in ("hami", "max"):
         path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
@@ -159,23 +159,30 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
         path.write_text(json.dumps(entry()))
     (tmp_path / "base" / "my-llama").mkdir(parents=True)
     (tmp_path / "base" / "my-llama" / "tqa.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
+    cls = {"n": 10, "p_sem": 0.5, "c": -2.0, "p_sem_c": -1.0}
+    mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
+    analysis = tmp_path / "eval" / "my-llama" / "tqa" / "analysis" / "hami.json"  # beside evaluate's metrics
+    analysis.parent.mkdir()
+    analysis.write_text(json.dumps({"best_layer": 3, "lam": 1.0, "layers": {"3": {
+        s: {"mean": {"c0": mean, "c_int": mean}} for s in ("train", "test")}}}))
     (tmp_path / "labels" / "my-llama").mkdir(parents=True)
     (tmp_path / "labels" / "my-llama" / "tqa.json").write_text(json.dumps({"splits": {
         "train": {"hallucinated": 996, "correct": 2874}, "test": {"hallucinated": 1257, "correct": 4097}}}))
     res = subprocess.run([sys.executable, "-m", "stages.report", "--params", str(tmp_path / "params.yaml"),
                           "--metrics-dir", str(tmp_path / "eval"), "--baselines-dir", str(tmp_path / "base"),
-                          "--labels-dir", str(tmp_path / "labels"), "--analysis-dir", str(tmp_path / "analysis"),
+                          "--labels-dir", str(tmp_path / "labels"),
                           "--out-dir", str(tmp_path / "tables"), "--summary", str(tmp_path / "summary.json")],
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     names = {p.name for p in (tmp_path / "tables").iterdir()}
     for table in ("auroc", "margin", "throughput", "p_sem_auroc", "label_distribution", "detection_prr",
-                  "margin_by_length"):
+                  "margin_by_length", "expected_c_int_my-llama_test"):
         assert {f"{table}.md", f"{table}.tex"} <= names, table
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
     assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
     assert "0.800" in (tmp_path / "tables" / "p_sem_auroc.md").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["my-llama/tqa/max"]["test_prr"] == 0.5
+    assert "n/a: E[P_sem C] <= 0" in (tmp_path / "tables" / "expected_c_int_my-llama_test.md").read_text()
 
 
 @pytest.mark.skipif(__import__("shutil").which("pdflatex") is None, reason="pdflatex is not installed")
