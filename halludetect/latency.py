@@ -51,19 +51,19 @@ def sequential_cost(model, tokenizer, nli, questions: pl.DataFrame, generations:
     """Per question, alone: seconds to sample K - 1 more answers, seconds and calls to cluster its
     K recorded answers one NLI call at a time. `questions`: the ones to measure (id, question, split)."""
     k = params.n_samples
-    if k < 2:
-        raise ValueError("HaMI (SP) needs K >= 2 answers per question (generate.n_samples)")
-    alone = params.model_copy(update={"n_samples": k - 1, "batch_size": 1})
+    alone = params.model_copy(update={"n_samples": max(1, k - 1), "batch_size": 1})
     texts = {qid: g.sort("sample_index")["text"].to_list()
              for (qid,), g in generations.filter(pl.col("n_tokens") > 0).group_by("question_id")}
-    generate(model, tokenizer, questions.head(1), alone, chat_template=chat_template)  # warm-up, not timed
+    if k > 1:
+        generate(model, tokenizer, questions.head(1), alone, chat_template=chat_template)  # warm-up, not timed
     gen_s, nli_s, calls = [], [], []
     for row in questions.iter_rows(named=True):
-        _sync(model)
-        t0 = time.perf_counter()
-        generate(model, tokenizer, pl.DataFrame([row]), alone, chat_template=chat_template)
-        _sync(model)
-        gen_s.append(time.perf_counter() - t0)
+        if k > 1:  # K = 1: no more answers to sample (and P_sem is 1 for every answer)
+            _sync(model)
+            t0 = time.perf_counter()
+            generate(model, tokenizer, pl.DataFrame([row]), alone, chat_template=chat_template)
+            _sync(model)
+        gen_s.append(time.perf_counter() - t0 if k > 1 else 0.0)
         seq = OneCallAtATime(nli)
         t0 = time.perf_counter()
         cluster_question(seq, row["question"], texts.get(row["id"], []), equivalence)

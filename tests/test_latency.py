@@ -29,5 +29,7 @@ def test_sequential_cost_times_sampling_and_nli_per_question(tiny):
     assert out["seconds_extra_samples_per_question"] > 0 and out["nli_seconds_per_question"] >= 0
     assert out["seconds_per_question"] == pytest.approx(out["seconds_extra_samples_per_question"]
                                                         + out["nli_seconds_per_question"])
-    with pytest.raises(ValueError, match="K >= 2"):
-        sequential_cost(model, tok, get_nli("exact"), questions, gens, GenerateParams(n_samples=1), "paper")
+    one = sequential_cost(model, tok, get_nli("exact"), questions, gens.filter(gens["sample_index"] == 0),
+                          GenerateParams(n_samples=1), "paper")  # K = 1: nothing more to sample or compare
+    assert one["extra_samples"] == 0 and one["seconds_extra_samples_per_question"] == 0
+    assert one["nli_calls_per_question"] == 0
