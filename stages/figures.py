@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from sklearn.metrics import roc_auc_score
 
 from halludetect import cli, figures
 from halludetect.artifacts import read_parquet
@@ -17,6 +16,7 @@ from halludetect.errors import DataError
 from halludetect.evaluation import read_scores
 from halludetect.label_tables import read_clusters, read_judgments
 from halludetect.layer_format import layer_filename
+from halludetect.metrics import auroc
 from halludetect.plot_data import class_histogram_data
 from halludetect.responses import response_ids
 
@@ -50,12 +50,12 @@ def run(args, params):
         s = s.filter(pl.col("score").is_finite())
         y, score = s["label"].to_numpy(), s["score"].to_numpy()
         curves[name] = (y, [score])
-        aurocs[name] = f"{roc_auc_score(y, score):.3f}, baseline"
+        aurocs[name] = f"{auroc(y, score):.3f}, baseline"
 
-    # Answer length and P_sem by class, per split, over the labelled responses the detectors see.
+    # Answer length and P_sem (the variant baselines.p_sem names) by class, per split, over the labelled responses.
     lengths = generations.select(response_ids(generations).alias("rid"), "n_tokens")
     p_sem = clusters.filter(pl.col("valid")).select(response_ids(clusters).alias("rid"),
-                                                    pl.col("p_sem_mean").alias("p_sem"))
+                                                    pl.col(f"p_sem_{params.baselines.p_sem}").alias("p_sem"))
     per_response = labels.join(lengths, on="rid", how="left").join(p_sem, on="rid", how="left")
     response_panels, response_data = {}, {}
     for split in ("train", "test"):
