@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
-from sklearn.metrics import roc_curve
 
 from halludetect.atomic_io import atomic_path
+from halludetect.metrics import roc_points
 from halludetect.plot_data import CLASSES, bin_edges
 
 COLORS = {0: "#1f77b4", 1: "#d62728"}  # correct, hallucinated
@@ -83,8 +83,8 @@ def mean_roc(y: np.ndarray, scores: list[np.ndarray]) -> np.ndarray:
     """TPR at FPR_GRID, averaged over seeds (vertical averaging)."""
     tprs = []
     for s in scores:
-        fpr, tpr, _ = roc_curve(y, s)
-        tprs.append(np.interp(FPR_GRID, fpr, tpr))
+        fpr, tpr = roc_points(y, s)
+        tprs.append(np.interp(FPR_GRID, np.r_[0.0, fpr], np.r_[0.0, tpr]))  # the curve starts at (0, 0)
     out = np.mean(tprs, 0)
     out[0] = 0.0
     return out

@@ -107,3 +107,20 @@ def test_split_metrics_has_every_figure():
     with pytest.raises(ValueError, match="resamples questions"):
         split_metrics(y, scores, bootstrap=10)
     assert "margin_by_length" not in split_metrics(y, scores, logits=False, lengths=np.ones(100))
+
+
+def test_roc_points_and_fpr_match_sklearn_with_ties():
+    from sklearn.metrics import roc_curve
+
+    from halludetect.metrics import roc_points
+
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        y = rng.integers(0, 2, 300)
+        score = np.round(y + rng.normal(size=300), 1)  # rounded: many ties, mixed labels among them
+        fpr, tpr, _ = roc_curve(y, score, drop_intermediate=False)
+        ours_fpr, ours_tpr = roc_points(y, score)
+        np.testing.assert_allclose(ours_fpr, fpr[1:])
+        np.testing.assert_allclose(ours_tpr, tpr[1:])
+        for level in (0.5, 0.9, 0.95):
+            assert fpr_at_tpr(y, score, level) == pytest.approx(fpr[np.searchsorted(tpr, level, side="left")])
