@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 
 from halludetect.config import BASELINES, BaselinesParams
-from halludetect.metrics import check_two_classes, split_metrics
+from halludetect.metrics import check_two_classes, question_groups, split_metrics
 from halludetect.registry import lookup, registrar
 from halludetect.responses import response_ids
 
@@ -62,7 +62,8 @@ def baseline_scores(name: str, generations: pl.DataFrame, clusters: pl.DataFrame
 
 def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstrap: int, seed: int) -> dict:
     """A baseline's val/test figures from its per-response scores (columns rid, score)."""
-    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "split", "label")
+    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "question_id", "split",
+                                                     "label")
     joined = labels.join(scores, on="rid", how="left")
     out = {"best_layer": None, "layers": [], "excluded": {}}
     for split in ("val", "test"):
@@ -72,5 +73,5 @@ def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstra
         y = ok["label"].to_numpy().astype(np.int64)
         check_two_classes(y, split)
         out[split] = split_metrics(y, [ok["score"].to_numpy()], bootstrap=bootstrap if split == "test" else 0,
-                                   seed=seed, logits=False)
+                                   seed=seed, logits=False, groups=question_groups(ok["question_id"].to_list()))
     return out

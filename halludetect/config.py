@@ -102,19 +102,34 @@ class ModelPreset(Section):
         return self
 
 
+class SplitSizes(Section):
+    """Exact question counts per split (the paper's), instead of prepare's fractions."""
+
+    train: PositiveInt
+    val: PositiveInt
+    test: PositiveInt
+
+
 class DatasetPreset(Section):
     loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file"]
     path: str | None = Field(None, description="local file for loaders that read one")
     hf_id: str | None = None
     hf_config: str | None = None
-    hf_split: str | None = None
+    hf_split: str | None = None  # the hub split questions come from (val/test ones, with train_hf_split)
     revision: str | None = None
     max_questions: PositiveInt | None = None
+    sizes: SplitSizes | None = Field(None, description="questions per split; None: prepare's fractions")
+    train_hf_split: str | None = Field(None, description="hub split of the train questions (disjoint from the "
+                                                         "evaluation ones); None: every split from one source")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DatasetPreset:
         if self.loader in ("world", "bioasq", "file") and not self.path:
             raise ValueError(f"loader '{self.loader}' reads a local file: set 'path'")
+        if self.sizes is not None and self.max_questions is not None:
+            raise ValueError("sizes fixes the number of questions: remove max_questions")
+        if self.train_hf_split is not None and self.sizes is None:
+            raise ValueError("train_hf_split draws exactly sizes.train questions from it: set sizes too")
         return self
 
 
@@ -289,6 +304,8 @@ class ProbeParams(Section):
 SP_METHODS = ("hami_sp",)
 # Scores without hidden states (halludetect/baselines.py registers each).
 BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
+# Detectors the sensitivity analysis applies to: HaMI networks (token MLP with batch norm, top-k mean).
+ANALYZABLE = ("hami", "hami_sp")
 
 
 class DetectorsParams(Section):
@@ -320,9 +337,29 @@ class TrainParams(Section):
 
 
 class EvaluateParams(Section):
-    bootstrap: Annotated[int, Field(ge=0)] = 1000  # resamples of test responses for the AUROC interval
+    bootstrap: Annotated[int, Field(ge=0)] = 1000  # resamples of test questions for the AUROC interval
     seed: int = 0
     throughput_repeats: PositiveInt = 5  # best of this many timed passes
+    device: Device = "auto"  # where throughput is timed (auto: CUDA when there is one; CUDA timings synchronised)
+
+
+class LatencyParams(Section):
+    """HaMI (SP)'s cost one response at a time (stage latency): real sampling and NLI calls."""
+
+    questions: PositiveInt = 8  # test questions timed one at a time
+    device: Device = "auto"
+
+
+class AnalyzeParams(Section):
+    """The sensitivity analysis of HaMI detectors (stage analyze; halludetect/analysis.py)."""
+
+    steps: PositiveInt = 1000  # N midpoint steps of the path integral C_B^int (the paper's)
+    layers: list[Annotated[int, Field(ge=0)]] = []  # analysed besides the best layer (chosen on validation)
+    splits: list[Literal["train", "val", "test"]] = ["train", "test"]  # the paper's appendix: train and test
+    # HaMI is trained without scaling: it is analysed under the scaling HaMI (SP) would apply.
+    hami_lam: Annotated[float, Field(gt=0)] = 1.0  # the paper's lambda
+    hami_p_sem: Literal["mean", "sum", "count"] = "mean"
+    bins: PositiveInt = 40  # histogram bins of the distribution plots
 
 
 def threshold_name(target_fpr: float) -> str:
@@ -352,6 +389,7 @@ class GridParams(Section):
     methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
     sp_methods: list[str] = []  # detectors that also read P_sem (train_sp@, evaluate_sp@): hami_sp
     baselines: list[str] = []  # scores without hidden states (baselines@)
+    analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
 
 
 class Params(Section):
@@ -370,6 +408,8 @@ class Params(Section):
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
     export: ExportParams = ExportParams()
+    latency: LatencyParams = LatencyParams()
+    analyze: AnalyzeParams = AnalyzeParams()
 
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
@@ -381,6 +421,7 @@ class Params(Section):
             ("grid.methods", self.grid.methods, hidden),
             ("grid.sp_methods", self.grid.sp_methods, SP_METHODS),
             ("grid.baselines", self.grid.baselines, BASELINES),
+            ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
                 if name in SP_METHODS and key == "grid.methods":
@@ -388,8 +429,14 @@ class Params(Section):
                                     "under grid.sp_methods")
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
+                elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
+                    problems.append(f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
+                                    f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too")
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
+        if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):
+            problems.append(f"analyze.layers: {untrained} are not trained (grid.layers is {self.grid.layers}); "
+                            "add them to grid.layers or drop them from analyze.layers")
         if self.dump.layers != "all" and (undumped := sorted(set(self.grid.layers) - set(self.dump.layers))):
             problems.append(f"grid.layers: {undumped} are not dumped (dump.layers is {self.dump.layers}); "
                             "add them to dump.layers or drop them from grid.layers")

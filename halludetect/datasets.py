@@ -463,12 +463,57 @@ def assign_splits(ids: list[str], params: PrepareParams) -> list[str]:
     return split
 
 
-def prepare(preset: DatasetPreset, params: PrepareParams) -> tuple[pl.DataFrame, LoadReport]:
+def _ranked(rows: list[dict], seed: int) -> list[dict]:
+    """Rows in a seeded hash order of their ids: a question's rank never depends on the others."""
+    return sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).digest())
+
+
+def _load(preset: DatasetPreset, report: LoadReport) -> list[dict]:
+    """A source's usable common-schema rows; `report.read` adds up over the sources loaded."""
+    before = report.read
+    records = LOADERS[preset.loader](preset, report)  # sets report.read to its own count
+    report.read += before
+    return normalise(records, report)
+
+
+def sized_splits(preset: DatasetPreset, name: str, params: PrepareParams, report: LoadReport) -> list[dict]:
+    """Exactly `preset.sizes` questions per split (the paper's setup), the first of each source in
+    the seeded order. With `train_hf_split`, train questions come from that hub split and val/test
+    from the preset's own (so NQ-open's 3,610 validation questions still give 4,000 train ones);
+    a question in both is kept for evaluation only."""
+    n = preset.sizes
+    if preset.train_hf_split is not None and preset.path is None:
+        evaluation = _ranked(_load(preset, report), params.seed)
+        held_out = {r["id"] for r in evaluation}
+        train_rows = _load(preset.model_copy(update={"hf_split": preset.train_hf_split}), report)
+        train = _ranked([r for r in train_rows if r["id"] not in held_out], params.seed)
+        sources = {"train": (train, f"hub split '{preset.train_hf_split}'"),
+                   "eval": (evaluation, f"hub split '{preset.hf_split or 'the loader default'}'")}
+    else:
+        everything = _ranked(_load(preset, report), params.seed)
+        train, evaluation = everything[: n.train], everything[n.train :]
+        sources = {"train": (train, "the source"), "eval": (evaluation, "the source after the train questions")}
+    need = {"train": n.train, "eval": n.val + n.test}
+    short = [f"{k} needs {need[k]}, {where} has {len(rows)}" for k, (rows, where) in sources.items()
+             if len(rows) < need[k]]
+    if short:
+        raise DatasetError(f"datasets.{name}.sizes asks for more usable questions than there are ({'; '.join(short)}); "
+                           "lower sizes or point the preset at a larger source")
+    out = [{**r, "split": "train"} for r in train[: n.train]]
+    out += [{**r, "split": "val"} for r in evaluation[: n.val]]
+    out += [{**r, "split": "test"} for r in evaluation[n.val : n.val + n.test]]
+    return out
+
+
+def prepare(preset: DatasetPreset, params: PrepareParams, name: str = "dataset") -> tuple[pl.DataFrame, LoadReport]:
     report = LoadReport()
-    rows = normalise(LOADERS[preset.loader](preset, report), report)
+    if preset.sizes is not None:
+        rows = sized_splits(preset, name, params, report)
+        df = pl.DataFrame(rows, schema=SCHEMA)
+        return df.sort("id"), report
+    rows = _load(preset, report)
     if preset.max_questions is not None:
-        rows = sorted(rows, key=lambda r: hashlib.sha256(f"{params.seed}:{r['id']}".encode()).digest())
-        rows = rows[: preset.max_questions]
+        rows = _ranked(rows, params.seed)[: preset.max_questions]
     if not rows:
         raise DatasetError(f"no usable questions after loading ({report.dropped or 'the source is empty'})")
     splits = assign_splits([r["id"] for r in rows], params)

@@ -11,6 +11,7 @@ from halludetect.artifacts import read_parquet
 from halludetect.atomic_io import write_json
 from halludetect.detector_data import p_sem_for, split_data
 from halludetect.detectors import trained_params
+from halludetect.devices import resolve_device
 from halludetect.errors import DataError
 from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
 from halludetect.label_tables import read_judgments
@@ -40,14 +41,17 @@ def run(args, params):
     judgments = read_judgments(args.judgments)
     test = split_data(read_layer(layer_file, dtype=None, expect_layer=best), judgments, "test", str(layer_file), p_sem)
     models = load_models(detectors, args.method, best, seeds, int(test.tokens.shape[-1]))
-    metrics["throughput"] = detector_throughput(models, test, layer_file, ep.throughput_repeats)
+    t = metrics["throughput"] = detector_throughput(models, test, layer_file, ep.throughput_repeats,
+                                                    resolve_device(ep.device, "evaluate.device"))
     if p_sem is not None:
-        if not (args.timings and args.generation_metrics):
-            raise DataError(f"{args.method}: pass --timings and --generation-metrics to charge its sampling and NLI")
+        if not (args.timings and args.generation_metrics and args.latency):
+            raise DataError(f"{args.method}: pass --timings, --generation-metrics and --latency to charge its "
+                            "sampling and NLI")
         metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
                                        read_parquet(args.timings, "cluster", "cluster timings table"),
                                        judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list(),
-                                       metrics["throughput"]["preloaded_samples_per_s"])
+                                       t["preloaded_samples_per_s"], json.loads(Path(args.latency).read_text()),
+                                       t["single_response_seconds"])
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
     cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
@@ -67,4 +71,5 @@ if __name__ == "__main__":
     p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it")
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
     p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
+    p.add_argument("--latency", help="latency metrics JSON (one response at a time), for hami_sp's sequential cost")
     cli.main(run, p)

@@ -6,7 +6,7 @@ from halludetect.datasets import prepare
 
 
 def run(args, params):
-    df, report = prepare(params.dataset(args.dataset), params.prepare)
+    df, report = prepare(params.dataset(args.dataset), params.prepare, args.dataset)
     write_parquet(args.out, df)
     counts = {s: int(n) for s, n in df.group_by("split").len().iter_rows()}
     # Exact repeats of an earlier record (same id, question, answers, context) are dropped:

@@ -1,29 +1,39 @@
-"""Build the comparison tables (Markdown, LaTeX) and a summary from the metrics JSON alone."""
+"""Rebuild the paper's tables (Markdown and LaTeX, one file each) and a summary from the metrics JSON."""
 
 from pathlib import Path
 
-from halludetect import cli
+from halludetect import cli, paper
 from halludetect.atomic_io import write_json, write_text
-from halludetect.report import load_metrics, summary, table
+from halludetect.report import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
+from halludetect.tables import to_latex, to_markdown
 
 
 def run(args, params):
     g = params.grid
-    detectors = [*g.methods, *g.sp_methods]
-    metrics = load_metrics(args.metrics_dir, g.models, g.datasets, detectors, args.baselines_dir, g.baselines)
+    # The paper's figures belong to a model and a dataset, not to a preset name: match by hub id and loader.
+    grid = Grid(g.models, g.datasets, {m: paper.model_key(params.model(m).path) for m in g.models},
+                {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets})
+    metrics = load_metrics(args.metrics_dir, g.models, g.datasets, [*g.methods, *g.sp_methods], args.baselines_dir,
+                           g.baselines)
+    labels = load_per_cell(args.labels_dir, g.models, g.datasets)
+    analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)
     out = Path(args.out_dir)
-    rows = {"auroc": [*detectors, *g.baselines], "margin": detectors, "throughput": detectors}
-    for metric, methods in rows.items():
-        write_text(out / f"{metric}.md", table(metrics, metric, g.models, g.datasets, methods))
-        write_text(out / f"{metric}.tex", table(metrics, metric, g.models, g.datasets, methods, latex=True))
-    write_json(args.summary, summary(metrics))
+    tables = build_tables(metrics, grid, labels, analysis)
+    with_paper = {m: k for m, k in grid.model_keys.items() if k}
+    cli.log.info("%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)")
+    for table in tables:
+        write_text(out / f"{table.name}.md", to_markdown(table))
+        write_text(out / f"{table.name}.tex", to_latex(table))
+    write_json(args.summary, summary(metrics, analysis))
     print((out / "auroc.md").read_text())
 
 
 if __name__ == "__main__":
     p = cli.parser(__doc__)
-    p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json")
+    p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json (and the "
+                                                        "analyses, <model>/<dataset>/analysis/<method>.json)")
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
+    p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
     cli.main(run, p)

@@ -92,3 +92,59 @@ def test_max_questions_and_schema():
     assert df.height == 100
     assert df.columns == ["id", "question", "answers", "context", "split"]
     assert set(df["split"]) == {"train", "val", "test"}
+
+
+def test_sizes_give_exact_question_counts_from_one_source():
+    preset = DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"),
+                           sizes={"train": 300, "val": 80, "test": 120})
+    df, _ = prepare(preset, SPLIT, "tqa")
+    assert {s: int(n) for s, n in df.group_by("split").len().iter_rows()} == {"train": 300, "val": 80, "test": 120}
+    again, _ = prepare(preset, SPLIT, "tqa")
+    assert again.equals(df)  # deterministic for a seed
+    too_many = DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"),
+                             sizes={"train": 400, "val": 100, "test": 100})
+    with pytest.raises(DatasetError, match=r"datasets.tqa.sizes asks for more .*eval needs 200, the source after "
+                                           r"the train questions has 100"):
+        prepare(too_many, SPLIT, "tqa")
+
+
+def test_train_questions_come_from_their_own_hub_split(monkeypatch):
+    """As the paper must have for NQ-open (3,610 validation questions, 4,000 train ones): train
+    from the hub's train split, val/test from its validation split, no question in both."""
+    from halludetect import datasets
+
+    def fake_hub(preset, default_id, default_config, default_split):
+        split = preset.hf_split or default_split
+        if split == "validation":
+            return [{"question": f"eval question {i}", "answer": ["a"]} for i in range(30)]
+        assert split == "train"
+        return [{"question": f"train question {i}", "answer": ["a"]} for i in range(50)] + \
+               [{"question": f"eval question {i}", "answer": ["a"]} for i in range(5)]  # overlap with validation
+
+    monkeypatch.setattr(datasets, "_hub_rows", fake_hub)
+    preset = DatasetPreset(loader="nq", sizes={"train": 45, "val": 10, "test": 20}, train_hf_split="train")
+    df, report = prepare(preset, SPLIT, "nq")
+    by = {s: df.filter(df["split"] == s)["question"].to_list() for s in ("train", "val", "test")}
+    assert [len(by[s]) for s in ("train", "val", "test")] == [45, 10, 20]
+    assert all(q.startswith("train question") for q in by["train"])  # the overlapping five stay out of train
+    assert not set(by["val"]) & set(by["test"]) and report.read == 85
+    with pytest.raises(DatasetError, match="train needs 51, hub split 'train' has 50"):
+        prepare(preset.model_copy(update={"sizes": preset.sizes.model_copy(update={"train": 51})}), SPLIT, "nq")
+
+
+def test_sizes_are_checked_with_the_other_keys():
+    with pytest.raises(ValueError, match="remove max_questions"):
+        DatasetPreset(loader="nq", max_questions=10, sizes={"train": 1, "val": 1, "test": 1})
+    with pytest.raises(ValueError, match="set sizes too"):
+        DatasetPreset(loader="nq", train_hf_split="train")
+
+
+def test_the_paper_presets_carry_the_papers_sizes():
+    from halludetect.config import load_params
+
+    p = load_params("params.yaml")
+    for name in ("trivia_qa", "squad", "nq"):
+        d = p.dataset(name)
+        assert (d.sizes.train, d.sizes.val, d.sizes.test, d.train_hf_split) == (4000, 800, 1200, "train"), name
+    bio = p.dataset("bioasq")
+    assert (bio.sizes.train, bio.sizes.val, bio.sizes.test, bio.train_hf_split) == (2300, 600, 600, None)

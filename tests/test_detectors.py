@@ -216,7 +216,7 @@ def test_metrics_match_sklearn_and_margin_definition():
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, 200)
     z = rng.normal(size=200) + y
-    m = split_metrics(y, [z], bootstrap=200, seed=0)
+    m = split_metrics(y, [z], bootstrap=200, seed=0, groups=np.arange(200))
     assert m["auroc"]["mean"] == pytest.approx(roc_auc_score(y, z))
     assert m["margin"]["mean"] == pytest.approx(np.mean(np.where(y == 1, 1, -1) * z))
     lo, hi = m["auroc_ci95"]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY = ["halludetect", "stages", "dvc.yaml", "params.yaml", "pyproject.toml", "inputs/README.md", ".dvc/config",
-        ".dvcignore", ".gitignore"]
+        ".dvc/plots", ".dvcignore", ".gitignore"]
 
 SMALL = {
     "world": {"n_people": 60, "exposures": [0, 30], "epochs": 10, "hidden_size": 64, "intermediate_size": 128,
@@ -43,6 +43,7 @@ DETECTOR_STAGES = (
     | {"evaluate_sp@world-world-hami_sp", "export_sp@world-world-hami_sp"}
 )
 SP_STAGES = {s for s in DETECTOR_STAGES if "hami_sp" in s}
+ANALYSIS_STAGES = {"analyze@world-world-hami_sp", "analyze@world-world-hami"}
 
 
 def run(cmd: list[str], cwd: Path, **extra_env: str) -> str:
@@ -98,16 +99,27 @@ def repo(tmp_path_factory):
 
 
 def test_dag_writes_the_comparison_table(repo):
-    table = (repo / "metrics/tables/auroc.md").read_text()
+    table = (repo / "metrics/tables/detection_auroc.md").read_text()
     assert "world / world" in table
-    for method in ("hami", "mean", "max", "hami_sp", "p_sem", "semantic_entropy", "logprob", "length"):
-        assert f"| {method} |" in table
+    for name in ("HaMI", "Mean pooling", "Max pooling", "HaMI (SP)", "P_sem", "Semantic entropy",
+                 "Mean token log-prob", "Answer length"):
+        assert f"| {name} |" in table
+    for name in ("auroc", "margin", "throughput", "label_distribution", "expected_c_int_world_test"):
+        assert (repo / f"metrics/tables/{name}.md").exists() and (repo / f"metrics/tables/{name}.tex").exists()
+    for method in ("hami_sp", "hami"):
+        a = json.loads((repo / f"metrics/eval/world/world/analysis/{method}.json").read_text())
+        assert set(a["layers"][str(a["best_layer"])]) == {"train", "test"}
+    assert json.loads((repo / "metrics/latency/world/world.json").read_text())["questions"] > 0
+    assert {p.name for p in (repo / "metrics/figures/world/world").iterdir()} == {
+        "auroc_by_layer.png", "roc.png", "scores.png", "responses.png", "sensitivity_hami_sp.png",
+        "sensitivity_hami.png"}
     for method in ("hami", "mean", "max", "hami_sp"):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
         assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in (0, 1, 2)
         assert [r["layer"] for r in m["layers"]] == [0, 1, 2]
         assert m["throughput"]["end_to_end_samples_per_s"] > 0
-    assert json.loads((repo / "metrics/eval/world/world/hami_sp.json").read_text())["cost"]["seconds_per_sample"] > 0
+    cost = json.loads((repo / "metrics/eval/world/world/hami_sp.json").read_text())["cost"]
+    assert cost["seconds_per_sample"] > 0 and cost["sequential_samples_per_s"] > 0
     assert "samples/s" in (repo / "metrics/tables/throughput.md").read_text()
     labels = json.loads((repo / "metrics/labels/world/world.json").read_text())
     assert labels["splits"]["test"]["kept"] > 0
@@ -119,7 +131,7 @@ def test_training_param_reruns_only_training_and_after(repo):
     assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {
-        "evaluate@world-world-max", "export@world-world-max", "report"}
+        "evaluate@world-world-max", "export@world-world-max", "figures@world-world", "report"}
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
@@ -132,17 +144,19 @@ def test_judge_param_leaves_generation_dump_and_cluster(repo):
 
 def test_generation_param_reruns_generation_and_everything_after(repo):
     set_params(repo, {"generate": {"temperature": 0.7}})
-    assert changed(repo) == {"generate@world-world"}
+    # the latency stage samples with these settings itself
+    assert changed(repo) == {"generate@world-world", "latency@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
-    downstream = {"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
-                  "baselines@world-world", "report"} | DETECTOR_STAGES
+    downstream = ({"generate@world-world", "dump@world-world", "judge@world-world", "cluster@world-world",
+                   "baselines@world-world", "latency@world-world", "figures@world-world", "report"}
+                  | DETECTOR_STAGES | ANALYSIS_STAGES)
     assert ran(log) == downstream
     assert not ran(log) & {"world", "manifest@world", "prepare@world"}
 
 
 def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
     set_params(repo, {"cluster": {"equivalence": "strict"}})
-    assert changed(repo) == {"cluster@world-world"}
+    assert changed(repo) == {"cluster@world-world", "latency@world-world"}  # latency makes the NLI calls itself
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert "cluster@world-world" in ran(log)
     assert not ran(log) & (DETECTOR_STAGES - SP_STAGES)

@@ -169,6 +169,33 @@ def test_hami_sp_cost_adds_sampling_and_nli_per_response():
     assert cost["extra_seconds_per_response"] == pytest.approx(4 * 0.5 + 2.0)
     assert cost["nli_calls_per_question"] == 3.0
     assert cost["samples_per_s_with_sampling_and_nli"] == pytest.approx(1 / (4.0 + 0.001))
+    assert "sequential" not in cost
+    latency = {"seconds_per_question": 6.0, "nli_calls_per_question": 4.0}
+    both = hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a", "b"], 1000.0,
+                        latency, 0.002)
+    assert both["sequential"]["seconds_per_response"] == pytest.approx(6.002)
+    assert both["sequential_samples_per_s"] == pytest.approx(1 / 6.002)
+    assert both["samples_per_s_with_sampling_and_nli"] == cost["samples_per_s_with_sampling_and_nli"]
+    with pytest.raises(ValueError, match="one response alone"):
+        hami_sp_cost({"samples": 50, "questions": 10, "seconds_per_sample": 0.5}, timings, ["a"], 1000.0, latency)
+
+
+def test_throughput_is_timed_on_the_device_named(trained):
+    import torch
+
+    from halludetect.devices import DeviceError, resolve_device
+
+    root, labels = trained
+    layer = read_layer(root / "acts" / layer_filename(1), dtype=None)
+    test_split = split_data(layer, labels, "test")
+    models = load_models(root / "dets" / "layer_1", "max", 1, [0, 1], D)
+    t = detector_throughput(models, test_split, root / "acts" / layer_filename(1), repeats=1,
+                            device=resolve_device("cpu", "evaluate.device"))
+    assert t["device"].startswith("CPU") and 0 < t["single_response_seconds"] < 1 and t["n"] == 60
+    assert resolve_device("auto", "evaluate.device") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # tests never need a GPU; where there is none, asking for one is an error
+        with pytest.raises(DeviceError, match="evaluate.device: 'cuda' was asked for but CUDA is not available"):
+            resolve_device("cuda", "evaluate.device")
 
 
 def stage(*args: str) -> subprocess.CompletedProcess:
@@ -184,27 +211,3 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
                 "none", *outs)
     assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
     assert not (tmp_path / "out").exists()
-
-
-def test_report_tables_carry_every_method_and_baseline(tmp_path):
-    from halludetect.report import load_metrics, table
-
-    entry = {"family": "detector", "best_layer": 2, "test": {
-        "auroc": {"mean": 0.8, "stderr": 0.01}, "margin": {"mean": 1.5, "stderr": None}, "auroc_ci95": [0.7, 0.9]},
-        "throughput": {"preloaded_samples_per_s": 5000.0, "end_to_end_samples_per_s": 800.0}}
-    (tmp_path / "eval" / "m" ).mkdir(parents=True)
-    (tmp_path / "eval" / "m" / "d").mkdir()
-    for method in ("max", "hami_sp"):
-        e = dict(entry, cost={"samples_per_s_with_sampling_and_nli": 0.2}) if method == "hami_sp" else entry
-        (tmp_path / "eval" / "m" / "d" / f"{method}.json").write_text(json.dumps(e))
-    (tmp_path / "base" / "m").mkdir(parents=True)
-    (tmp_path / "base" / "m" / "d.json").write_text(json.dumps({"p_sem": {
-        "family": "baseline", "best_layer": None, "test": {"auroc": {"mean": 0.7, "stderr": None}, "margin": None}}}))
-    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max", "hami_sp"], tmp_path / "base", ["p_sem"])
-    auroc = table(metrics, "auroc", ["m"], ["d"], ["max", "hami_sp", "p_sem"])
-    assert "| max | 0.800 ± 0.010 [0.700, 0.900] (L2) |" in auroc and "| p_sem | 0.700 |" in auroc
-    assert "| p_sem | - |" in table(metrics, "margin", ["m"], ["d"], ["p_sem"])
-    speed = table(metrics, "throughput", ["m"], ["d"], ["max", "hami_sp"])
-    assert "5,000 / 800 |" in speed and "with sampling and NLI 0.2" in speed
-    with pytest.raises(FileNotFoundError, match=r"d.json \[length\]"):
-        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["length"])

@@ -159,7 +159,7 @@ def test_every_stage_declares_the_params_it_reads(name):
 
 
 STAGE_SECTIONS = ["world", "prepare", "generate", "dump", "judge", "cluster", "detectors", "baselines", "train",
-                  "evaluate", "export"]
+                  "evaluate", "export", "latency", "analyze"]
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

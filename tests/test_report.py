@@ -1,0 +1,207 @@
+"""The paper's tables from metrics JSON: layouts, best/second marks, LaTeX escaping, and the
+paper's figures matched by model and dataset identity, whatever the presets are called."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from halludetect.config import parse_params
+from halludetect.report import Grid, build_tables, load_metrics, sweep_table
+from halludetect.tables import Cell, Row, Table, latex_escape, rank, to_latex, to_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def entry(auroc=0.8, margin=1.5, sd=0.01, layer=2, family="detector", **extra):
+    stat = lambda m: {"mean": m, "stderr": sd / 2, "sd": sd, "per_seed": [m]}  # noqa: E731
+    test = {"auroc": stat(auroc), "auprc": stat(0.7), "prr": stat(0.5), "prr_0.5": stat(0.4),
+            "fpr_at_95_tpr": stat(0.3), "margin": stat(margin) if family == "detector" else None,
+            "auroc_ci95": [auroc - 0.02, auroc + 0.02],
+            "margin_by_length": {"<=5": {"n": 3, "n_hallucinated": 1, "margin": stat(margin)},
+                                 "6-30": {"n": 2, "n_hallucinated": 1, "margin": stat(margin)},
+                                 ">30": {"n": 0, "n_hallucinated": 0, "margin": None}}}
+    out = {"family": family, "best_layer": layer if family == "detector" else None, "test": test}
+    if family == "detector":
+        out["throughput"] = {"preloaded_samples_per_s": 5000.0, "end_to_end_samples_per_s": 800.0, "device": "cpu"}
+    return out | extra
+
+
+def renamed_params() -> dict:
+    """The shipped params with the paper's models and datasets under names of the user's own."""
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["models"]["my-llama"] = data["models"].pop("llama3-8b")
+    data["datasets"]["tqa"] = {"loader": "trivia_qa", "path": "inputs/tqa.jsonl"}
+    data["grid"] |= {"models": ["my-llama", "world"], "datasets": ["tqa"]}
+    return data
+
+
+def grid_of(data: dict) -> Grid:
+    p = parse_params(data)
+    from halludetect import paper
+
+    return Grid(p.grid.models, p.grid.datasets, {m: paper.model_key(p.model(m).path) for m in p.grid.models},
+                {d: paper.dataset_key(p.dataset(d).loader) for d in p.grid.datasets})
+
+
+def test_latex_escaping_covers_every_special_character():
+    assert latex_escape(r"a_b & 50% $x$ #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — …") == (
+        r"a\_b \& 50\% \$x\$ \#1 \{y\} \textasciitilde{}z \textasciicircum{}w \textbackslash{}n "
+        r"\textless{}a\textgreater{} \textbar{}b\textbar{} $\pm$ $\times$ $\leq$ $\geq$ $\gamma$ $\lambda$ -- --- "
+        r"\ldots{}")
+    assert latex_escape("\\_") == r"\textbackslash{}\_"  # one pass: what a replacement inserts is not re-escaped
+
+
+def test_renaming_a_preset_keeps_the_paper_figure():
+    grid = grid_of(renamed_params())
+    assert grid.paper_cell("my-llama", "tqa") == ("llama3.1-8b", "trivia_qa")
+    assert grid.paper_cell("world", "tqa") is None
+    metrics = {(m, "tqa", method): entry(0.9 if method == "max" else 0.85) for m in ("my-llama", "world")
+               for method in ("hami", "hami_sp", "mean", "max")}
+    auroc = next(t for t in build_tables(metrics, grid) if t.name == "auroc")
+    md = to_markdown(auroc)
+    assert "| Max pooling | **0.900** ± 0.005 [0.880, 0.920] L2 (0.928) | **0.900** ± 0.005 [0.880, 0.920] L2 |" in md
+    assert "| HaMI (SP) | <u>0.850</u> ± 0.005 [0.830, 0.870] L2 (0.923) |" in md
+    tex = to_latex(auroc)
+    assert r"\textbf{0.900}$\pm$0.005 {\scriptsize[0.880, 0.920]} {\scriptsize L2} (0.928)" in tex
+    assert r"\multicolumn{1}{c}{my-llama}" in tex and r"\label{tab:ours_auroc}" in tex
+    assert "\\midrule\nMean pooling" in tex  # the paper's rule between HaMI and the poolings
+
+
+def test_best_and_second_are_ranked_at_the_printed_precision():
+    t = Table("t", "c", "Method", [("g", ["a", "b"])], [
+        Row("x", [Cell(0.9001), Cell(1.0, group=None)]), Row("y", [Cell(0.9004), Cell(2.0)]),
+        Row("z", [Cell(0.8), Cell(None)]), Row("w", [Cell(0.7), Cell(1.5)])])
+    rank(t)
+    assert [r.cells[0].mark for r in t.rows] == ["best", "best", "second", ""]  # 0.900 twice: a tie
+    assert [r.cells[1].mark for r in t.rows] == ["", "best", "", "second"]  # unranked and missing cells skipped
+    t.higher_is_better = False
+    rank(t)
+    assert [r.cells[0].mark for r in t.rows] == ["", "", "second", "best"]
+
+
+def test_margins_are_ranked_within_each_family_and_sds_not_at_all():
+    grid = grid_of(renamed_params())
+    metrics = {("my-llama", "tqa", m): entry(margin=v) for m, v in
+               (("hami", 6.0), ("hami_sp", 9.0), ("mean", 2.0), ("max", 2.3))}
+    tables = {t.name: t for t in build_tables(metrics, Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys))}
+    marks = [r.cells[0].mark for r in tables["margin"].rows]
+    assert marks == ["second", "best", "second", "best"]
+    assert "(9.02)" in to_markdown(tables["margin"])
+    assert all(c.mark == "" for r in tables["sd_auroc"].rows for c in r.cells)
+    assert "| HaMI | 0.010 (0.009) |" in to_markdown(tables["sd_auroc"])
+
+
+def test_throughput_has_both_hami_sp_costs_and_the_paper_figure_by_the_sequential_one():
+    grid = grid_of(renamed_params())
+    one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
+    metrics = {("my-llama", "tqa", m): entry() for m in ("hami", "mean", "max")}
+    metrics[("my-llama", "tqa", "hami_sp")] = entry(cost={"samples_per_s_with_sampling_and_nli": 177.0,
+                                                          "sequential_samples_per_s": 0.35})
+    md = to_markdown(next(t for t in build_tables(metrics, one) if t.name == "throughput"))
+    assert "| HaMI (SP) with sampling and NLI, amortised | <u>177</u> cpu |" in md  # second: ranked with all
+    assert "| HaMI (SP) with sampling and NLI, sequential | 0.35 cpu (0.17) |" in md
+    assert "| Max pooling | **5,000** cpu (5446) |" in md
+
+
+def test_expected_value_tables_follow_the_paper_and_carry_its_figures():
+    grid = grid_of(renamed_params())
+    one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
+    cls = lambda p, c: {"n": 10, "p_sem": p, "c": c, "p_sem_c": p * c}  # noqa: E731
+    mean = {"neg": cls(0.9, 19.0), "pos": cls(0.45, 13.0), "gamma": 2.92, "inv_gamma": 0.342, "class_ratio": 3.0,
+            "condition_holds_seeds": [3, 3]}
+    analysis = {("my-llama", "tqa", "hami_sp"): {"best_layer": 7, "lam": 1.0, "layers": {"7": {
+        split: {"mean": {"c0": mean, "c_int": mean}} for split in ("train", "test")}}}}
+    tables = {t.name: t for t in build_tables({}, one, analysis=analysis)}
+    assert set(tables) == {f"expected_{v}_my-llama_{s}" for v in ("c0", "c_int") for s in ("train", "test")}
+    t = tables["expected_c_int_my-llama_test"]
+    assert t.paper_label == "tab:exp_llama8b_val_non_invariant"
+    md = to_markdown(t)
+    assert "| tqa | 0.450 (0.451) | 0.900 (0.926) | 13.0 (13.7) | 19.0 (19.2) |" in md
+    assert "| 2.92 (2.49) | 0.34 (0.40) | 3.00 | 3/3 seeds |" in md
+    assert r"\|S_neg\|/\|S_pos\|" in md  # the pipes do not split the Markdown cell
+
+
+def test_sweep_table_puts_the_papers_d_sweep_beside_ours():
+    grid = grid_of(renamed_params())
+    one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
+    results = {("my-llama", "tqa"): {1: entry(0.80), 256: entry(0.92), 64: entry(0.91)}}
+    t = sweep_table("detectors.max.dim", results, one)
+    md = to_markdown(t)
+    assert [r.label for r in t.rows] == ["1", "64", "256"]
+    assert "| 256 | **0.920** ± 0.005 L2 (0.924) |" in md and "| 1 | 0.800 ± 0.005 L2 (0.833) |" in md
+    other = sweep_table("detectors.max.lr", {("my-llama", "tqa"): {0.001: entry(0.8)}}, one)
+    assert "(" not in to_markdown(other).split("\n")[4]  # no paper figure for another parameter
+
+
+def test_load_metrics_names_what_is_missing(tmp_path):
+    (tmp_path / "eval" / "m" / "d").mkdir(parents=True)
+    (tmp_path / "eval" / "m" / "d" / "max.json").write_text(json.dumps(entry()))
+    (tmp_path / "base" / "m").mkdir(parents=True)
+    (tmp_path / "base" / "m" / "d.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
+    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["p_sem"])
+    assert set(metrics) == {("m", "d", "max"), ("m", "d", "p_sem")}
+    with pytest.raises(FileNotFoundError, match=r"d.json \[length\]"):
+        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["length"])
+
+
+def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
+    data = renamed_params()
+    data["grid"] |= {"models": ["my-llama"], "datasets": ["tqa"], "methods": ["hami", "max"], "sp_methods": [],
+                     "baselines": ["p_sem"], "analyze": ["hami"]}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    for method in ("hami", "max"):
+        path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entry()))
+    (tmp_path / "base" / "my-llama").mkdir(parents=True)
+    (tmp_path / "base" / "my-llama" / "tqa.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
+    cls = {"n": 10, "p_sem": 0.5, "c": -2.0, "p_sem_c": -1.0}
+    mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
+    analysis = tmp_path / "eval" / "my-llama" / "tqa" / "analysis" / "hami.json"  # beside evaluate's metrics
+    analysis.parent.mkdir()
+    analysis.write_text(json.dumps({"best_layer": 3, "lam": 1.0, "layers": {"3": {
+        s: {"mean": {"c0": mean, "c_int": mean}} for s in ("train", "test")}}}))
+    (tmp_path / "labels" / "my-llama").mkdir(parents=True)
+    (tmp_path / "labels" / "my-llama" / "tqa.json").write_text(json.dumps({"splits": {
+        "train": {"hallucinated": 996, "correct": 2874}, "test": {"hallucinated": 1257, "correct": 4097}}}))
+    res = subprocess.run([sys.executable, "-m", "stages.report", "--params", str(tmp_path / "params.yaml"),
+                          "--metrics-dir", str(tmp_path / "eval"), "--baselines-dir", str(tmp_path / "base"),
+                          "--labels-dir", str(tmp_path / "labels"),
+                          "--out-dir", str(tmp_path / "tables"), "--summary", str(tmp_path / "summary.json")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    names = {p.name for p in (tmp_path / "tables").iterdir()}
+    for table in ("auroc", "margin", "throughput", "p_sem_auroc", "label_distribution", "detection_prr",
+                  "margin_by_length", "expected_c_int_my-llama_test"):
+        assert {f"{table}.md", f"{table}.tex"} <= names, table
+    labels = (tmp_path / "tables" / "label_distribution.md").read_text()
+    assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
+    assert "0.800" in (tmp_path / "tables" / "p_sem_auroc.md").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["my-llama/tqa/max"]["test_prr"] == 0.5
+    assert "n/a: E[P_sem C] <= 0" in (tmp_path / "tables" / "expected_c_int_my-llama_test.md").read_text()
+
+
+@pytest.mark.skipif(__import__("shutil").which("pdflatex") is None, reason="pdflatex is not installed")
+def test_every_table_compiles_with_latex(tmp_path):
+    """The real check of the escaping: pdflatex accepts every table, a caption and cells made of
+    nothing but special characters included."""
+    grid = grid_of(renamed_params())
+    methods = ("hami", "hami_sp", "mean", "max", "raw_mean", "raw_max", "attention", "gated_attention")
+    metrics = {(m, "tqa", method): entry(cost={"samples_per_s_with_sampling_and_nli": 177.0,
+                                               "sequential_samples_per_s": 0.3})
+               for m in ("my-llama", "world") for method in methods}
+    metrics |= {(m, "tqa", "p_sem"): entry(family="baseline") for m in ("my-llama", "world")}
+    tables = build_tables(metrics, grid)
+    special = r"a_b & 50% $x #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — … é"  # an odd $ too
+    tables.append(Table("special", special, special, [(special, [special])], [Row(special, [Cell(1.0, note=special)])],
+                        notes=[special]))
+    doc = tmp_path / "all.tex"
+    doc.write_text("\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
+                   + "".join(to_latex(t) for t in tables) + "\\end{document}\n")
+    res = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-2000:]
