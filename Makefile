@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first: the pinned CPU build on these machines, so nothing pulls the CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,s3]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -19,12 +19,14 @@ venv: $(STAMP)
 repro: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro
 
+# Two workers, a test module each at a time (the end-to-end module keeps one DVC repository and
+# runs its tests in order); every test process runs single-threaded (tests/conftest.py pins numerics).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadscope
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not e2e"
+	$(PY) -m pytest -n 2 -m "not e2e"
 
 # Benchmarks print one JSON object each (last line); they need the demo world's model, questions
 # and generations.

@@ -8,9 +8,9 @@ every core (the layout before).
   loop      the `max` network trained on one layer with a Python loop over the bags of each
             batch and of the validation set, same epochs, batch size, optimiser and seed
   same      ours for `max` on that layer, so `ratio_vs_loop_same_work` compares equal work
-  seeds     train.seeds of `max` on that layer: `train_seeds` with one single-threaded worker
-            per core, against the seeds one after another with one thread per core; twice,
-            alternating, best of each (the numerics pinned as the stages pin them)
+  seeds     train.seeds of `max` on that layer: `train_seeds` (a single-threaded worker per
+            seed, as the train stage runs them) against the seeds one after another with one
+            thread per core (the layout before); twice, alternating, best of each
 
     python -m bench.training [--layer 4] [--epochs 100]
 """

@@ -41,14 +41,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import log_loss, precision_recall_curve, roc_auc_score, roc_curve
 from torch import nn
 
 from halludetect.atomic_io import atomic_path, file_sha256
 from halludetect.config import SP_METHODS, threshold_name
 from halludetect.detectors import Bags, build_detector, load_detector, params_for
 from halludetect.errors import DataError, UserError
+from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
 
 FORMAT = "halludetect-bundle"
@@ -76,6 +75,8 @@ def at_threshold(y: np.ndarray, z: np.ndarray, t: float) -> dict:
 def choose_thresholds(y: np.ndarray, z: np.ndarray, fpr_targets: list[float]) -> dict[str, dict]:
     """Thresholds on validation logits: the lowest one whose false-positive rate is at most
     each target (flag = z >= threshold), and the one of the best F1."""
+    from sklearn.metrics import precision_recall_curve, roc_curve  # export only: scoring never pays the import
+
     out = {}
     fpr, _, thr = roc_curve(y, z, drop_intermediate=False)  # thr decreasing, thr[0] = inf
     for target in fpr_targets:
@@ -93,6 +94,9 @@ def choose_thresholds(y: np.ndarray, z: np.ndarray, fpr_targets: list[float]) ->
 
 def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
     """Platt scaling p = sigmoid(a z + b), an unregularised logistic regression on the logits."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import log_loss
+
     model = LogisticRegression(C=np.inf).fit(z[:, None], y)
     a, b = float(model.coef_[0, 0]), float(model.intercept_[0])
     p = 1 / (1 + np.exp(-(a * z + b)))
@@ -249,7 +253,7 @@ def check_scores_match_metrics(scores: pl.DataFrame, metrics: dict, layer: int, 
         raise DataError(f"{source}: the metrics list no layer {layer}")
     per_seed = []
     for _, part in scores.filter(pl.col("split") == "val").group_by("seed"):
-        per_seed.append(roc_auc_score(part["label"].to_numpy(), part["score"].to_numpy()))
+        per_seed.append(auroc(part["label"].to_numpy(), part["score"].to_numpy()))
     if abs(float(np.mean(per_seed)) - row["val_auroc"]) > 1e-4:
         raise DataError(f"{source}: validation AUROC {np.mean(per_seed):.6f} from the scores, "
                         f"{row['val_auroc']:.6f} in the metrics: they come from different runs; re-run evaluate")
@@ -306,8 +310,8 @@ def export_bundle(out: str | Path, *, metrics: dict, detectors_dir: str | Path, 
         "calibration": fit_platt(y_val, z_val),
         "evaluation": {
             "dataset": metrics.get("dataset"), "test_auroc_dag": metrics["test"]["auroc"],
-            "val_auroc_ensemble": float(roc_auc_score(y_val, z_val)),
-            "test_auroc_ensemble": float(roc_auc_score(y_test, z_test)),
+            "val_auroc_ensemble": float(auroc(y_val, z_val)),
+            "test_auroc_ensemble": float(auroc(y_test, z_test)),
             "n_val": int(len(y_val)), "n_test": int(len(y_test)),
             "layer_selection": metrics.get("layer_selection", "highest mean validation AUROC over seeds"),
         },

@@ -3,6 +3,8 @@
     halludetect score --bundle B.safetensors --input answers.jsonl --out scores.parquet
     halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
     halludetect show B.safetensors
+    halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
+    halludetect sweep detectors.max.dim                                       # experiments -> a table
 
 `score` is `halludetect.scoring.score_file`; `show` prints a bundle's metadata. Bad input
 (a malformed row, a bundle for another model) prints one error line and exits 2.
@@ -52,6 +54,49 @@ def _show(args) -> None:
     print(json.dumps({"sha256": b.sha256, **b.meta}, indent=2, sort_keys=True))
 
 
+def _train_layer(args) -> None:
+    from pathlib import Path
+
+    from halludetect.config import load_params
+    from halludetect.sharing import train_layer_from_remote
+
+    fetched = train_layer_from_remote(Path("."), load_params(args.params), args.model, args.dataset, args.method,
+                                      args.layer, remote=args.remote, jobs=args.jobs)
+    print(json.dumps({"stage": fetched.stage, "fetched_bytes": fetched.bytes, "fetched": fetched.files},
+                     indent=2, sort_keys=True))
+
+
+def _sweep(args) -> None:
+    from pathlib import Path
+
+    from halludetect.atomic_io import write_text
+    from halludetect.config import load_params
+    from halludetect.report import Grid
+    from halludetect.sweeps import sweep
+    from halludetect.tables import to_latex, to_markdown
+
+    where = {}
+    for item in args.where or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--where {item!r}: write KEY=VALUE, e.g. --where train.epochs=100")
+        where[key] = _literal(value)
+    table = sweep(".", args.param, Grid.of(load_params(args.params)), method=args.method, metric=args.metric,
+                  where=where)
+    out = Path(args.out_dir)
+    write_text(out / f"{table.name}.md", to_markdown(table))
+    write_text(out / f"{table.name}.tex", to_latex(table))
+    print(to_markdown(table))
+    print(f"written: {out / table.name}.md and .tex", file=sys.stderr)
+
+
+def _literal(text: str):
+    """A --where value as the params file would hold it (1 -> 1, 0.5 -> 0.5, true -> True, else the text)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="halludetect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +141,34 @@ def parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a bundle's metadata (model, layer, thresholds, calibration, AUROC)")
     show.add_argument("bundle", help="detector bundle (.safetensors)")
     show.set_defaults(run=_show)
+
+    tl = sub.add_parser("train-layer", help="fetch one layer's states and the labels from the DVC remote and train "
+                                            "a method on that layer (nothing upstream runs)",
+                        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method>-"
+                                    "<layer> needs from the DVC remote, then run that stage alone (dvc repro "
+                                    "--single-item). Run it in the repository's root.")
+    tl.add_argument("--model", required=True, help="model preset (grid.models)")
+    tl.add_argument("--dataset", required=True, help="dataset preset (grid.datasets)")
+    tl.add_argument("--method", required=True, help="detector method (grid.methods or grid.sp_methods)")
+    tl.add_argument("--layer", required=True, type=int, help="layer index (grid.layers; 0 = embeddings)")
+    tl.add_argument("--remote", help="DVC remote name (default: the repository's default remote)")
+    tl.add_argument("-j", "--jobs", type=int, help="parallel downloads (dvc pull -j)")
+    tl.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    tl.set_defaults(run=_train_layer)
+
+    sw = sub.add_parser("sweep", help="one table of every DVC experiment along a swept parameter",
+                        description="Read the repository's experiments (dvc.api.exp_show) and write a table of a "
+                                    "method's test metric by the values of one parameter, per grid cell, as "
+                                    "Markdown and LaTeX. Run it in the repository's root.")
+    sw.add_argument("param", help="the swept parameter, e.g. detectors.max.dim")
+    sw.add_argument("--method", help="whose metrics (default: the method the parameter belongs to)")
+    sw.add_argument("--metric", default="auroc", help="a test metric of metrics/eval/...: auroc (default), auprc, "
+                                                      "margin, prr, fpr_at_95_tpr, ...")
+    sw.add_argument("--where", action="append", metavar="KEY=VALUE",
+                    help="only experiments with this param value (repeatable), when others vary too")
+    sw.add_argument("--out-dir", default="metrics/sweeps", help="where the tables go (default: metrics/sweeps)")
+    sw.add_argument("--params", default="params.yaml", help="params file, for the grid's paper identities")
+    sw.set_defaults(run=_sweep)
     return p
 
 

@@ -15,7 +15,6 @@ Losses:
 from __future__ import annotations
 
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,15 +143,16 @@ def train_seeds(method: str, method_params, train: SplitData, val: SplitData, sc
                 workers: int | None = None) -> list[SeedResult]:
     """`train_detector` for every seed, then each seed's best weights scored on `score_splits`.
 
-    On the CPU the seeds train side by side in forked worker processes, one thread each
-    (`workers`, default one per core): independent small trainings keep both cores busy where
-    one training's small matrices cannot, and a seed gives the same bytes whatever the number
-    of workers (tested). On a GPU they train one after another in this process.
+    On the CPU the seeds train side by side in forked single-threaded worker processes, one per
+    seed by default (`workers`): independent small trainings keep every core busy where one
+    training's small matrices cannot, and with a process per seed the cores are shared evenly
+    (3 seeds on 2 cores take 1.5 trainings' time, not 2). A seed gives the same bytes whatever
+    the number of workers (tested). On a GPU they train one after another in this process.
     """
     _JOB.update(method=method, params=method_params, train=train, val=val, score=score_splits, epochs=epochs,
                 batch_size=batch_size, device=device)
     try:
-        n = min(len(seeds), workers or os.cpu_count() or 1)
+        n = min(len(seeds), workers or len(seeds))
         if device != "cpu" or n <= 1:
             return [_train_one(s) for s in seeds]
         # fork: the workers inherit the data without copying or pickling it (at paper scale a
