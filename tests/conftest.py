@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # nor does DVC, which would report each command
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +73,10 @@ def bundle_path(contract, tmp_path_factory):
                   states_dtype="float16", prompt_template=GENERATION, fpr_targets=[0.01, 0.05, 0.1],
                   default_threshold="best_f1")
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """The end-to-end modules first. Each takes minutes; under `make test` (xdist, a module per
+    worker at a time, in collection order) each of the two workers starts with one of them and
+    the unit modules fill in around them, instead of one worker ending with both."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable: file order otherwise

@@ -21,7 +21,7 @@ from halludetect.training import train_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A tiny world trained for two epochs, as the world stage trains it (stages/__init__ pins the
+# A tiny world trained for one epoch, as the world stage trains it (stages/__init__ pins the
 # numerics first), printing a digest of the weights.
 WORLD = """
 import hashlib, stages
@@ -29,7 +29,7 @@ from halludetect.world.kb import build_people, corpus
 from halludetect.world.tiny_llama import train_model, train_tokenizer
 docs = corpus(build_people(40, [1, 3, 10], ["birth_city", "job"], seed=3), qa_fraction=0.5, seed=3)
 model, _ = train_model(docs, train_tokenizer(docs, 400), hidden_size=64, n_layers=2, n_heads=4,
-                       intermediate_size=128, epochs=2, batch_size=16, lr=3e-3, seed=0, log=lambda *a: None)
+                       intermediate_size=128, epochs=1, batch_size=16, lr=3e-3, seed=0, log=lambda *a: None)
 h = hashlib.sha256()
 for k, v in sorted(model.state_dict().items()):
     h.update(v.contiguous().numpy().tobytes())
