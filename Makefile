@@ -12,9 +12,11 @@ $(STAMP): pyproject.toml
 	# not look there), and with it installed nothing pulls the CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	# The rest with uv: the same versions as pip resolves, installed in seconds instead of a minute
-	# and more; pip if uv cannot be had or fails.
+	# and more; pip if uv cannot be had or fails. Compiled to bytecode at install as pip does:
+	# where PYTHONDONTWRITEBYTECODE is set, nothing else would, and every stage process would
+	# compile its imports again (3 s of each export).
 	$(PY) -m pip install --quiet --disable-pip-version-check uv && \
-		$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[dev,s3]' || \
+		$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev,s3]' || \
 		{ echo "uv did not install the package: installing with pip"; \
 		  $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,s3]'; }
 	touch $(STAMP)
