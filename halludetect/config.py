@@ -432,6 +432,12 @@ class Params(Section):
                 elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
                     problems.append(f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
                                     f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too")
+        for section, presets in (("models", self.models), ("datasets", self.datasets)):
+            for name in presets:
+                if "." in name:  # dvc.yaml declares `models.${item.model}`: DVC would read nested keys
+                    problems.append(f"{section}: preset name '{name}' contains '.', which DVC reads as nesting in "
+                                    f"dvc.yaml's params ({section}.{name}); rename it, e.g. "
+                                    f"'{name.replace('.', '_')}'")
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):

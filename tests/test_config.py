@@ -61,6 +61,16 @@ def test_grid_names_must_exist():
     assert "'triviaqa' is not defined; did you mean 'trivia_qa'?" in msg
 
 
+def test_a_preset_name_with_a_dot_is_refused_before_dvc_misreads_it():
+    """dvc.yaml declares `models.${item.model}`; DVC reads `models.llama3.3-70b` as nested keys."""
+    data = base()
+    data["models"]["llama3.3-70b"] = data["models"].pop("llama3_3-70b")
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    assert "models: preset name 'llama3.3-70b' contains '.'" in str(e.value)
+    assert "e.g. 'llama3_3-70b'" in str(e.value)
+
+
 def test_cross_field_checks():
     data = base()
     data["prepare"]["test"] = 0.5
