@@ -28,10 +28,12 @@ Modes (`HALLUDETECT_NUMERICS`):
 - `reproducible` (the default): MKL on its AVX2 branch. The same bytes on every Intel x86-64
   CPU since Haswell (AVX-512 or not) and any core count. On an AMD processor MKL ignores the
   request and uses its own branch: AMD machines get other bytes than Intel ones.
-- `portable`: MKL on its COMPATIBLE (SSE2) branch, the one MKL keeps identical on Intel and AMD
-  processors: the same bytes on any x86-64 CPU (checked under CPU emulation as an AMD EPYC and
-  an Intel Haswell against an Intel AVX-512 machine; README, "Reproducible numbers"). Its matrix
-  products are slower: the world model trains about 3.5 times as long.
+- `portable`: MKL on its COMPATIBLE (SSE2) branch, which MKL documents as identical on Intel and
+  AMD processors. It makes the bytes independent of the instruction sets MKL would pick
+  (tested), but not of the vendor: under CPU emulation an AMD EPYC-Rome still trained the world
+  to other weights than an Intel machine (README, "Reproducible numbers"), so something besides
+  MKL chooses by vendor. Its matrix products are slower: the world model trains about 3.5 times
+  as long.
 - `native`: no pins; all cores and the CPU's own kernels. Fastest, byte-stable on one machine
   with one core count only.
 
