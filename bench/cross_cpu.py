@@ -5,11 +5,12 @@ machine, in each numerics mode, compared by a digest of its weights.
     apt-get install qemu-user        # Debian's package; the emulation is slow (minutes)
     python -m bench.cross_cpu [--epochs 1] [--cpus Haswell,EPYC-Rome]
 
-What it shows (halludetect/numerics.py): MKL picks its code branch by the CPU's vendor and
-instruction sets, so in `reproducible` mode (MKL's AVX2 branch, which MKL refuses on AMD) an
-emulated AMD CPU gives other weights than an Intel one, while in `portable` mode (MKL's
-COMPATIBLE branch) every CPU gives the same. `native` shows what no pinning gives. The last
-line is one JSON object: digests by CPU and mode, and which modes agree everywhere.
+What it shows (halludetect/numerics.py; README "Reproducible numbers" has the digests of
+2026-11-22): in `reproducible` mode an emulated Intel Haswell gives this Intel machine's
+weights and an emulated AMD EPYC-Rome other ones (MKL refuses its Intel branches on AMD). In
+`portable` mode (MKL's COMPATIBLE branch, documented as identical across vendors) the EPYC-Rome
+still differed: something besides MKL chooses by vendor. `native` shows what no pinning gives.
+The last line is one JSON object: digests by CPU and mode, and which modes agree everywhere.
 """
 
 from __future__ import annotations
