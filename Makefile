@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv repro test test-fast bench lint format clean-venv
+.PHONY: venv repro test test-fast bench lint format deps clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,11 @@ bench: $(STAMP)
 		out=$$($(PY) -m bench.$$b 2>&1) || { echo "$$out" | tail -n 30; exit 1; }; \
 		echo "$$out" | tail -n 1; \
 	done
+
+# dvc.yaml lists each stage's code exactly (its import closure, halludetect/core/code_deps.py):
+# run after adding, moving or changing the imports of a module; the contract test fails until then.
+deps: $(STAMP)
+	$(PY) -m halludetect.core.code_deps --write
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,7 +5,7 @@ machine, in each numerics mode, compared by a digest of its weights.
     apt-get install qemu-user        # Debian's package; the emulation is slow (minutes)
     python -m bench.cross_cpu [--epochs 1] [--cpus Haswell,EPYC-Rome]
 
-What it shows (halludetect/numerics.py; README "Reproducible numbers" has the digests of
+What it shows (halludetect/core/numerics.py; README "Reproducible numbers" has the digests of
 2026-11-22): in `reproducible` mode an emulated Intel Haswell gives this Intel machine's
 weights and an emulated AMD EPYC-Rome other ones (MKL refuses its Intel branches on AMD). In
 `portable` mode (MKL's COMPATIBLE branch, documented as identical across vendors) the EPYC-Rome

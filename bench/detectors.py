@@ -29,7 +29,8 @@ import time
 import torch
 
 from bench.common import emit, setup_threads
-from halludetect.detectors import Bags, build_detector, params_for
+from halludetect.activations.bags import Bags
+from halludetect.detectors.build import build_detector, params_for
 
 D_MODEL, DIM, BATCH = 4096, 256, 1024
 

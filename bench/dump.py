@@ -56,7 +56,7 @@ def plain_write(path: Path, nbytes: int) -> float:
 
 
 def replay(layers_data, out_dir: Path, responses_per_append: int = 64) -> float:
-    from halludetect.layer_writer import LayerWriter, fsync_files
+    from halludetect.activations.layer_writer import LayerWriter, fsync_files
 
     out_dir.mkdir(exist_ok=True)
     t0 = time.perf_counter()
@@ -76,11 +76,11 @@ def replay(layers_data, out_dir: Path, responses_per_append: int = 64) -> float:
 
 
 def child(n: int, out_dir: Path) -> dict:
-    from halludetect import activations
+    from halludetect.activations import capture as activations
+    from halludetect.activations.layer_reader import read_layer
     from halludetect.config import ModelPreset
-    from halludetect.datasets import read_questions
-    from halludetect.hf_models import check_layers, load_model, load_tokenizer
-    from halludetect.layer_reader import read_layer
+    from halludetect.lm.hf_models import check_layers, load_model, load_tokenizer
+    from halludetect.qa.datasets import read_questions
 
     setup_threads()
     preset = ModelPreset(path=str(WORLD_MODEL), dtype="float32")

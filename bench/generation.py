@@ -18,9 +18,9 @@ import torch
 
 from bench.common import WORLD_MODEL, WORLD_QUESTIONS, emit, median, need, setup_threads, timed
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.datasets import read_questions
-from halludetect.generation import encode_prompt, generate
-from halludetect.hf_models import load_model, load_tokenizer
+from halludetect.lm.generation import encode_prompt, generate
+from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.qa.datasets import read_questions
 
 
 @torch.no_grad()

@@ -34,11 +34,11 @@ import polars as pl
 import yaml
 
 from bench.common import emit, median
-from halludetect.call_cache import CallCache
-from halludetect.chat_client import ChatRunner
 from halludetect.config import ChatParams
+from halludetect.labels.call_cache import CallCache
+from halludetect.labels.chat_client import ChatRunner
+from halludetect.labels.text import YES_NO, parse_choice
 from halludetect.prompts import labeling_prompt
-from halludetect.text import YES_NO, parse_choice
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "BENCH_JUDGE_KEY"
@@ -46,7 +46,7 @@ KEY = "BENCH_JUDGE_KEY"
 
 @contextmanager
 def server(latency: float):
-    proc = subprocess.Popen([sys.executable, "-m", "halludetect.fake_openai", "--port", "0", "--latency", str(latency)],
+    proc = subprocess.Popen([sys.executable, "-m", "halludetect.testing.fake_openai", "--port", "0", "--latency", str(latency)],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split()[1]  # "serving http://127.0.0.1:PORT/v1 ..."

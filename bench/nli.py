@@ -21,7 +21,7 @@ from pathlib import Path
 import polars as pl
 
 from bench.common import emit
-from halludetect.nli import EQUIVALENCE, cluster_all, get_nli
+from halludetect.labels.nli import EQUIVALENCE, cluster_all, get_nli
 
 
 class Counting:

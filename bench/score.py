@@ -37,13 +37,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from bench.common import WORLD_MODEL, WORLD_QUESTIONS, emit, median, need, setup_threads
-from halludetect.activations import bag_positions, bag_slice, capture
-from halludetect.config import ModelPreset, PoolingParams
-from halludetect.datasets import read_questions
-from halludetect.detectors import Bags, build_detector
-from halludetect.early_exit import states_until
-from halludetect.hf_models import load_model, load_tokenizer
-from halludetect.model_inputs import encode_prompt, pad_ids
+from halludetect.activations.bags import Bags
+from halludetect.activations.capture import bag_positions, bag_slice, capture
+from halludetect.activations.early_exit import states_until
+from halludetect.config import ModelPreset
+from halludetect.detectors.build import build_detector
+from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.lm.model_inputs import encode_prompt, pad_ids
+from halludetect.methods.pooling import PoolingParams
+from halludetect.qa.datasets import read_questions
 
 WORLD_GENERATIONS = Path("data/generations/world/world.parquet")
 SHAPES = {

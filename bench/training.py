@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from halludetect import numerics
+from halludetect.core import numerics
 
 numerics.pin(threads=os.cpu_count() or 1)  # as the stages, but every core for the sequential layout
 
@@ -32,12 +32,13 @@ import torch  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
 from bench.common import emit, need, setup_threads  # noqa: E402
-from halludetect.config import SP_METHODS, load_params  # noqa: E402
-from halludetect.detector_data import SplitData, p_sem_table, split_data  # noqa: E402
-from halludetect.detectors import DETECTORS, build_detector, section  # noqa: E402
-from halludetect.layer_format import layer_files  # noqa: E402
-from halludetect.layer_reader import read_layer  # noqa: E402
-from halludetect.training import train_detector, train_seeds  # noqa: E402
+from halludetect.activations.layer_format import layer_files  # noqa: E402
+from halludetect.activations.layer_reader import read_layer  # noqa: E402
+from halludetect.config import load_params  # noqa: E402
+from halludetect.detectors.build import DETECTORS, build_detector, section  # noqa: E402
+from halludetect.detectors.data import SplitData, p_sem_table, split_data  # noqa: E402
+from halludetect.detectors.training import train_detector, train_seeds  # noqa: E402
+from halludetect.methods import SP_METHODS  # noqa: E402
 
 CELL = Path("data/activations/world/world")
 LABELS = Path("data/labels/world/world")

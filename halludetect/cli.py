@@ -1,46 +1,193 @@
-"""Shared plumbing for the `stages/` entry points: argument parsing, logging, clean errors.
+"""The `halludetect` command (a console script of the package).
 
-Light on purpose: a stage imports only what it runs, so `stages.report` never loads torch.
+    halludetect score --bundle B.safetensors --input answers.jsonl --out scores.parquet
+    halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
+    halludetect show B.safetensors
+    halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
+    halludetect sweep detectors.max.dim                                       # experiments -> a table
+
+`score` is `halludetect.scoring.scorer.score_file`; `show` prints a bundle's metadata. Bad input
+(a malformed row, a bundle for another model) prints one error line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import json
+import os
 import sys
-from collections.abc import Callable
 
-from halludetect.config import Params, load_params
-from halludetect.errors import UserError
-
-log = logging.getLogger("halludetect")
-
-# Errors that describe bad input: printed as one clear message, without a traceback.
-# Anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (UserError, FileNotFoundError)
+from halludetect.core.errors import UserError
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+def _score(args) -> None:
+    from halludetect.config import GenerateParams, load_params
+    from halludetect.core.atomic_io import write_json
+    from halludetect.scoring.scorer import score_file
+
+    generate = None
+    if args.generate:
+        generate = load_params(args.params).generate if args.params else GenerateParams()
+        if args.seed is not None:
+            generate = generate.model_copy(update={"seed": args.seed})
+        if args.max_new_tokens is not None:
+            generate = generate.model_copy(update={"max_new_tokens": args.max_new_tokens})
+    elif args.params or args.seed is not None or args.max_new_tokens is not None or args.greedy:
+        raise UserError("--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
+                        "pass --generate, or drop them")
+    threshold = args.threshold
+    summary = score_file(
+        args.bundle, args.input, args.out, args.model, revision=args.revision, dtype=args.dtype, device=args.device,
+        device_map=args.device_map, positions=args.positions, generate=generate, greedy=args.greedy,
+        threshold=threshold, batch_size=args.batch_size, per_seed=args.per_seed, rows_per_part=args.rows_per_part,
+        progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr),
+    )
+    if args.summary:
+        write_json(args.summary, summary)
+    print(json.dumps(summary, sort_keys=True))
+
+
+def _show(args) -> None:
+    from halludetect.scoring.bundle import load_bundle
+
+    b = load_bundle(args.bundle)
+    print(json.dumps({"sha256": b.sha256, **b.meta}, indent=2, sort_keys=True))
+
+
+def _train_layer(args) -> None:
+    from pathlib import Path
+
+    from halludetect.config import load_params
+    from halludetect.experiments.sharing import train_layer_from_remote
+
+    fetched = train_layer_from_remote(Path("."), load_params(args.params), args.model, args.dataset, args.method,
+                                      args.layer, remote=args.remote, jobs=args.jobs)
+    print(json.dumps({"stage": fetched.stage, "fetched_bytes": fetched.bytes, "fetched": fetched.files},
+                     indent=2, sort_keys=True))
+
+
+def _sweep(args) -> None:
+    from pathlib import Path
+
+    from halludetect.config import load_params
+    from halludetect.core.atomic_io import write_text
+    from halludetect.experiments.sweeps import sweep
+    from halludetect.report.paper_tables import Grid
+    from halludetect.report.tables import to_latex, to_markdown
+
+    where = {}
+    for item in args.where or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--where {item!r}: write KEY=VALUE, e.g. --where train.epochs=100")
+        where[key] = _literal(value)
+    table = sweep(".", args.param, Grid.of(load_params(args.params)), method=args.method, metric=args.metric,
+                  where=where)
+    out = Path(args.out_dir)
+    write_text(out / f"{table.name}.md", to_markdown(table))
+    write_text(out / f"{table.name}.tex", to_latex(table))
+    print(to_markdown(table))
+    print(f"written: {out / table.name}.md and .tex", file=sys.stderr)
+
+
+def _literal(text: str):
+    """A --where value as the params file would hold it (1 -> 1, 0.5 -> 0.5, true -> True, else the text)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="halludetect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("score", help="score answers (or sampled answers to questions) with a detector bundle",
+                       description="Score answers with a detector bundle (the export stage writes them to "
+                                   "data/bundles/<model>/<dataset>/<method>.safetensors). The base model runs only "
+                                   "up to the detector's layer.")
+    s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
+    s.add_argument("--input", required=True, help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem]; "
+                                                  "with --generate: question[, id]")
+    s.add_argument("--out", required=True, help="output file, .parquet or .jsonl (parts of an unfinished run are "
+                                                "kept next to it in .<name>.parts/ and reused by a re-run)")
+    s.add_argument("--model", help="base model: a local directory or hub id (default: the one the bundle names); "
+                                   "it must be the model the detector was trained on")
+    s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="model dtype (default: the bundle's preset)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
+    s.add_argument("--device-map", help="accelerate placement over several GPUs, e.g. auto")
+    s.add_argument("--positions", choices=["predicting", "generated"],
+                   help="the token-position convention you expect; a bundle with another one is refused")
+    s.add_argument("--threshold", help="flag threshold: best_f1, fpr_0.05, ... (stored in the bundle; `halludetect "
+                                       "show` lists them) or a logit value (default: the bundle's default)")
+    s.add_argument("--batch-size", type=int, default=32, help="answers per forward pass (default: 32)")
+    s.add_argument("--rows-per-part", type=int, default=1024,
+                   help="rows per resumable part: a killed run loses at most one part (default: 1024)")
+    s.add_argument("--per-seed", action="store_true", help="also write each seed's logit (seed_scores)")
+    s.add_argument("--generate", action="store_true",
+                   help="the input has questions only: sample one answer each and score it from the states "
+                        "of the sampling pass itself")
+    s.add_argument("--params", help="with --generate: a params file whose `generate` section sets the sampling "
+                                    "(default: the built-in defaults, as in params.yaml)")
+    s.add_argument("--seed", type=int, help="with --generate: sampling seed (each row draws from its own stream)")
+    s.add_argument("--max-new-tokens", type=int, help="with --generate: longest answer in tokens")
+    s.add_argument("--greedy", action="store_true", help="with --generate: the most likely answer instead of a sample")
+    s.add_argument("--summary", help="also write the run's summary JSON here")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(run=_score)
+
+    show = sub.add_parser("show", help="print a bundle's metadata (model, layer, thresholds, calibration, AUROC)")
+    show.add_argument("bundle", help="detector bundle (.safetensors)")
+    show.set_defaults(run=_show)
+
+    tl = sub.add_parser("train-layer", help="fetch one layer's states and the labels from the DVC remote and train "
+                                            "a method on that layer (nothing upstream runs)",
+                        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method>-"
+                                    "<layer> needs from the DVC remote, then run that stage alone (dvc repro "
+                                    "--single-item). Run it in the repository's root.")
+    tl.add_argument("--model", required=True, help="model preset (grid.models)")
+    tl.add_argument("--dataset", required=True, help="dataset preset (grid.datasets)")
+    tl.add_argument("--method", required=True, help="detector method (grid.methods or grid.sp_methods)")
+    tl.add_argument("--layer", required=True, type=int, help="layer index (grid.layers; 0 = embeddings)")
+    tl.add_argument("--remote", help="DVC remote name (default: the repository's default remote)")
+    tl.add_argument("-j", "--jobs", type=int, help="parallel downloads (dvc pull -j)")
+    tl.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    tl.set_defaults(run=_train_layer)
+
+    sw = sub.add_parser("sweep", help="one table of every DVC experiment along a swept parameter",
+                        description="Read the repository's experiments (dvc.api.exp_show) and write a table of a "
+                                    "method's test metric by the values of one parameter, per grid cell, as "
+                                    "Markdown and LaTeX. Run it in the repository's root.")
+    sw.add_argument("param", help="the swept parameter, e.g. detectors.max.dim")
+    sw.add_argument("--method", help="whose metrics (default: the method the parameter belongs to)")
+    sw.add_argument("--metric", default="auroc", help="a test metric of metrics/eval/...: auroc (default), auprc, "
+                                                      "margin, prr, fpr_at_95_tpr, ...")
+    sw.add_argument("--where", action="append", metavar="KEY=VALUE",
+                    help="only experiments with this param value (repeatable), when others vary too")
+    sw.add_argument("--out-dir", default="metrics/sweeps", help="where the tables go (default: metrics/sweeps)")
+    sw.add_argument("--params", default="params.yaml", help="params file, for the grid's paper identities")
+    sw.set_defaults(run=_sweep)
     return p
 
 
-def setup() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per API request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def main(run: Callable[[argparse.Namespace, Params], None], p: argparse.ArgumentParser) -> None:
-    args = p.parse_args()
-    setup()
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if getattr(args, "batch_size", 1) < 1 or getattr(args, "rows_per_part", 1) < 1:
+        parser().error("--batch-size and --rows-per-part must be at least 1")
     try:
-        params = load_params(args.params)
-        run(args, params)
-    except USER_ERRORS as e:
+        args.run(args)
+    except (UserError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as e:  # paid work already done is kept (caches, progress units)
-        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted: finished parts are kept; run the same command again to continue", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `halludetect show B | head`: the reader left early, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

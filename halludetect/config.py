@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
 
-from halludetect.errors import UserError
-from halludetect.registry import suggest as _suggest
-
-PositiveInt = Annotated[int, Field(gt=0)]
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+from halludetect.core.errors import UserError
+from halludetect.core.lookup import suggest as _suggest
+from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
+from halludetect.methods import ANALYZABLE, METHODS, SP_METHODS
 
 
 def _split_fraction(value: float) -> float:
@@ -68,10 +67,6 @@ def _stops(value: list[str]) -> list[str]:
             raise ValueError(f"{s!r} is empty or only spaces/tabs: it would stop every answer before its first "
                              "word; remove it (newline stops such as '\\n' are fine)")
     return value
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
 # ---------------------------------------------------------------------------- presets
@@ -197,7 +192,7 @@ class MatchJudgeParams(Section):
 
 
 class ChatParams(Section):
-    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/chat_client.py."""
+    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/labels/chat_client.py."""
 
     model: str
     base_url: str | None = Field(None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1")
@@ -252,80 +247,20 @@ class ClusterParams(Section):
     openai: ChatParams = ChatParams(model="gpt-4o-mini", temperature=0.0, max_completion_tokens=16)
 
 
-LearningRate = Annotated[float, Field(gt=0)]
-DropoutRate = Annotated[float, Field(ge=0, lt=1)]  # 1 would zero every feature
-Decay = Annotated[float, Field(ge=0)]
-
-
-class HaMIParams(Section):
-    """HaMI (the HaMI code): token MLP Linear-BN-ReLU-Dropout-Linear, bag = top-k mean of token logits."""
-
-    dim: PositiveInt = 256
-    dropout: DropoutRate = 0.3
-    lr: LearningRate = 1e-3
-    weight_decay: Decay = 5e-4
-    k_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.1  # k = floor(k_ratio * n) + 1 tokens per bag
-    loss: Literal["mil", "logistic"] = "mil"  # mil: the HaMI code's paired loss; logistic: log(1 + exp(-y Z))
-    smoothness: Decay = 8e-4  # weight of sum (s_t - s_t+1)^2 over bags longer than smooth_min_len (mil loss)
-    smooth_min_len: Annotated[int, Field(ge=0)] = 8
-
-
-class HaMISPParams(HaMIParams):
-    """HaMI (SP): every token state scaled by (1 + lam * P_sem) of its response, at train and test."""
-
-    lam: Annotated[float, Field(ge=0)] = 1.0  # the paper's lambda
-    p_sem: Literal["mean", "sum", "count"] = "mean"  # which clusters.parquet P_sem (length-normalised, summed, count)
-
-
-class PoolingParams(Section):
-    """Embedding-based MIL: Linear(d, dim)-ReLU-Dropout per token, mean/max pooling, Linear(dim, 1)."""
-
-    dim: PositiveInt = 256
-    dropout: DropoutRate = 0.2
-    lr: LearningRate = 2e-4
-    weight_decay: Decay = 5e-3
-
-
-class AttentionParams(PoolingParams):
-    """ABMIL (Ilse et al.) on raw states: softmax(w^T tanh(V h)) [* sigmoid(U h) gated], then the MLP head."""
-
-    attention_dim: PositiveInt = 256  # the paper's L
-
-
-class ProbeParams(Section):
-    """Logistic regression on the state of a response's last bag position."""
-
-    lr: LearningRate = 1e-3
-    weight_decay: Decay = 0.0
-
-
-# Methods that also read the semantic probability of each response (clusters.parquet). They
-# train in stages of their own, so a clustering change never retrains the other detectors.
-SP_METHODS = ("hami_sp",)
-# Scores without hidden states (halludetect/baselines.py registers each).
+# Scores without hidden states (evaluation/baselines.py registers each).
 BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
-# Detectors the sensitivity analysis applies to: HaMI networks (token MLP with batch norm, top-k mean).
-ANALYZABLE = ("hami", "hami_sp")
 
-
-class DetectorsParams(Section):
-    """One section per method, so changing one method's setting retrains only that method."""
-
-    hami: HaMIParams = HaMIParams()
-    hami_sp: HaMISPParams = HaMISPParams()
-    mean: PoolingParams = PoolingParams()
-    max: PoolingParams = PoolingParams()
-    raw_mean: PoolingParams = PoolingParams()
-    raw_max: PoolingParams = PoolingParams()
-    attention: AttentionParams = AttentionParams()
-    gated_attention: AttentionParams = AttentionParams()
-    probe: ProbeParams = ProbeParams()
+# One section per detection method, derived from the registry in methods/ (each method declares
+# its params class there), so changing one method's setting retrains only that method.
+DetectorsParams = create_model(
+    "DetectorsParams", __base__=Section, __doc__="One section per detection method (halludetect/methods/).",
+    **{name: (m.params, m.params()) for name, m in METHODS.items()})
 
 
 class BaselinesParams(Section):
     """Scores that need no hidden states; the sign is fixed (higher = more likely hallucinated)."""
 
-    p_sem: Literal["mean", "sum", "count"] = "mean"  # baseline 1 - P_sem, which variant
+    p_sem: PSemVariant = "mean"  # baseline 1 - P_sem, which variant
     semantic_entropy: Literal["mean", "sum", "discrete"] = "mean"
 
 
@@ -351,14 +286,14 @@ class LatencyParams(Section):
 
 
 class AnalyzeParams(Section):
-    """The sensitivity analysis of HaMI detectors (stage analyze; halludetect/analysis.py)."""
+    """The sensitivity analysis of HaMI detectors (stage analyze; halludetect/evaluation/analysis.py)."""
 
     steps: PositiveInt = 1000  # N midpoint steps of the path integral C_B^int (the paper's)
     layers: list[Annotated[int, Field(ge=0)]] = []  # analysed besides the best layer (chosen on validation)
     splits: list[Literal["train", "val", "test"]] = ["train", "test"]  # the paper's appendix: train and test
     # HaMI is trained without scaling: it is analysed under the scaling HaMI (SP) would apply.
     hami_lam: Annotated[float, Field(gt=0)] = 1.0  # the paper's lambda
-    hami_p_sem: Literal["mean", "sum", "count"] = "mean"
+    hami_p_sem: PSemVariant = "mean"
     bins: PositiveInt = 40  # histogram bins of the distribution plots
 
 

@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from halludetect.errors import DataError
+from halludetect.core.errors import DataError
 
 # Answer-length buckets (tokens), upper bounds inclusive; the last is open.
 LENGTH_BUCKETS = (("<=5", 5), ("6-30", 30), (">30", None))

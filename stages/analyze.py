@@ -6,17 +6,18 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect import cli, figures
-from halludetect.analysis import analyze_split, histograms
-from halludetect.atomic_io import atomic_path, write_json, write_parquet
-from halludetect.config import ANALYZABLE, SP_METHODS
-from halludetect.detector_data import p_sem_table, split_data
-from halludetect.detectors import trained_params
-from halludetect.errors import DataError
-from halludetect.evaluation import load_models
-from halludetect.label_tables import read_clusters, read_judgments
-from halludetect.layer_format import layer_filename
-from halludetect.layer_reader import read_layer
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_reader import read_layer
+from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
+from halludetect.core.errors import DataError
+from halludetect.detectors.build import trained_params
+from halludetect.detectors.data import p_sem_table, split_data
+from halludetect.evaluation.analysis import analyze_split, histograms
+from halludetect.evaluation.evaluate import load_models
+from halludetect.labels.readers import read_clusters, read_judgments
+from halludetect.methods import ANALYZABLE, SP_METHODS
+from halludetect.report import figures
+from stages import common
 
 
 def run(args, params):
@@ -60,7 +61,7 @@ def run(args, params):
             out["layers"][str(layer)][split] = summary
             frames.append(rows.with_columns(pl.lit(split).alias("split"), pl.lit(layer).alias("layer")))
             m = summary["mean"]["c_int"]
-            cli.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition holds in %d of "
+            common.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition holds in %d of "
                          "the %d seeds where it applies",
                          args.method, layer, split, m["gamma"] or float("nan"), m["inv_gamma"] or float("nan"),
                          m["class_ratio"], *m["condition_holds_seeds"])
@@ -80,7 +81,7 @@ def run(args, params):
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
                        ("--method", "hami or hami_sp"), ("--evaluation", "the method's evaluate metrics JSON "
                                                                          "(its best layer)"),
@@ -91,4 +92,4 @@ if __name__ == "__main__":
                        ("--plots", "directory of distribution CSVs (DVC plots)"),
                        ("--figure", "PNG of the C_B^int and P_sem C_B^int distributions per class")]:
         p.add_argument(flag, required=True, help=text)
-    cli.main(run, p)
+    common.main(run, p)

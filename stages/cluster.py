@@ -2,12 +2,12 @@
 
 import polars as pl
 
-from halludetect import cli
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import write_json, write_parquet
-from halludetect.datasets import read_questions
-from halludetect.errors import UserError
-from halludetect.nli import cluster_responses, get_nli, unusable_clustering
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import write_json, write_parquet
+from halludetect.core.errors import UserError
+from halludetect.labels.nli import cluster_responses, get_nli, unusable_clustering
+from halludetect.qa.datasets import read_questions
+from stages import common
 
 
 def run(args, params):
@@ -38,7 +38,7 @@ def run(args, params):
     if hasattr(nli, "usage"):
         metrics["api"] = nli.usage.report(params.prices)
     write_json(args.metrics, metrics)
-    cli.log.info("cluster: %s", {k: v for k, v in metrics.items() if k != "api"})
+    common.log.info("cluster: %s", {k: v for k, v in metrics.items() if k != "api"})
     # Written first, so they can be inspected; then a clustering nothing can use fails the stage.
     if unusable := unusable_clustering(df):
         where = f"; the raw replies are in the call cache {nli.runner.cache.path} (table calls)" \
@@ -48,14 +48,14 @@ def run(args, params):
                         f"{args.metrics}{where}. Check cluster.{cp.backend} (model, endpoint); replies are cached per "
                         "request, so re-running unchanged asks nothing new")
     if metrics["invalid_questions"]:
-        cli.log.warning("cluster: %d questions invalid (no P_sem for their answers)", metrics["invalid_questions"])
+        common.log.warning("cluster: %d questions invalid (no P_sem for their answers)", metrics["invalid_questions"])
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--questions", required=True, help="questions Parquet")
     p.add_argument("--generations", required=True, help="generations Parquet")
     p.add_argument("--out", required=True, help="clusters Parquet (one row per answer)")
     p.add_argument("--timings", required=True, help="per-question clustering cost Parquet (NLI calls, seconds)")
     p.add_argument("--metrics", required=True, help="clustering summary JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -9,16 +9,16 @@ under a temporary name first); re-running starts it again.
 import shutil
 from pathlib import Path
 
-from halludetect import cli
-from halludetect.activations import dump
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import atomic_path
-from halludetect.datasets import read_questions
-from halludetect.hf_models import check_layers, load_config, load_model, load_tokenizer
-from halludetect.layer_writer import merge_parts
-from halludetect.parallel import relaunch, workers
+from halludetect.activations.capture import dump
+from halludetect.activations.layer_writer import merge_parts
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import atomic_path
+from halludetect.lm.hf_models import check_layers, load_config, load_model, load_tokenizer
+from halludetect.lm.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
-from halludetect.responses import select_answers
+from halludetect.qa.datasets import read_questions
+from halludetect.qa.responses import select_answers
+from stages import common
 
 
 def run(args, params):
@@ -29,14 +29,14 @@ def run(args, params):
     layers = check_layers(params.dump.layers, load_config(preset))
     selected, excluded = select_answers(read_parquet(args.generations, "generate", "generations table"))
     if excluded["empty_answer"] and me.main:
-        cli.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
+        common.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
     tokenizer = load_tokenizer(preset)
     model = load_model(preset, me.device or params.dump.device)
     attrs = {"model": preset.path, "revision": preset.revision or "", "positions": params.dump.positions,
              "dtype": params.dump.dtype, "prompt_hash": template_hash(GENERATION),
              "excluded_empty_answers": excluded["empty_answer"]}
     kw = dict(positions=params.dump.positions, dtype=params.dump.dtype, batch_size=params.dump.batch_size,
-              attrs=attrs, chat_template=preset.chat_template, workers=me, log=cli.log.info)
+              attrs=attrs, chat_template=preset.chat_template, workers=me, log=common.log.info)
     questions = read_questions(args.questions)
     out = Path(args.out)
     if me.size == 1:
@@ -59,10 +59,10 @@ def run(args, params):
 
 if __name__ == "__main__":
     relaunch("stages.dump")
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--model", required=True, help="model preset name")
     p.add_argument("--questions", required=True, help="questions Parquet")
     p.add_argument("--generations", required=True, help="generations Parquet")
     p.add_argument("--manifest", required=True, help="model manifest; a dependency only")
     p.add_argument("--out", required=True, help="output directory of layer_XX.h5 files")
-    cli.main(run, p)
+    common.main(run, p)

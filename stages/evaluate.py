@@ -6,17 +6,17 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect import cli
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import write_json
-from halludetect.detector_data import p_sem_for, split_data
-from halludetect.detectors import trained_params
-from halludetect.devices import resolve_device
-from halludetect.errors import DataError
-from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
-from halludetect.label_tables import read_judgments
-from halludetect.layer_format import layer_filename
-from halludetect.layer_reader import read_layer
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_reader import read_layer
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import write_json
+from halludetect.core.devices import resolve_device
+from halludetect.core.errors import DataError
+from halludetect.detectors.build import trained_params
+from halludetect.detectors.data import p_sem_for, split_data
+from halludetect.evaluation.evaluate import detector_throughput, evaluate_detector, hami_sp_cost, load_models
+from halludetect.labels.readers import read_judgments
+from stages import common
 
 
 def run(args, params):
@@ -54,11 +54,11 @@ def run(args, params):
                                        t["single_response_seconds"])
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
-    cli.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
+    common.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
                        ("--method", "detector method"),
                        ("--layer-metrics", "directory of the per-layer figures (layer_<L>.json)"),
@@ -72,4 +72,4 @@ if __name__ == "__main__":
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
     p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
     p.add_argument("--latency", help="latency metrics JSON (one response at a time), for hami_sp's sequential cost")
-    cli.main(run, p)
+    common.main(run, p)

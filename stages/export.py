@@ -3,15 +3,15 @@
 The best layer (chosen on validation by evaluate), every evaluated seed's weights at that
 layer, thresholds and a Platt calibration fitted on that layer's validation scores, and what
 reproduces its input: the base model and what pins it (manifest), the position convention,
-the prompt template, the stored dtype. Format: halludetect/bundle.py.
+the prompt template, the stored dtype. Format: halludetect/scoring/bundle.py.
 """
 
 import json
 from pathlib import Path
 
-from halludetect import cli
-from halludetect.bundle import export_bundle
 from halludetect.prompts import GENERATION
+from halludetect.scoring.bundle import export_bundle
+from stages import common
 
 
 def run(args, params):
@@ -23,17 +23,17 @@ def run(args, params):
         fpr_targets=params.export.fpr_targets, default_threshold=params.export.threshold,
     )
     ev = meta["evaluation"]
-    cli.log.info("%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold "
+    common.log.info("%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold "
                  "%s = %.3f", meta["method"], meta["layer"], meta["seeds"], ev["test_auroc_dag"]["mean"],
                  ev["test_auroc_ensemble"], meta["default_threshold"],
                  meta["thresholds"][meta["default_threshold"]]["threshold"])
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--metrics", required=True, help="evaluation metrics JSON (best_layer, seeds, test AUROC)")
     p.add_argument("--detectors", required=True, help="the method's detector directory (layer_LL/seed_S.safetensors)")
     p.add_argument("--scores", required=True, help="the method's scores directory (layer_LL.parquet)")
     p.add_argument("--manifest", required=True, help="model manifest JSON (what pins the base model)")
     p.add_argument("--out", required=True, help="bundle file (.safetensors)")
-    cli.main(run, p)
+    common.main(run, p)

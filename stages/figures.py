@@ -8,17 +8,18 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from halludetect import cli, figures
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import atomic_path
-from halludetect.baselines import baseline_scores
-from halludetect.errors import DataError
-from halludetect.evaluation import read_scores
-from halludetect.label_tables import read_clusters, read_judgments
-from halludetect.layer_format import layer_filename
+from halludetect.activations.layer_format import layer_filename
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import atomic_path
+from halludetect.core.errors import DataError
+from halludetect.evaluation.baselines import baseline_scores
+from halludetect.evaluation.evaluate import read_scores
+from halludetect.evaluation.plot_data import class_histogram_data
+from halludetect.labels.readers import read_clusters, read_judgments
 from halludetect.metrics import auroc
-from halludetect.plot_data import class_histogram_data
-from halludetect.responses import response_ids
+from halludetect.qa.responses import response_ids
+from halludetect.report import figures
+from stages import common
 
 
 def run(args, params):
@@ -88,11 +89,11 @@ def run(args, params):
         with atomic_path(plots / "distributions" / args.model / args.dataset / sub, is_dir=True) as tmp:
             for name, frame in data.items():
                 frame.write_csv(tmp / f"{name}.csv", float_precision=6)
-    cli.log.info("figures of %s in %s", cell, figs)
+    common.log.info("figures of %s in %s", cell, figs)
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
                        ("--eval-dir", "directory of the cell's <method>.json evaluate metrics"),
                        ("--scores-dir", "directory of <method>/layer_LL.parquet per-response scores"),
@@ -100,4 +101,4 @@ if __name__ == "__main__":
                        ("--generations", "generations Parquet"), ("--figures", "directory of the PNGs"),
                        ("--plots", "root of the plot data (layers/, roc/, distributions/)")]:
         p.add_argument(flag, required=True, help=text)
-    cli.main(run, p)
+    common.main(run, p)

@@ -6,19 +6,15 @@ Resumable: finished units go to --progress as they complete; a killed run re-sta
 shares the units over N processes, one per GPU.
 """
 
-from pathlib import Path
-
-from halludetect import cli
-from halludetect.atomic_io import file_sha256, write_json, write_parquet
-from halludetect.datasets import read_questions
-from halludetect.generation import GENERATIONS_SCHEMA, generate
-from halludetect.hf_models import load_model, load_tokenizer
-from halludetect.parallel import relaunch, workers
+from halludetect.core.atomic_io import file_sha256, write_json, write_parquet
+from halludetect.core.code_deps import code_digest
+from halludetect.core.unit_store import UnitStore
+from halludetect.lm.generation import GENERATIONS_SCHEMA, generate
+from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.lm.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
-from halludetect.unit_store import UnitStore
-
-# The library code a finished unit depends on: an edit to any of it discards the kept units.
-SAMPLING_CODE = ("generation.py", "model_inputs.py", "prompts.py", "hf_models.py")
+from halludetect.qa.datasets import read_questions
+from stages import common
 
 
 def fingerprint(args, params, preset) -> dict:
@@ -29,7 +25,9 @@ def fingerprint(args, params, preset) -> dict:
         "prompt": template_hash(GENERATION),
         "questions": file_sha256(args.questions),
         "manifest": file_sha256(args.manifest),
-        "code": {name: file_sha256(Path(__file__).parents[1] / "halludetect" / name) for name in SAMPLING_CODE},
+        # every file this stage runs (its import closure, as dvc.yaml lists it): an edit to any of
+        # them discards the kept units, so a resumed run never mixes units of old and new code
+        "code": code_digest("stages.generate"),
     }
 
 
@@ -41,12 +39,12 @@ def run(args, params):
     store = UnitStore(args.progress, fingerprint(args, params, preset), schema=GENERATIONS_SCHEMA)
     if me.main:
         kept = store.prepare()
-        cli.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
+        common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
     me.barrier()
     tokenizer = load_tokenizer(preset)
     model = load_model(preset, me.device or params.generate.device)
     df = generate(model, tokenizer, questions, params.generate, chat_template=preset.chat_template,
-                  store=store, workers=me, log=cli.log.info)
+                  store=store, workers=me, log=common.log.info)
     if not me.main:
         return
     # Wall times go to the metrics, not the Parquet: the same samples then give the same
@@ -64,17 +62,17 @@ def run(args, params):
         "mean_answer_tokens": float(df["n_tokens"].mean()) if df.height else 0.0,
     }
     write_json(args.metrics, metrics)
-    cli.log.info("generated %d answers for %d questions in %.1f s of model time "
+    common.log.info("generated %d answers for %d questions in %.1f s of model time "
                  "(%d re-sampled after an empty answer, %d still empty)", df.height, questions.height,
                  metrics["seconds_total"], metrics["resampled_after_empty"], metrics["still_empty"])
 
 if __name__ == "__main__":
     relaunch("stages.generate")
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--model", required=True, help="model preset name")
     p.add_argument("--questions", required=True, help="questions Parquet (prepare output)")
     p.add_argument("--manifest", required=True, help="model manifest (model output); also keys the progress")
     p.add_argument("--progress", required=True, help="directory for finished units (kept until the output is written)")
     p.add_argument("--out", required=True, help="generations Parquet")
     p.add_argument("--metrics", required=True, help="metrics JSON: counts and model time")
-    cli.main(run, p)
+    common.main(run, p)

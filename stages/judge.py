@@ -1,13 +1,13 @@
 """Label answers with the two-pass judge protocol (hallucination = 1)."""
 
 
-from halludetect import cli
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import write_json, write_parquet
-from halludetect.datasets import read_questions
-from halludetect.errors import UserError
-from halludetect.judges import get_judge, label_distribution, two_pass, unusable_splits
-from halludetect.responses import select_answers
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import write_json, write_parquet
+from halludetect.core.errors import UserError
+from halludetect.labels.judges import get_judge, label_distribution, two_pass, unusable_splits
+from halludetect.qa.datasets import read_questions
+from halludetect.qa.responses import select_answers
+from stages import common
 
 
 def run(args, params):
@@ -23,9 +23,9 @@ def run(args, params):
                "invalid": {p: int((df[f"{p}_verdict"] == "invalid").sum()) for p in ("pass1", "pass2")}}
     if hasattr(judge, "usage"):
         metrics["api"] = judge.usage.report(params.prices)
-        cli.log.info("judge: %s", metrics["api"])
+        common.log.info("judge: %s", metrics["api"])
     write_json(args.metrics, metrics)
-    cli.log.info("judge: %s", {s: (d["kept"], d["hallucination_rate"]) for s, d in dist.items()})
+    common.log.info("judge: %s", {s: (d["kept"], d["hallucination_rate"]) for s, d in dist.items()})
     # Written first, so the replies can be read; then a split without a single label fails the
     # stage (nonzero exit: DVC records nothing), since no detector could train or be scored on it.
     if unusable := unusable_splits(df):
@@ -34,13 +34,13 @@ def run(args, params):
                         f"{args.metrics}. Check judge.{jp.backend} (model, endpoint) against them; replies are cached "
                         "per request, so re-running unchanged asks nothing new")
     if invalid := sum(metrics["invalid"].values()):
-        cli.log.warning("judge: %d invalid verdicts (dropped, never labels); raw replies in %s", invalid, args.out)
+        common.log.warning("judge: %d invalid verdicts (dropped, never labels); raw replies in %s", invalid, args.out)
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--questions", required=True, help="questions Parquet")
     p.add_argument("--generations", required=True, help="generations Parquet")
     p.add_argument("--out", required=True, help="judgments Parquet")
     p.add_argument("--metrics", required=True, help="label distribution JSON")
-    cli.main(run, p)
+    common.main(run, p)

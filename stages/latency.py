@@ -1,20 +1,20 @@
 """Time what HaMI (SP) adds to one response when requests come one at a time: K - 1 more answers
-to its question and the NLI calls that cluster them, for a few test questions (halludetect/latency.py)."""
+to its question and the NLI calls that cluster them, for a few test questions (halludetect/evaluation/latency.py)."""
 
 import os
 import tempfile
 
 import polars as pl
 
-from halludetect import cli
-from halludetect.artifacts import read_parquet
-from halludetect.atomic_io import write_json
-from halludetect.datasets import read_questions
-from halludetect.devices import resolve_device
-from halludetect.errors import UserError
-from halludetect.hf_models import load_model, load_tokenizer
-from halludetect.latency import sequential_cost
-from halludetect.nli import get_nli
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.atomic_io import write_json
+from halludetect.core.devices import resolve_device
+from halludetect.core.errors import UserError
+from halludetect.evaluation.latency import sequential_cost
+from halludetect.labels.nli import get_nli
+from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.qa.datasets import read_questions
+from stages import common
 
 
 def run(args, params):
@@ -35,15 +35,15 @@ def run(args, params):
         out = sequential_cost(model, load_tokenizer(preset), nli, questions, generations,
                               params.generate, cp.equivalence, chat_template=preset.chat_template)
     write_json(args.out, out)
-    cli.log.info("one response at a time: %.3g s for %d more answers + %.3g s for %.1f NLI calls, on %s",
+    common.log.info("one response at a time: %.3g s for %d more answers + %.3g s for %.1f NLI calls, on %s",
                  out["seconds_extra_samples_per_question"], out["extra_samples"], out["nli_seconds_per_question"],
                  out["nli_calls_per_question"], out["device"])
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--model", required=True, help="model preset name")
     p.add_argument("--questions", required=True, help="questions Parquet (the test questions are timed)")
     p.add_argument("--generations", required=True, help="generations Parquet (the answers to cluster)")
     p.add_argument("--out", required=True, help="latency metrics JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -5,10 +5,10 @@ resolved commit. Downstream stages depend on the manifest, so they re-run when t
 really changes and not otherwise.
 """
 
-from halludetect import cli
-from halludetect.atomic_io import write_json
-from halludetect.hf_models import is_local, load_config, n_layers
-from halludetect.model_manifest import dir_fingerprint, resolve_hub_revision
+from halludetect.core.atomic_io import write_json
+from halludetect.lm.hf_models import is_local, load_config, n_layers
+from halludetect.lm.model_manifest import dir_fingerprint, resolve_hub_revision
+from stages import common
 
 
 def run(args, params):
@@ -24,7 +24,7 @@ def run(args, params):
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--name", required=True, help="model preset name (params: models.<name>)")
     p.add_argument("--out", required=True, help="manifest JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -1,8 +1,8 @@
 """Load a dataset into the common QA schema with a question-level train/val/test split."""
 
-from halludetect import cli
-from halludetect.atomic_io import write_json, write_parquet
-from halludetect.datasets import prepare
+from halludetect.core.atomic_io import write_json, write_parquet
+from halludetect.qa.datasets import prepare
+from stages import common
 
 
 def run(args, params):
@@ -15,13 +15,13 @@ def run(args, params):
     write_json(args.metrics, {"read": report.read, "dropped": report.dropped, "repeated_records": repeats,
                               "questions": df.height, "splits": counts,
                               "mean_answers": float(df["answers"].list.len().mean())})
-    cli.log.info("prepare %s: %d questions %s, dropped %s, %d exact repeats", args.dataset, df.height, counts,
+    common.log.info("prepare %s: %d questions %s, dropped %s, %d exact repeats", args.dataset, df.height, counts,
                  report.dropped, len(report.repeated_ids))
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--dataset", required=True, help="dataset preset name (params: datasets.<name>)")
     p.add_argument("--out", required=True, help="questions Parquet")
     p.add_argument("--metrics", required=True, help="counts JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
-from halludetect import cli, paper
-from halludetect.atomic_io import write_json, write_text
-from halludetect.report import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
-from halludetect.tables import to_latex, to_markdown
+from halludetect.core.atomic_io import write_json, write_text
+from halludetect.report import paper
+from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
+from halludetect.report.tables import to_latex, to_markdown
+from stages import common
 
 
 def run(args, params):
@@ -20,7 +21,7 @@ def run(args, params):
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
-    cli.log.info("%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)")
+    common.log.info("%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)")
     for table in tables:
         write_text(out / f"{table.name}.md", to_markdown(table))
         write_text(out / f"{table.name}.tex", to_latex(table))
@@ -29,11 +30,11 @@ def run(args, params):
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json (and the "
                                                         "analyses, <model>/<dataset>/analysis/<method>.json)")
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -6,13 +6,13 @@ One stage per layer, so a colleague who pulled a single layer file trains on it 
 
 from pathlib import Path
 
-from halludetect import cli
-from halludetect.detector_data import SPLITS, p_sem_for, split_data
-from halludetect.detectors import section
-from halludetect.devices import resolve_device
-from halludetect.label_tables import read_judgments
-from halludetect.layer_reader import read_layer
-from halludetect.training import train_layer
+from halludetect.activations.layer_reader import read_layer
+from halludetect.core.devices import resolve_device
+from halludetect.detectors.build import section
+from halludetect.detectors.data import SPLITS, p_sem_for, split_data
+from halludetect.detectors.training import train_layer
+from halludetect.labels.readers import read_judgments
+from stages import common
 
 
 def run(args, params):
@@ -26,11 +26,11 @@ def run(args, params):
     del layer
     train_layer(args.method, method_params, data, tp.seeds, layer=args.layer, epochs=tp.epochs,
                 batch_size=tp.batch_size, device=device, out_dir=Path(args.out), scores_path=Path(args.scores),
-                metrics_path=Path(args.metrics), log=cli.log.info)
+                metrics_path=Path(args.metrics), log=common.log.info)
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
     p.add_argument("--layer", required=True, type=int, help="the layer index (checked against the file's)")
     p.add_argument("--activations", required=True, help="the layer's HDF5 file (layer_<L>.h5)")
@@ -39,4 +39,4 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True, help="output directory: seed_<S>.safetensors, curves.json, summary.json")
     p.add_argument("--scores", required=True, help="Parquet: every val/test response's logit, per seed")
     p.add_argument("--metrics", required=True, help="the layer's val/test figures (JSON)")
-    cli.main(run, p)
+    common.main(run, p)

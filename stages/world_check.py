@@ -2,19 +2,19 @@
 
 from pathlib import Path
 
-from halludetect import cli
-from halludetect.atomic_io import write_json
+from halludetect.core.atomic_io import write_json
 from halludetect.world.check import evaluate_world
+from stages import common
 
 
 def run(args, params):
     metrics = evaluate_world(Path(args.world), params.generate)
     write_json(args.metrics, metrics)
-    cli.log.info("world: greedy accuracy by exposure %s", metrics["greedy_accuracy_by_exposure"])
+    common.log.info("world: greedy accuracy by exposure %s", metrics["greedy_accuracy_by_exposure"])
 
 
 if __name__ == "__main__":
-    p = cli.parser(__doc__)
+    p = common.parser(__doc__)
     p.add_argument("--world", required=True, help="the world stage's output directory")
     p.add_argument("--metrics", required=True, help="world metrics JSON")
-    cli.main(run, p)
+    common.main(run, p)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from halludetect import numerics
+from halludetect.core import numerics
 
-# The stages' numerics (halludetect/numerics.py), pinned before torch loads, so that what a test
+# The stages' numerics (halludetect/core/numerics.py), pinned before torch loads, so that what a test
 # computes in this process matches what a stage subprocess computes.
 numerics.pin()
 
@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir):
     from halludetect.config import ModelPreset
-    from halludetect.hf_models import load_model, load_tokenizer
+    from halludetect.lm.hf_models import load_model, load_tokenizer
 
     preset = ModelPreset(path=str(tiny_model_dir), dtype="float32")
     return load_model(preset, "cpu"), load_tokenizer(preset)
@@ -63,8 +63,8 @@ def bundle_path(contract, tmp_path_factory):
     """The export of the miniature DAG's `max` detector."""
     import json
 
-    from halludetect.bundle import export_bundle
     from halludetect.prompts import GENERATION
+    from halludetect.scoring.bundle import export_bundle
 
     out = tmp_path_factory.mktemp("bundle") / "max.safetensors"
     export_bundle(out, metrics=json.loads((contract / "metrics" / "max.json").read_text()),

@@ -21,18 +21,18 @@ import numpy as np
 import polars as pl
 from sklearn.metrics import roc_auc_score
 
-from halludetect.activations import dump
+from halludetect.activations.capture import dump
+from halludetect.activations.layer_format import layer_files
+from halludetect.activations.layer_reader import read_layer
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.detector_data import split_data
-from halludetect.detectors import load_detector, params_for, save_detector
+from halludetect.detectors.build import load_detector, params_for, save_detector
+from halludetect.detectors.data import split_data
 from halludetect.detectors.inference import score
-from halludetect.generation import generate
-from halludetect.hf_models import n_layers
-from halludetect.layer_format import layer_files
-from halludetect.layer_reader import read_layer
+from halludetect.detectors.training import train_detector
+from halludetect.lm.generation import generate
+from halludetect.lm.hf_models import n_layers
+from halludetect.lm.model_manifest import dir_fingerprint
 from halludetect.metrics import split_metrics
-from halludetect.model_manifest import dir_fingerprint
-from halludetect.training import train_detector
 
 SEEDS = [0, 1]
 
@@ -123,8 +123,8 @@ def assert_bundle_scores_match_dag(bundle_path: Path, scores_dir: Path, question
     it: each test answer gets each seed's evaluate logit at the bundle's layer (`scores_dir/
     layer_LL.parquet`), up to the float noise of the detector's batch shape. Returns how many
     (answer, seed) pairs were compared."""
-    from halludetect.bundle import load_bundle
-    from halludetect.scoring import score_answers
+    from halludetect.scoring.bundle import load_bundle
+    from halludetect.scoring.scorer import score_answers
 
     b = load_bundle(bundle_path)
     rows = dumped_rows(questions, dumped)

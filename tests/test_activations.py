@@ -7,17 +7,17 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect.activations import bag_slice, capture, dump
-from halludetect.atomic_io import atomic_path
+from halludetect.activations.bags import pad_bags
+from halludetect.activations.capture import bag_slice, capture, dump
+from halludetect.activations.layer_format import layer_files
+from halludetect.activations.layer_reader import LayerReader, read_layer
+from halludetect.activations.layer_writer import LayerWriter, merge_parts
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.detectors import pad_bags
-from halludetect.generation import generate, trim_answer
-from halludetect.hf_models import ModelError, check_layers, load_config, load_model
-from halludetect.layer_format import layer_files
-from halludetect.layer_reader import LayerReader, read_layer
-from halludetect.layer_writer import LayerWriter, merge_parts
-from halludetect.model_inputs import encode_prompt
-from halludetect.parallel import Workers
+from halludetect.core.atomic_io import atomic_path
+from halludetect.lm.generation import generate, trim_answer
+from halludetect.lm.hf_models import ModelError, check_layers, load_config, load_model
+from halludetect.lm.model_inputs import encode_prompt
+from halludetect.lm.parallel import Workers
 
 
 def questions(n=4):

@@ -12,12 +12,12 @@ import pytest
 import yaml
 from test_evaluation import write_layers
 
-from halludetect.analysis import analyze_split, mean_over_seeds
-from halludetect.config import HaMISPParams
-from halludetect.detector_data import split_data
-from halludetect.layer_format import layer_filename
-from halludetect.layer_reader import read_layer
-from halludetect.training import train_layer
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_reader import read_layer
+from halludetect.detectors.data import split_data
+from halludetect.detectors.training import train_layer
+from halludetect.evaluation.analysis import analyze_split, mean_over_seeds
+from halludetect.methods.hami import HaMISPParams
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 8
@@ -114,7 +114,7 @@ def test_analyze_refuses_what_it_cannot_analyse(cell, tmp_path):
 
 def test_mean_over_seeds_counts_the_condition(cell):
     root, p_sem = cell
-    from halludetect.detectors import load_detector
+    from halludetect.detectors.build import load_detector
 
     labels = pl.read_parquet(root / "judgments.parquet")
     data = split_data(read_layer(root / "acts" / layer_filename(1), dtype=None, expect_layer=1), labels, "test",

@@ -13,11 +13,11 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from halludetect.bundle import BundleError, choose_thresholds, export_bundle, fit_platt, load_bundle
 from halludetect.config import ParamsError, load_params, parse_params
-from halludetect.detectors import load_detector
-from halludetect.errors import DataError
+from halludetect.core.errors import DataError
+from halludetect.detectors.build import load_detector
 from halludetect.prompts import GENERATION, template_hash
+from halludetect.scoring.bundle import BundleError, choose_thresholds, export_bundle, fit_platt, load_bundle
 
 
 def labelled_scores(n=400, seed=0):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from halludetect.config import DatasetPreset, PrepareParams
-from halludetect.datasets import DatasetError, assign_splits, md5_id, prepare
+from halludetect.qa.datasets import DatasetError, assign_splits, md5_id, prepare
 
 SAMPLES = Path(__file__).parent / "fixtures" / "qa_samples"
 SPLIT = PrepareParams(seed=0, train=0.5, val=0.2, test=0.3)
@@ -111,7 +111,7 @@ def test_sizes_give_exact_question_counts_from_one_source():
 def test_train_questions_come_from_their_own_hub_split(monkeypatch):
     """As the paper must have for NQ-open (3,610 validation questions, 4,000 train ones): train
     from the hub's train split, val/test from its validation split, no question in both."""
-    from halludetect import datasets
+    from halludetect.qa import datasets
 
     def fake_hub(preset, default_id, default_config, default_split):
         split = preset.hf_split or default_split

@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score
 
+from halludetect.activations.bags import Bags, gather_rows, pad_bags
 from halludetect.config import DetectorsParams
-from halludetect.detectors import DETECTORS, Bags, build_detector, gather_rows, pad_bags, params_for
+from halludetect.detectors.build import DETECTORS, build_detector, params_for
 from halludetect.detectors.pooling import segment_max, segment_softmax, topk_count, topk_mean
+from halludetect.detectors.training import hami_mil_loss
 from halludetect.metrics import auroc, average_precision, margin, split_metrics
-from halludetect.training import hami_mil_loss
 
 D = 6
 # The probe reads the last position, so token order matters to it by design.

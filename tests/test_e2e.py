@@ -77,7 +77,7 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
     seed by seed, at the bundle's layer (reads data/scores/..., written by evaluate since issue 14)."""
     from contract_layout import assert_bundle_scores_match_dag
 
-    from halludetect.responses import select_answers
+    from halludetect.qa.responses import select_answers
 
     dumped, _ = select_answers(pl.read_parquet(repo / "data/generations/world/world.parquet"))
     batch_size = yaml.safe_load((repo / "params.yaml").read_text())["dump"]["batch_size"]

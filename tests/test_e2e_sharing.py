@@ -105,13 +105,13 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     print(f"\nB fetched {fetched['fetched_bytes']:,} bytes; the activation directory is {whole:,} bytes")
 
     # A layer that was never dumped, and a remote that is not configured: clear errors, nothing run.
-    bad = run([sys.executable, "-m", "halludetect.console", "train-layer", "--model", "world", "--dataset", "world",
+    bad = run([sys.executable, "-m", "halludetect.cli", "train-layer", "--model", "world", "--dataset", "world",
                "--method", "max", "--layer", "7"], b, check=False, **s3)
     assert "layer 7 was never dumped for world/world: data/activations/world/world holds layers [0, 1, 2]" in bad
     c = tmp_path / "c"
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(c)], tmp_path)
     run([sys.executable, "-m", "dvc", "remote", "remove", "shared"], c)
-    bad = run([sys.executable, "-m", "halludetect.console", "train-layer", "--model", "world", "--dataset", "world",
+    bad = run([sys.executable, "-m", "halludetect.cli", "train-layer", "--model", "world", "--dataset", "world",
                "--method", "max", "--layer", "2"], c, check=False)
     assert "ERROR" in bad and "remote" in bad.lower() and "Running stage" not in bad
 
@@ -140,7 +140,7 @@ def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3, tmp_path):
     assert (repo / "metrics/sweeps/detectors_max_dim.tex").exists() and md in out
     rows = [line for line in md.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
     assert [r.split(" |")[0][2:] for r in rows] == ["8", "16", "32"], md  # the baseline's dim 16 and the two
-    bad = run([sys.executable, "-m", "halludetect.console", "sweep", "detectors.hami.lr"], repo, check=False)
+    bad = run([sys.executable, "-m", "halludetect.cli", "sweep", "detectors.hami.lr"], repo, check=False)
     assert "no experiment varies detectors.hami.lr" in bad and "detectors.max.dim" in bad
     bash(share, repo, s3)
     b = tmp_path / "b"

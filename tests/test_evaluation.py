@@ -11,15 +11,16 @@ import pytest
 from sklearn.metrics import roc_auc_score
 from test_training import D, synthetic
 
-from halludetect.baselines import baseline_scores, evaluate_baseline
-from halludetect.config import BaselinesParams, PoolingParams
-from halludetect.detector_data import SPLITS, DataError, split_data
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_reader import read_layer
+from halludetect.activations.layer_writer import LayerWriter
+from halludetect.config import BaselinesParams
+from halludetect.detectors.data import SPLITS, DataError, split_data
 from halludetect.detectors.inference import score
-from halludetect.evaluation import detector_throughput, evaluate_detector, hami_sp_cost, load_models
-from halludetect.layer_format import layer_filename
-from halludetect.layer_reader import read_layer
-from halludetect.layer_writer import LayerWriter
-from halludetect.training import train_layer
+from halludetect.detectors.training import train_layer
+from halludetect.evaluation.baselines import baseline_scores, evaluate_baseline
+from halludetect.evaluation.evaluate import detector_throughput, evaluate_detector, hami_sp_cost, load_models
+from halludetect.methods.pooling import PoolingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +184,7 @@ def test_hami_sp_cost_adds_sampling_and_nli_per_response():
 def test_throughput_is_timed_on_the_device_named(trained):
     import torch
 
-    from halludetect.devices import DeviceError, resolve_device
+    from halludetect.core.devices import DeviceError, resolve_device
 
     root, labels = trained
     layer = read_layer(root / "acts" / layer_filename(1), dtype=None)

@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 import yaml
 
-from halludetect import figures
-from halludetect.plot_data import class_histogram_data
+from halludetect.evaluation.plot_data import class_histogram_data
+from halludetect.report import figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,8 +127,8 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     assert sorted(p.name for p in (dist / "scores").iterdir()) == ["hami_sp.csv", "max.csv"]
     assert sorted(p.name for p in (dist / "responses").iterdir()) == [
         "test_n_tokens.csv", "test_p_sem.csv", "train_n_tokens.csv", "train_p_sem.csv"]
-    from halludetect.artifacts import ArtifactError
-    from halludetect.evaluation import read_scores
+    from halludetect.core.artifacts import ArtifactError
+    from halludetect.evaluation.evaluate import read_scores
 
     (tmp_path / "scores" / "max" / "layer_1.parquet").unlink()
     with pytest.raises(ArtifactError, match=r"layer_1.parquet does not exist: run the train stage first"):

@@ -5,13 +5,13 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect import generation
 from halludetect.config import GenerateParams
-from halludetect.generation import generate, row_uniforms, trim_answer
-from halludetect.hf_models import ModelError
-from halludetect.model_inputs import encode_prompt
-from halludetect.parallel import Workers
-from halludetect.unit_store import UnitStore
+from halludetect.core.unit_store import UnitStore
+from halludetect.lm import generation
+from halludetect.lm.generation import generate, row_uniforms, trim_answer
+from halludetect.lm.hf_models import ModelError
+from halludetect.lm.model_inputs import encode_prompt
+from halludetect.lm.parallel import Workers
 
 
 def questions(n=6):
@@ -148,7 +148,7 @@ def test_chat_template_prompt(tiny):
 
 
 def test_row_sampler_draws_from_the_warped_distribution():
-    from halludetect.generation import RowSampler
+    from halludetect.lm.generation import RowSampler
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     rows = 40_000
@@ -172,8 +172,8 @@ def test_row_sampler_draws_from_the_warped_distribution():
 
 
 def test_shared_prompt_prefill_changes_nothing(tiny):
-    from halludetect.generation import sample_rows
-    from halludetect.hf_models import eos_ids
+    from halludetect.lm.generation import sample_rows
+    from halludetect.lm.hf_models import eos_ids
 
     model, tok = tiny
     prompts = [encode_prompt(tok, q, False) for q in questions(3)["question"] for _ in range(4)]

@@ -24,15 +24,15 @@ import pytest
 import yaml
 from test_training import D, synthetic
 
-from halludetect.call_cache import CallCache
-from halludetect.chat_client import ApiError, ChatRunner
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_writer import LayerWriter
 from halludetect.config import ChatParams, DatasetPreset, ParamsError, PrepareParams, load_params, parse_params
-from halludetect.datasets import DatasetError, md5_id, prepare, read_questions
-from halludetect.detector_data import DataError
-from halludetect.fake_openai import FakeOpenAI, Fault, rule_responder
-from halludetect.layer_format import layer_filename
-from halludetect.layer_writer import LayerWriter
-from halludetect.text import YES_NO, parse_choice
+from halludetect.detectors.data import DataError
+from halludetect.labels.call_cache import CallCache
+from halludetect.labels.chat_client import ApiError, ChatRunner
+from halludetect.labels.text import YES_NO, parse_choice
+from halludetect.qa.datasets import DatasetError, md5_id, prepare, read_questions
+from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "HD_HOSTILE_API_KEY"
@@ -264,7 +264,7 @@ def test_params_reject_an_unknown_device_naming_the_key():
 def test_a_device_this_machine_lacks_is_named_with_its_key_before_anything_loads(monkeypatch):
     import torch
 
-    from halludetect.devices import DeviceError, resolve_device
+    from halludetect.core.devices import DeviceError, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match=r"^train.device: 'cuda:1' was asked for but CUDA is not available; use "
@@ -311,7 +311,7 @@ def test_train_rejects_a_kept_label_of_2_naming_file_and_row(tmp_path):
 
 def judgments_error(path: Path) -> str:
     """What train, evaluate and baselines say about a judgments file (they all read it so)."""
-    from halludetect.label_tables import read_judgments
+    from halludetect.labels.readers import read_judgments
 
     with pytest.raises(DataError) as e:
         read_judgments(path)
@@ -366,7 +366,7 @@ def test_baselines_reject_a_clusters_table_with_p_sem_outside_0_1_naming_the_row
 # ------------------------------------------------------------- damaged artifacts (train)
 def layer_error(tmp_path, damage) -> str:
     """What train (and evaluate) say, before any training, about layer 1 damaged by `damage`."""
-    from halludetect.layer_reader import read_layer
+    from halludetect.activations.layer_reader import read_layer
 
     acts, _, _ = cell(tmp_path)
     damage(acts / layer_filename(1))
@@ -421,10 +421,10 @@ def test_train_rejects_offsets_past_the_end_of_states_before_any_training(tmp_pa
 @pytest.fixture(scope="module")
 def trained_once(tmp_path_factory):
     """Layers 0 and 1 trained with one seed (max, a few epochs) by their train stages' code."""
-    from halludetect.config import PoolingParams
-    from halludetect.detector_data import SPLITS, split_data
-    from halludetect.layer_reader import read_layer
-    from halludetect.training import train_layer
+    from halludetect.activations.layer_reader import read_layer
+    from halludetect.detectors.data import SPLITS, split_data
+    from halludetect.detectors.training import train_layer
+    from halludetect.methods.pooling import PoolingParams
 
     root = tmp_path_factory.mktemp("trained")
     acts, labels, _ = cell(root)
@@ -449,7 +449,7 @@ def trained(trained_once, tmp_path):
 
 
 def detector_error(root: Path) -> str:
-    from halludetect.evaluation import load_models
+    from halludetect.evaluation.evaluate import load_models
 
     with pytest.raises(DataError) as e:
         load_models(root / "dets" / "layer_1", "max", 1, [0], D)
@@ -572,8 +572,8 @@ def _no_seconds(df):
 def test_generate_discards_a_truncated_unit_with_a_warning_and_recomputes_it(tiny, tmp_path, caplog):
     from test_generation import PARAMS, questions
 
-    from halludetect.generation import GENERATIONS_SCHEMA, generate
-    from halludetect.unit_store import UnitStore
+    from halludetect.core.unit_store import UnitStore
+    from halludetect.lm.generation import GENERATIONS_SCHEMA, generate
 
     model, tok = tiny
     clean = generate(model, tok, questions(), PARAMS)
@@ -593,8 +593,8 @@ def test_generate_discards_a_truncated_unit_with_a_warning_and_recomputes_it(tin
 
 
 def test_generate_discards_a_unit_with_another_schema_with_a_warning(tmp_path, caplog):
-    from halludetect.generation import GENERATIONS_SCHEMA
-    from halludetect.unit_store import UnitStore
+    from halludetect.core.unit_store import UnitStore
+    from halludetect.lm.generation import GENERATIONS_SCHEMA
 
     store = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
     store.prepare()
@@ -605,7 +605,7 @@ def test_generate_discards_a_unit_with_another_schema_with_a_warning(tmp_path, c
 
 
 def test_generate_discards_a_store_with_a_garbage_fingerprint_with_a_warning(tmp_path, caplog):
-    from halludetect.unit_store import UnitStore
+    from halludetect.core.unit_store import UnitStore
 
     store = UnitStore(tmp_path / "progress", {"run": 1})
     store.prepare()
@@ -619,8 +619,8 @@ def test_generate_discards_a_store_with_a_garbage_fingerprint_with_a_warning(tmp
 
 
 def test_a_unit_is_fsynced_before_its_rename(tmp_path, monkeypatch):
-    from halludetect import atomic_io
-    from halludetect.unit_store import UnitStore
+    from halludetect.core import atomic_io
+    from halludetect.core.unit_store import UnitStore
 
     store = UnitStore(tmp_path / "progress", {"run": 1})
     store.prepare()
@@ -668,7 +668,7 @@ def plant_claim(r: ChatRunner, prompt: str, host: str, pid: int, lease_until: fl
 
 
 def test_a_claim_whose_owner_died_is_taken_over_at_once(tmp_path):
-    from halludetect.call_cache import HOST
+    from halludetect.labels.call_cache import HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a SIGKILLed run's pid: gone, its lease still an hour long

@@ -6,11 +6,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from halludetect.judges import get_judge, label_distribution, two_pass
-from halludetect.judges.base import JudgeItem
-from halludetect.nli import cluster_question, cluster_responses, get_nli
-from halludetect.nli.clustering import semantic_probabilities
-from halludetect.text import contains, normalise
+from halludetect.labels.judges import get_judge, label_distribution, two_pass
+from halludetect.labels.judges.base import JudgeItem
+from halludetect.labels.nli import cluster_question, cluster_responses, get_nli
+from halludetect.labels.nli.clustering import semantic_probabilities
+from halludetect.labels.text import contains, normalise
 
 
 def test_normalise_and_contains():
@@ -65,7 +65,7 @@ def test_invalid_verdicts_never_become_labels():
         name = "broken"
 
         def judge(self, items, with_reference):
-            from halludetect.judges.base import Verdict
+            from halludetect.labels.judges.base import Verdict
 
             return [Verdict("invalid", "garbled") for _ in items]
 

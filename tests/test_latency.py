@@ -5,8 +5,8 @@ import polars as pl
 import pytest
 
 from halludetect.config import GenerateParams
-from halludetect.latency import OneCallAtATime, sequential_cost
-from halludetect.nli import get_nli
+from halludetect.evaluation.latency import OneCallAtATime, sequential_cost
+from halludetect.labels.nli import get_nli
 
 
 def test_one_call_at_a_time_counts_every_directed_pair():

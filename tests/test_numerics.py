@@ -1,4 +1,4 @@
-"""Reproducible CPU numerics (halludetect/numerics.py): a stage's bytes do not depend on the
+"""Reproducible CPU numerics (halludetect/core/numerics.py): a stage's bytes do not depend on the
 machine's core count, on what the environment asks of torch and MKL, or on how many workers
 train seeds side by side."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 from test_training import synthetic
 
-from halludetect import numerics
-from halludetect.config import PoolingParams
-from halludetect.detector_data import split_data
-from halludetect.training import train_seeds
+from halludetect.core import numerics
+from halludetect.detectors.data import split_data
+from halludetect.detectors.training import train_seeds
+from halludetect.methods.pooling import PoolingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """The `openai` judge and NLI backends against a real local HTTP server, and the `hf` NLI backend.
 
-The server (`halludetect.fake_openai`) speaks the chat-completions API on 127.0.0.1 and is
+The server (`halludetect.testing.fake_openai`) speaks the chat-completions API on 127.0.0.1 and is
 scripted per test; the real `openai` client talks to it, so retries, Retry-After, timeouts,
 malformed bodies, the call cache and strict parsing are all exercised over real HTTP.
 """
@@ -20,13 +20,13 @@ import polars as pl
 import pytest
 import yaml
 
-from halludetect.call_cache import CallCache
-from halludetect.chat_client import ApiError, ChatRunner
 from halludetect.config import ChatParams, ParamsError, Price, parse_params
-from halludetect.fake_openai import FakeOpenAI, Fault, rule_responder
-from halludetect.judges import get_judge, two_pass
-from halludetect.nli import cluster_responses, get_nli
-from halludetect.text import RELATIONS, YES_NO, parse_choice
+from halludetect.labels.call_cache import CallCache
+from halludetect.labels.chat_client import ApiError, ChatRunner
+from halludetect.labels.judges import get_judge, two_pass
+from halludetect.labels.nli import cluster_responses, get_nli
+from halludetect.labels.text import RELATIONS, YES_NO, parse_choice
+from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder
 
 KEY = "HD_TEST_API_KEY"
 REPO = Path(__file__).resolve().parents[1]
@@ -280,7 +280,7 @@ def test_hf_nli_batches_distinct_pairs_and_matches_one_by_one(tiny_nli_dir):
 def test_hf_nli_refuses_a_classifier_without_nli_labels(tmp_path, tiny_nli_dir):
     from transformers import AutoConfig
 
-    from halludetect.hf_models import ModelError
+    from halludetect.lm.hf_models import ModelError
 
     bad = tmp_path / "bad"
     import shutil

@@ -1,4 +1,4 @@
-"""The paper's figures as transcribed in halludetect/paper.py, re-read cell by cell from its LaTeX
+"""The paper's figures as transcribed in halludetect/report/paper.py, re-read cell by cell from its LaTeX
 source, and the identity rules that key them (hub id and loader, never a preset name)."""
 
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from halludetect import paper
+from halludetect.report import paper
 
 ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = [os.environ.get("HALLUDETECT_PAPER", ""), ROOT.parent / "shared/paper/000_044922276df50397.txt",

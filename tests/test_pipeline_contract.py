@@ -1,10 +1,6 @@
 """DVC's recompute contract, checked against the code: every stage lists exactly the modules it
-runs and declares the params it reads, and params.yaml is the one source of defaults.
-
-DVC re-runs a stage when a listed dependency changes, and only then. A module a stage imports
-(at the top of a file or inside a function, directly or through another module) but that
-`dvc.yaml` does not list could change results while DVC calls the outputs current; a listed
-module the stage never runs makes DVC re-run it for nothing. Both are failures here.
+runs (halludetect/core/code_deps.py computes them; `make deps` writes them) and declares the
+params it reads, and params.yaml is the one source of defaults.
 """
 
 from __future__ import annotations
@@ -17,56 +13,9 @@ import pytest
 import yaml
 
 from halludetect import config
+from halludetect.core import code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("halludetect", "stages")
-# The front door: lazy re-exports for library users, never imported by a stage for its
-# behaviour (test_front_door_runs_nothing_at_import holds it to that), so no stage lists it.
-FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
-
-
-def module_file(name: str) -> Path | None:
-    base = ROOT.joinpath(*name.split("."))
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.exists():
-            return path
-    return None
-
-
-def imports_of(path: Path, package: str) -> set[str]:
-    """Our modules that `path` imports anywhere in its body (functions included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolve against this module's package
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, base] if base else parts)
-            names = [base, *(f"{base}.{a.name}" for a in node.names)]
-        else:
-            continue
-        found |= {n for n in names if n.split(".")[0] in PACKAGES and module_file(n)}
-    return found
-
-
-def closure(module: str) -> set[Path]:
-    """Every file of ours that runs when `python -m module` runs: imports, transitively, and
-    the `__init__.py` of every package on the way (Python executes them on import)."""
-    seen: set[Path] = set()
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        parts = name.split(".")
-        for k in range(1, len(parts) + 1):  # parent packages first
-            path = module_file(".".join(parts[:k]))
-            if path is None or path in seen:
-                continue
-            seen.add(path)
-            package = ".".join(parts[:k]) if path.name == "__init__.py" else ".".join(parts[: k - 1])
-            todo += imports_of(path, package)
-    return seen - {FRONT_DOOR}
 
 
 def stages() -> dict[str, dict]:
@@ -79,37 +28,69 @@ def stage_module(stage: dict) -> str:
     return match.group(1)
 
 
-def code_deps(stage: dict) -> list[Path]:
-    return [ROOT / d for d in stage.get("deps", []) if d.split("/")[0] in PACKAGES]
+def module_file(name: str) -> Path:
+    path = code_deps.module_file(name)
+    assert path is not None, f"no module {name}"
+    return path
 
 
 @pytest.mark.parametrize("name", sorted(stages()))
 def test_every_stage_lists_exactly_the_code_it_runs(name):
+    """dvc.yaml's code deps are the stage's import closure (`make deps` writes them)."""
     stage = stages()[name]
-    runs = closure(stage_module(stage))
-    deps = code_deps(stage)
-    covered = {f for f in runs if any(f == d or d in f.parents for d in deps)}
-    missing = sorted(str(f.relative_to(ROOT)) for f in runs - covered)
-    assert not missing, f"{name}: dvc.yaml does not list {missing}, which the stage runs"
-    for d in deps:
-        assert d.exists(), f"{name}: listed dependency {d.relative_to(ROOT)} does not exist"
-        files = {d} if d.is_file() else set(d.rglob("*.py"))
-        unused = sorted(str(f.relative_to(ROOT)) for f in files - runs)
-        assert not unused, (f"{name}: lists {d.relative_to(ROOT)}, but never runs {unused} "
-                            "(list the files it runs instead, or DVC re-runs it for their edits)")
+    listed = sorted(d for d in stage.get("deps", []) if d.split("/")[0] in code_deps.PACKAGES)
+    runs = [code_deps.relative(p) for p in code_deps.closure(stage_module(stage))]
+    missing, unused = sorted(set(runs) - set(listed)), sorted(set(listed) - set(runs))
+    assert not missing, f"{name}: dvc.yaml does not list {missing}, which the stage runs: run `make deps`"
+    assert not unused, f"{name}: dvc.yaml lists {unused}, which the stage never runs: run `make deps`"
 
 
-def test_the_contract_test_sees_function_level_imports_and_package_inits(tmp_path):
-    # `dump` imports its model-side helpers; `world_check` reaches generation through
-    # halludetect.world.check, and every stage runs stages/__init__.py.
-    runs = {str(p.relative_to(ROOT)) for p in closure("stages.world_check")}
-    assert {"halludetect/generation.py", "halludetect/model_inputs.py", "halludetect/world/__init__.py",
-            "stages/__init__.py"} <= runs
+def test_dvc_yaml_is_what_make_deps_writes():
+    text = (ROOT / "dvc.yaml").read_text()
+    assert code_deps.render(text) == text, "dvc.yaml's code deps are stale or out of order: run `make deps`"
+    assert code_deps.stale_stages(text) == []
+
+
+def test_the_closure_sees_function_level_imports_package_inits_and_discovery():
+    # `world_check` reaches generation through halludetect.world.check (a function-level import
+    # among them); every stage runs stages/__init__.py; methods/ imports its modules by discovery.
+    runs = {code_deps.relative(p) for p in code_deps.closure("stages.world_check")}
+    assert {"halludetect/lm/generation.py", "halludetect/lm/model_inputs.py", "halludetect/world/check.py",
+            "stages/__init__.py", "halludetect/methods/hami.py", "halludetect/methods/probe.py"} <= runs
     assert "halludetect/world/tiny_llama.py" not in runs  # the check never trains
+    assert "halludetect/__init__.py" not in runs  # the front door runs nothing
+    assert "halludetect/lm/__init__.py" not in runs  # a docstring changes no result
+    assert "halludetect/detectors/networks.py" not in runs  # only stages that build detectors run networks
+
+
+def test_a_new_import_or_method_file_changes_the_closure(tmp_path, monkeypatch):
+    """The closure is read from the source as it is now: a function-level import added to a
+    module, or a file dropped into methods/, joins the closure of every stage that runs it."""
+    pkg = tmp_path / "halludetect"
+    (pkg / "methods").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""front door"""\n')
+    (pkg / "a.py").write_text("def f():\n    from halludetect import b\n")
+    (pkg / "b.py").write_text("X = 1\n")
+    (pkg / "methods" / "__init__.py").write_text("import pkgutil\nfor m in pkgutil.iter_modules(__path__):\n    pass\n")
+    (pkg / "methods" / "one.py").write_text("Y = 2\n")
+    (pkg / "c.py").write_text("import halludetect.methods\n")
+    monkeypatch.setattr(code_deps, "ROOT", tmp_path)
+    monkeypatch.setattr(code_deps, "FRONT_DOOR", pkg / "__init__.py")
+    code_deps.imports_of.cache_clear()
+    code_deps._runs_nothing.cache_clear()
+    try:
+        assert [p.name for p in code_deps.closure("halludetect.a")] == ["a.py", "b.py"]
+        assert {p.name for p in code_deps.closure("halludetect.c")} == {"c.py", "__init__.py", "one.py"}
+        (pkg / "methods" / "two.py").write_text("Z = 3\n")
+        code_deps.imports_of.cache_clear()
+        assert {p.name for p in code_deps.closure("halludetect.c")} == {"c.py", "__init__.py", "one.py", "two.py"}
+    finally:
+        code_deps.imports_of.cache_clear()
+        code_deps._runs_nothing.cache_clear()
 
 
 def test_front_door_runs_nothing_at_import():
-    tree = ast.parse(FRONT_DOOR.read_text())
+    tree = ast.parse(code_deps.FRONT_DOOR.read_text())
     for node in tree.body:  # module level: only the lazy table, the hook and docstrings
         if isinstance(node, ast.ImportFrom | ast.Import):
             names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]

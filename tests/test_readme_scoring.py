@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect.bundle import load_bundle, save_bundle
+from halludetect.scoring.bundle import load_bundle, save_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 

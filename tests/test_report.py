@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from halludetect.config import parse_params
-from halludetect.report import Grid, build_tables, load_metrics, sweep_table
-from halludetect.tables import Cell, Row, Table, latex_escape, rank, to_latex, to_markdown
+from halludetect.report.paper_tables import Grid, build_tables, load_metrics, sweep_table
+from halludetect.report.tables import Cell, Row, Table, latex_escape, rank, to_latex, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def renamed_params() -> dict:
 
 def grid_of(data: dict) -> Grid:
     p = parse_params(data)
-    from halludetect import paper
+    from halludetect.report import paper
 
     return Grid(p.grid.models, p.grid.datasets, {m: paper.model_key(p.model(m).path) for m in p.grid.models},
                 {d: paper.dataset_key(p.dataset(d).loader) for d in p.grid.datasets})

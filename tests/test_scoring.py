@@ -15,19 +15,19 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect import scoring
-from halludetect.activations import bag_positions, bag_slice, dump
-from halludetect.answer_files import InputError
-from halludetect.bundle import load_bundle, save_bundle
+from halludetect.activations.capture import bag_positions, bag_slice, dump
+from halludetect.activations.early_exit import load_until, states_until
+from halludetect.activations.layer_format import layer_files
+from halludetect.activations.layer_reader import read_layer
+from halludetect.activations.sampled_states import sample_with_states
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.detectors import build_detector, params_for
-from halludetect.early_exit import load_until, states_until
-from halludetect.hf_models import eos_ids
-from halludetect.layer_format import layer_files
-from halludetect.layer_reader import read_layer
-from halludetect.model_inputs import encode_prompt, pad_ids
-from halludetect.sampled_states import sample_with_states
-from halludetect.scoring import ModelMismatch, Scorer, score_answers, score_file
+from halludetect.detectors.build import build_detector, params_for
+from halludetect.lm.hf_models import eos_ids
+from halludetect.lm.model_inputs import encode_prompt, pad_ids
+from halludetect.scoring import scorer as scoring
+from halludetect.scoring.answer_files import InputError
+from halludetect.scoring.bundle import load_bundle, save_bundle
+from halludetect.scoring.scorer import ModelMismatch, Scorer, score_answers, score_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def no_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the mismatch was found")
 
-    monkeypatch.setattr("halludetect.early_exit.load_until", refuse)
+    monkeypatch.setattr("halludetect.activations.early_exit.load_until", refuse)
     monkeypatch.setattr(scoring, "load_model", refuse)
 
 
@@ -341,7 +341,8 @@ def test_methods_that_read_p_sem_need_it(bundle_path, tiny_model_dir, tmp_path):
 # ------------------------------------------------------------------------------ resume
 KILL_AFTER_PARTS = """
 import os, signal, sys
-from halludetect import console, unit_store
+from halludetect import cli as console
+from halludetect.core import unit_store
 put, n = unit_store.UnitStore.put, []
 def put_then_die(self, unit, df):
     put(self, unit, df)
@@ -379,7 +380,7 @@ def test_a_killed_run_loses_no_finished_part(contract, bundle_path, tiny_model_d
 
 
 def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_model_dir, tmp_path, monkeypatch):
-    from halludetect.unit_store import UnitStore
+    from halludetect.core.unit_store import UnitStore
 
     src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
     out = tmp_path / "out.jsonl"
@@ -407,7 +408,7 @@ def test_reading_rows_is_streamed(tmp_path):
     allocations while reading 20,000 rows is that of reading 2,000."""
     import tracemalloc
 
-    from halludetect.answer_files import AnswerFile
+    from halludetect.scoring.answer_files import AnswerFile
 
     def peak(n: int) -> int:
         rows = [{"id": i, "question": f"Where was Tavo Mir{i} born?", "answer": "Tavo Mir was born in " + "x" * 80}
@@ -427,7 +428,7 @@ def test_reading_rows_is_streamed(tmp_path):
 
 
 def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny_model_dir, tmp_path, capsys):
-    from halludetect import console
+    from halludetect import cli as console
 
     def fails(argv: list[str]) -> str:
         with pytest.raises(SystemExit) as e:

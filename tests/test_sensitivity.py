@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from halludetect import sensitivity
-from halludetect.detectors import Bags
+from halludetect.activations.bags import Bags
 from halludetect.detectors.networks import HaMI
-from halludetect.sensitivity import bag_sensitivity, class_expectations, closed_form_c, margin_change
+from halludetect.evaluation import sensitivity
+from halludetect.evaluation.sensitivity import bag_sensitivity, class_expectations, closed_form_c, margin_change
 
 D, DIM = 5, 12
 LENGTHS = [1, 3, 7, 12, 20, 31]

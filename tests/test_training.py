@@ -5,11 +5,13 @@ import polars as pl
 import pytest
 import torch
 
-from halludetect.config import SP_METHODS, PoolingParams
-from halludetect.detector_data import DataError, split_data
-from halludetect.detectors import DETECTORS, Bags, params_for
-from halludetect.layer_reader import Layer
-from halludetect.training import PairedSampler, train_detector
+from halludetect.activations.bags import Bags
+from halludetect.activations.layer_reader import Layer
+from halludetect.detectors.build import DETECTORS, params_for
+from halludetect.detectors.data import DataError, split_data
+from halludetect.detectors.training import PairedSampler, train_detector
+from halludetect.methods import SP_METHODS
+from halludetect.methods.pooling import PoolingParams
 
 D = 8
 
@@ -118,7 +120,7 @@ def test_dropped_answers_are_not_used():
 def test_saved_detector_round_trips_with_stable_bytes(tmp_path):
     import hashlib
 
-    from halludetect.detectors import build_detector, load_detector, save_detector
+    from halludetect.detectors.build import build_detector, load_detector, save_detector
 
     params = PoolingParams(dim=4)
     torch.manual_seed(0)

@@ -1,16 +1,5 @@
-"""MIL detectors: a registry of bag scorers over packed token states (see bags.py)."""
+"""MIL detectors over packed token states (activations/bags.py): the networks and their pooling,
+building, saving and loading a detector (build.py), split data (data.py), training and inference.
 
-from halludetect.detectors.bags import Bags, gather_rows, pad_bags
-from halludetect.detectors.registry import (
-    DETECTORS,
-    build_detector,
-    load_detector,
-    params_for,
-    save_detector,
-    section,
-    trained_params,
-)
-
-__all__ = ["DETECTORS", "Bags", "build_detector", "gather_rows", "load_detector", "pad_bags", "params_for",
-           "save_detector", "section",
-           "trained_params"]
+What a method *is* (its params, traits and which network it builds) is declared in methods/.
+"""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from halludetect.detectors.bags import Bags
+from halludetect.activations.bags import Bags
 from halludetect.detectors.pooling import POOLINGS, segment_softmax, segment_sum, topk_mean
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from halludetect.detectors.bags import Bags
+from halludetect.activations.bags import Bags
 
 
 def segment_sum(u: torch.Tensor, bags: Bags) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from halludetect.atomic_io import atomic_path, write_jsonl
 from halludetect.config import WorldParams
+from halludetect.core.atomic_io import atomic_path, write_jsonl
 from halludetect.world.kb import build_people, corpus, qa_rows
 from halludetect.world.tiny_llama import train_model, train_tokenizer
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from halludetect.atomic_io import read_jsonl
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.generation import generate
-from halludetect.hf_models import load_model, load_tokenizer
+from halludetect.core.atomic_io import read_jsonl
+from halludetect.labels.text import contains
+from halludetect.lm.generation import generate
+from halludetect.lm.hf_models import load_model, load_tokenizer
 from halludetect.metrics import auroc
-from halludetect.text import contains
 
 
 def evaluate_world(world_dir: Path, params: GenerateParams) -> dict:

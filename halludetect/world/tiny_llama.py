@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from halludetect import numerics
+from halludetect.core import numerics
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 

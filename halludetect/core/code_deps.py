@@ -1,0 +1,196 @@
+"""The code a module runs, read from its imports: dvc.yaml's code deps and the resume fingerprints.
+
+DVC re-runs a stage when a listed dependency changes, and only then. So every stage lists in
+`dvc.yaml` exactly the files of ours it runs: a module it runs but does not list could change
+results while DVC calls the outputs current; a listed module it never runs makes DVC re-run it
+for nothing. `closure` computes that set from the source: the module's imports (at the top of a
+file or inside a function, directly or through another module), and the `__init__.py` of every
+package on the way, which Python executes on import. One function serves three users:
+
+    python -m halludetect.core.code_deps --write     rewrite dvc.yaml's code deps (`make deps`)
+    python -m halludetect.core.code_deps --check     exit 1 naming every stage whose list is stale
+    code_digest("stages.generate")                   sha256 per file, for a resume fingerprint
+
+tests/test_pipeline_contract.py fails when dvc.yaml differs from what `--write` would write.
+
+Three rules beyond plain imports: the front door (`halludetect/__init__.py`) is left out, because
+it only maps names to modules lazily and runs nothing (a test holds it to that); so is a file that
+is only a docstring (most package `__init__.py`), which cannot change a result; and a package
+that imports its own modules by discovery (`pkgutil.iter_modules(__path__)`, as methods/ does)
+brings all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the directory holding halludetect/ (and stages/ in a checkout)
+PACKAGES = ("halludetect", "stages")
+FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
+
+
+def module_file(name: str) -> Path | None:
+    """The file of a dotted module name of ours, or None when it is not a module of ours."""
+    if name.split(".")[0] not in PACKAGES:
+        return None
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _discovers_modules(tree: ast.Module) -> bool:
+    """Whether a package's __init__ imports every module of its folder (pkgutil.iter_modules(__path__))."""
+    for node in ast.walk(tree):
+        called = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+        if called == "iter_modules" and any(isinstance(a, ast.Name) and a.id == "__path__" for a in node.args):
+            return True
+    return False
+
+
+@cache
+def imports_of(path: Path, package: str) -> frozenset[str]:
+    """Our modules that `path` imports anywhere in its body (functions included); `package` is
+    the package relative imports resolve against."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        found |= {n for n in names if module_file(n)}
+    if path.name == "__init__.py" and _discovers_modules(tree):
+        found |= {f"{package}.{p.stem}" for p in path.parent.glob("*.py") if p.name != "__init__.py"}
+    return frozenset(found)
+
+
+def closure(module: str) -> list[Path]:
+    """Every file of ours that runs when `python -m module` runs (or `import module`), sorted."""
+    if module_file(module) is None:
+        raise ValueError(f"no module '{module}' under {ROOT} (expected one of the packages {', '.join(PACKAGES)})")
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):  # parent packages first: Python runs their __init__
+            path = module_file(".".join(parts[:k]))
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            package = ".".join(parts[:k]) if path.name == "__init__.py" else ".".join(parts[: k - 1])
+            todo += imports_of(path, package)
+    return sorted(p for p in seen - {FRONT_DOOR} if not _runs_nothing(p))
+
+
+@cache
+def _runs_nothing(path: Path) -> bool:
+    """A file that is only a docstring (a package's description) cannot change any result: an
+    edit to it re-runs nothing."""
+    body = ast.parse(path.read_text(), str(path)).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def code_digest(module: str) -> dict[str, str]:
+    """sha256 of every file `module` runs, by repository path: an edit to any of them changes it."""
+    return {relative(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in closure(module)}
+
+
+# ------------------------------------------------------------------------------ dvc.yaml
+STAGE = re.compile(r"^  ([\w-]+):\s*(#.*)?$")  # a stage's key, under `stages:`
+CODE_DEP = re.compile(r"^(\s+)- ((?:halludetect|stages)/\S+)\s*(#.*)?$")
+MODULE = re.compile(r"python -m (stages\.\w+)")
+
+
+def stage_modules(dvc_yaml: str) -> dict[str, str]:
+    """Each stage's `python -m stages.<name>` module."""
+    import yaml
+
+    out = {}
+    for name, stage in (yaml.safe_load(dvc_yaml).get("stages") or {}).items():
+        match = MODULE.search(stage.get("cmd", ""))
+        if not match:
+            raise ValueError(f"dvc.yaml: stage '{name}' does not run `python -m stages.<name>`: {stage.get('cmd')!r}")
+        out[name] = match.group(1)
+    return out
+
+
+def render(dvc_yaml: str) -> str:
+    """dvc.yaml with each stage's code deps replaced by its closure, where its first code dep was;
+    every other line (data deps, comments, params, outs) is kept as it is."""
+    modules = stage_modules(dvc_yaml)
+    out, stage, written = [], None, False
+    for line in dvc_yaml.splitlines(keepends=True):
+        if m := STAGE.match(line):
+            stage, written = m.group(1), False
+        dep = CODE_DEP.match(line)
+        if stage in modules and dep:
+            if not written:
+                out += [f"{dep.group(1)}- {relative(p)}\n" for p in closure(modules[stage])]
+                written = True
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+def stale_stages(dvc_yaml: str) -> list[str]:
+    """Stages whose code deps in `dvc_yaml` differ from their closure (or that list none)."""
+    import yaml
+
+    stages = yaml.safe_load(dvc_yaml)["stages"]
+    stale = []
+    for name, module in stage_modules(dvc_yaml).items():
+        listed = sorted(d for d in stages[name].get("deps", []) if d.split("/")[0] in PACKAGES)
+        if listed != [relative(p) for p in closure(module)]:
+            stale.append(name)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m halludetect.core.code_deps", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dvc-yaml", default=str(ROOT / "dvc.yaml"), help="the pipeline file (default: the repo's)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the code deps of every stage")
+    mode.add_argument("--check", action="store_true", help="exit 1 naming the stages whose code deps are stale")
+    mode.add_argument("--module", help="print the files one module runs, one per line")
+    args = p.parse_args(argv)
+    if args.module:
+        print("\n".join(relative(f) for f in closure(args.module)))
+        return 0
+    path = Path(args.dvc_yaml)
+    text = path.read_text()
+    if args.check:
+        if stale := stale_stages(text):
+            print(f"{path}: stale code deps in {', '.join(stale)}: run `make deps`", file=sys.stderr)
+            return 1
+        return 0
+    new = render(text)
+    if new != text:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(new)
+        tmp.replace(path)
+    print(f"{path}: code deps of {len(stage_modules(new))} stages written"
+          + ("" if new != text else " (unchanged)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

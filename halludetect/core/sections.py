@@ -1,0 +1,25 @@
+"""The base class of every params section and the field types they share.
+
+A section rejects unknown keys (a typo must never fall back to a default) and is frozen (a
+stage cannot change what it was given). `config.py` composes the sections into `Params`;
+a detector method declares its own section in its file under `methods/`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+LearningRate = Annotated[float, Field(gt=0)]
+DropoutRate = Annotated[float, Field(ge=0, lt=1)]  # 1 would zero every feature
+Decay = Annotated[float, Field(ge=0)]
+# Which P_sem of clusters.parquet: length-normalised (mean), summed (sum) or the cluster count share.
+PSemVariant = Literal["mean", "sum", "count"]

@@ -1,0 +1,86 @@
+"""Detectors built from their method's spec (halludetect/methods/), saved and loaded.
+
+Weights are saved as safetensors with the method, d and params as metadata, so a detector
+file is self-describing and loads without pickles.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from halludetect.core.artifacts import damaged, load_safetensors, safetensors_metadata
+from halludetect.detectors import networks
+from halludetect.methods import METHODS
+from halludetect.methods import method as lookup_method
+
+WHAT = "detector file (safetensors)"
+DETECTORS = METHODS  # name -> its Method (halludetect/methods/): params class, traits, build
+
+
+def build_detector(method: str, d: int, params) -> nn.Module:
+    """The untrained network of `method` for states of width d; `params` is its section of
+    params.yaml (detectors.<method>)."""
+    return lookup_method(method).build(networks, d, params)
+
+
+def section(detectors, method: str):
+    """`method`'s section of the validated params (detectors.<method>), or a did-you-mean error."""
+    lookup_method(method)
+    return getattr(detectors, method)
+
+
+def params_for(method: str, params: dict | None = None):
+    """The typed params section of `method`, validated from a dict (defaults when None)."""
+    return lookup_method(method).params.model_validate(params or {})
+
+
+def save_detector(path, state_dict: dict, meta: dict) -> None:
+    """Weights as safetensors with `meta` (method, d, params, ...) as one JSON metadata entry.
+
+    One sorted entry, not one per key: safetensors writes its metadata map in no fixed
+    order, so several keys would give different bytes for the same detector, and DVC would
+    take an unchanged detector for a changed one.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in state_dict.items()}
+    save_file(state, str(path), metadata={"detector": json.dumps(meta, sort_keys=True)})
+
+
+def read_meta(path) -> dict:
+    """The metadata saved with a detector (method, d, layer, seed, params, ...); a damaged file
+    (garbage, truncated, empty, or without our metadata) is a `DataError` naming it."""
+    raw = safetensors_metadata(path, "train", WHAT).get("detector")
+    if raw is None:
+        raise damaged(path, WHAT, "train", "no 'detector' metadata: not written by halludetect's train stage")
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or not {"method", "d", "params"} <= set(meta):
+            raise ValueError("metadata lacks method, d or params")
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        raise damaged(path, WHAT, "train", f"unreadable 'detector' metadata: {e}") from None
+    return meta
+
+
+def trained_params(directory, method: str):
+    """The params a directory's detectors were trained with (evaluation must use the same)."""
+    lookup_method(method)  # an unknown method fails first, with suggestions
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no trained detectors in {directory}: run train first")
+    return params_for(method, read_meta(files[0])["params"])
+
+
+def load_detector(path) -> tuple[nn.Module, dict]:
+    """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
+    meta = read_meta(path)
+    model = build_detector(meta["method"], int(meta["d"]), params_for(meta["method"], meta["params"]))
+    try:
+        model.load_state_dict(load_safetensors(path, "train", WHAT))
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+        raise damaged(path, WHAT, "train", f"its tensors do not fit a '{meta['method']}' detector for "
+                      f"d={meta['d']}: {str(e).splitlines()[0]}") from None
+    return model.eval(), meta

@@ -1,0 +1,33 @@
+"""`openai`: an LLM judge behind any OpenAI-compatible endpoint (the paper: GPT-5 mini).
+
+Pass 1 asks with the reference answers, pass 2 with prompt 2 (no references). Replies are
+parsed strictly (`text.parse_choice`): an unparseable one is asked again, then marked
+invalid, which the protocol drops and counts. Calls are cached and resumable (`chat_client.py`, `call_cache.py`).
+"""
+
+from __future__ import annotations
+
+from halludetect.config import ChatParams
+from halludetect.labels.chat_client import ChatRunner
+from halludetect.labels.judges.base import JudgeItem, Verdict, register
+from halludetect.labels.text import YES_NO, parse_choice
+from halludetect.prompts import labeling_prompt
+
+
+@register("openai")
+class OpenAIJudge:
+    name = "openai"
+
+    def __init__(self, **params):
+        self.runner = ChatRunner(ChatParams(**params), where="judge.openai")
+        self.usage = self.runner.usage
+
+    def judge(self, items: list[JudgeItem], with_reference: bool) -> list[Verdict]:
+        ask = [i for i, it in enumerate(items) if it.answer.strip()]
+        prompts = [labeling_prompt(items[i].question, items[i].answer, items[i].references if with_reference else None)
+                   for i in ask]
+        replies = self.runner.run(prompts, lambda t: parse_choice(t, YES_NO), desc=f"pass {1 if with_reference else 2}")
+        out = [Verdict("invalid", "empty answer: not asked")] * len(items)
+        for i, r in zip(ask, replies):
+            out[i] = Verdict(r.value or "invalid", r.text if r.text is not None else "(no content)")
+        return out
