@@ -42,10 +42,6 @@ ENTAILMENT = (
     "Respond with only one word: entailment,contradiction, or neutral."
 )
 
-PROMPTS = {"generation": GENERATION, "labeling": LABELING, "labeling_with_reference": LABELING_WITH_REFERENCE,
-           "entailment": ENTAILMENT}
-
-
 def generation_prompt(question: str, template: str = GENERATION) -> str:
     """Prompt 1 for one question. The answer follows after a space the model generates."""
     return template.format(question=question.strip())

@@ -24,13 +24,11 @@ import torch
 from halludetect.activations.capture import layer_module
 from halludetect.config import ModelPreset
 from halludetect.lm.hf_models import (
-    DTYPES,
     ModelError,
-    _source_kwargs,
     hub_hint,
     load_config,
-    quantization_config,
-    resolve_device,
+    model_kwargs,
+    place,
 )
 
 
@@ -77,21 +75,8 @@ def load_until(preset: ModelPreset, layer: int, device: str = "auto"):
     """
     from transformers import AutoModel
 
-    src, kw = _source_kwargs(preset)
+    src, kw = model_kwargs(preset, device)
     config = cut_config(load_config(preset), layer)
-    quant = quantization_config(preset)
-    if quant is not None:
-        kw["quantization_config"] = quant
-    if preset.dtype != "auto":
-        kw["dtype"] = DTYPES[preset.dtype]
-    if preset.attn_implementation:
-        kw["attn_implementation"] = preset.attn_implementation
-    if preset.device_map:
-        kw["device_map"] = preset.device_map
-        if preset.max_memory:
-            kw["max_memory"] = dict(preset.max_memory)
-    elif quant is not None:
-        kw["device_map"] = {"": resolve_device(device)}
     try:
         with _quiet_transformers():
             model, info = AutoModel.from_pretrained(src, config=config, output_loading_info=True, **kw)
@@ -100,9 +85,7 @@ def load_until(preset: ModelPreset, layer: int, device: str = "auto"):
     if info["missing_keys"]:
         raise ModelError(f"{preset.path}: the checkpoint lacks {len(info['missing_keys'])} tensors of blocks "
                          f"1..{layer} (e.g. {sorted(info['missing_keys'])[:3]}): is it a complete model?")
-    if "device_map" not in kw:
-        model = model.to(resolve_device(device))
-    return model.eval()
+    return place(model, kw, device)
 
 
 @torch.no_grad()

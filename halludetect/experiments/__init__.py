@@ -1,1 +1,3 @@
-"""Around the pipeline: sweeps over DVC experiments into tables, and training one layer from a shared DVC remote."""
+"""Around the pipeline: sweeps over DVC experiments into tables, and training one layer from a shared
+DVC remote.
+"""

@@ -109,10 +109,10 @@ def quantization_config(preset: ModelPreset):
     )
 
 
-def load_model(preset: ModelPreset, device: str = "auto"):
-    """Load for inference. `device` places an unsplit model; a preset's `device_map` splits it instead."""
-    from transformers import AutoModelForCausalLM
-
+def model_kwargs(preset: ModelPreset, device: str = "auto") -> tuple[str, dict]:
+    """The source and `from_pretrained` arguments of `preset`: revision, dtype, quantization,
+    attention implementation and placement. One place for both the full model (`load_model`) and
+    the model cut after a layer (activations/early_exit.py), so the two never load differently."""
     src, kw = _source_kwargs(preset)
     quant = quantization_config(preset)
     if quant is not None:
@@ -127,14 +127,26 @@ def load_model(preset: ModelPreset, device: str = "auto"):
             kw["max_memory"] = dict(preset.max_memory)
     elif quant is not None:
         kw["device_map"] = {"": resolve_device(device)}  # bitsandbytes quantizes while placing
+    return src, kw
+
+
+def place(model, kw: dict, device: str = "auto"):
+    """An unsplit model moved to `device`, in eval mode (a device_map has placed it already)."""
+    if "device_map" not in kw:
+        model = model.to(resolve_device(device))
+    return model.eval()
+
+
+def load_model(preset: ModelPreset, device: str = "auto"):
+    """Load for inference. `device` places an unsplit model; a preset's `device_map` splits it instead."""
+    from transformers import AutoModelForCausalLM
+
+    src, kw = model_kwargs(preset, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kw)
     except OSError as e:
         raise hub_hint(preset, e) from None
-    if "device_map" not in kw:
-        model = model.to(resolve_device(device))
-    model.eval()
-    return model
+    return place(model, kw, device)
 
 
 def context_length(config) -> int | None:

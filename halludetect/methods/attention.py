@@ -7,8 +7,8 @@ bag logit = MLP(sum_i a_i h_i) with the MLP of the raw pooling rows.
 from __future__ import annotations
 
 from halludetect.core.sections import PositiveInt
-from halludetect.methods import Method, register
 from halludetect.methods.pooling import PoolingParams
+from halludetect.methods.spec import Method, register
 
 
 class AttentionParams(PoolingParams):

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from halludetect.core.sections import Decay, DropoutRate, LearningRate, PositiveInt, PSemVariant, Section
-from halludetect.methods import Method, register
+from halludetect.methods.spec import Method, register
 
 
 class HaMIParams(Section):

@@ -8,7 +8,7 @@ MLP Linear(d, dim)-ReLU-Dropout-Linear(dim, 1) after it (the paper's "Raw (d)" r
 from __future__ import annotations
 
 from halludetect.core.sections import Decay, DropoutRate, LearningRate, PositiveInt, Section
-from halludetect.methods import Method, register
+from halludetect.methods.spec import Method, register
 
 
 class PoolingParams(Section):

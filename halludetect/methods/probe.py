@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from halludetect.core.sections import Decay, LearningRate, Section
-from halludetect.methods import Method, register
+from halludetect.methods.spec import Method, register
 
 
 class ProbeParams(Section):

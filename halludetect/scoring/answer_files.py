@@ -35,7 +35,6 @@ from halludetect.core.atomic_io import atomic_path
 from halludetect.core.errors import UserError
 
 READERS = (".jsonl", ".parquet")
-REASONS = ("empty_answer", "too_long", "no_p_sem")  # why a row has no score (the output's `reason`)
 
 
 class InputError(UserError, ValueError):

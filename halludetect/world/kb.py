@@ -117,10 +117,6 @@ def question_text(relation: str, name: str) -> str:
     return RELATIONS[relation][0].format(name=name)
 
 
-def answer_text(relation: str, name: str, value: str) -> str:
-    return RELATIONS[relation][1].format(name=name, value=value)
-
-
 def corpus(people: list[Person], qa_fraction: float, seed: int) -> list[str]:
     """Training documents: each fact `exposure` times, as a statement or as a prompt-1 QA pair.
 
