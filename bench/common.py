@@ -19,8 +19,10 @@ WORLD_QUESTIONS = Path("data/questions/world.parquet")
 def need(*paths: Path) -> None:
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
-        sys.exit(f"error: {', '.join(missing)} missing: build the demo world first "
-                 "(`make bench` does, or `dvc repro` the stages that write them)")
+        sys.exit(
+            f"error: {', '.join(missing)} missing: build the demo world first "
+            "(`make bench` does, or `dvc repro` the stages that write them)"
+        )
 
 
 def setup_threads() -> int:

@@ -5,7 +5,7 @@ machine, in each numerics mode, compared by a digest of its weights.
     apt-get install qemu-user        # Debian's package; the emulation is slow (minutes)
     python -m bench.cross_cpu [--epochs 1] [--cpus Haswell,EPYC-Rome]
 
-What it shows (halludetect/core/numerics.py; README "Reproducible numbers" has the digests of
+What it shows (halludetect/core/numerics.py; docs/benchmarks.md has the digests of
 2026-11-22): in `reproducible` mode an emulated Intel Haswell gives this Intel machine's
 weights and an emulated AMD EPYC-Rome other ones (MKL refuses its Intel branches on AMD). In
 `portable` mode (MKL's COMPATIBLE branch, documented as identical across vendors) the EPYC-Rome
@@ -43,8 +43,11 @@ def digest(cpu: str | None, mode: str, epochs: int) -> tuple[str, float]:
     cmd = [sys.executable, "-c", TRAIN.replace("EPOCHS", str(epochs))]
     if cpu:
         cmd = ["qemu-x86_64", "-cpu", cpu, *cmd]
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS",
-                                                          "MKL_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env={**env, "HALLUDETECT_NUMERICS": mode}, capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1], time.perf_counter() - t0
@@ -68,8 +71,18 @@ def main() -> None:
             table.setdefault(mode, {})[name] = d
             seconds.setdefault(mode, {})[name] = round(s, 1)
             print(f"{mode:12s} {name:14s} {d} ({s:.0f} s)", flush=True)
-    print(json.dumps({"bench": "cross_cpu", "epochs": args.epochs, "digests": table, "seconds": seconds,
-                      "same_everywhere": {m: len(set(v.values())) == 1 for m, v in table.items()}}, sort_keys=True))
+    print(
+        json.dumps(
+            {
+                "bench": "cross_cpu",
+                "epochs": args.epochs,
+                "digests": table,
+                "seconds": seconds,
+                "same_everywhere": {m: len(set(v.values())) == 1 for m, v in table.items()},
+            },
+            sort_keys=True,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ def first_weight(model) -> torch.Tensor:
     return next(m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def measure(dtype: torch.dtype, n_bags: int, loop_bags: int, repeats: int, method: str = "max",
-            device: torch.device = CPU) -> dict:
+def measure(
+    dtype: torch.dtype, n_bags: int, loop_bags: int, repeats: int, method: str = "max", device: torch.device = CPU
+) -> dict:
     torch.manual_seed(0)
     model = build_detector(method, D_MODEL, params_for(method, {"dim": DIM})).to(device=device, dtype=dtype).eval()
     data = batches(n_bags, dtype, device)
@@ -137,22 +138,42 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available here")
     methods = args.methods.split(",")
-    by_method = {m: {name: measure(getattr(torch, name), args.bags, args.loop_bags, args.repeats, m, device)
-                     for name in ("bfloat16", "float16", "float32")} for m in methods}
+    by_method = {
+        m: {
+            name: measure(getattr(torch, name), args.bags, args.loop_bags, args.repeats, m, device)
+            for name in ("bfloat16", "float16", "float32")
+        }
+        for m in methods
+    }
     by_dtype = by_method[methods[0]]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {threads} threads"
-    result = {"bench": "detectors", "method": methods[0], "d": D_MODEL, "D": DIM, "bags": args.bags,
-              "threads": threads, "device": where, "paper_a100_samples_per_s": PAPER_A100.get(methods[0]),
-              "dtype": "bfloat16", **by_dtype["bfloat16"], "by_dtype": by_dtype,
-              "methods": {m: {"samples_per_s": {k: v["samples_per_s"] for k, v in r.items()},
-                              "paper_a100_samples_per_s": PAPER_A100.get(m)} for m, r in by_method.items()}}
+    result = {
+        "bench": "detectors",
+        "method": methods[0],
+        "d": D_MODEL,
+        "D": DIM,
+        "bags": args.bags,
+        "threads": threads,
+        "device": where,
+        "paper_a100_samples_per_s": PAPER_A100.get(methods[0]),
+        "dtype": "bfloat16",
+        **by_dtype["bfloat16"],
+        "by_dtype": by_dtype,
+        "methods": {
+            m: {
+                "samples_per_s": {k: v["samples_per_s"] for k, v in r.items()},
+                "paper_a100_samples_per_s": PAPER_A100.get(m),
+            }
+            for m, r in by_method.items()
+        },
+    }
     fastest = max(by_dtype, key=lambda k: by_dtype[k]["samples_per_s"])
     result["fastest_dtype"] = fastest
     result["goals_met"] = {
         "ratio_vs_loop>=20": result["ratio_vs_loop"] >= 20,
         "roofline_fraction>=0.6": result["roofline_fraction"] >= 0.6,
-        f"samples_per_s>{PAPER_A100.get(methods[0])} (fastest dtype)":
-            by_dtype[fastest]["samples_per_s"] > (PAPER_A100.get(methods[0]) or 0),
+        f"samples_per_s>{PAPER_A100.get(methods[0])} (fastest dtype)": by_dtype[fastest]["samples_per_s"]
+        > (PAPER_A100.get(methods[0]) or 0),
     }
     emit(result)
 

@@ -33,12 +33,14 @@ def synthetic_generations(questions: pl.DataFrame, n: int, vocab: int, seed: int
     lengths = rng.integers(8, 33, n)
     ids = [rng.integers(3, vocab, k).tolist() for k in lengths]
     qids = questions["id"].to_list()
-    return pl.DataFrame({
-        "question_id": [qids[i % len(qids)] for i in range(n)],
-        "sample_index": [i // len(qids) for i in range(n)],
-        "token_ids": ids,
-        "n_tokens": lengths.astype(np.int32),
-    })
+    return pl.DataFrame(
+        {
+            "question_id": [qids[i % len(qids)] for i in range(n)],
+            "sample_index": [i // len(qids) for i in range(n)],
+            "token_ids": ids,
+            "n_tokens": lengths.astype(np.int32),
+        }
+    )
 
 
 def plain_write(path: Path, nbytes: int) -> float:
@@ -90,8 +92,19 @@ def child(n: int, out_dir: Path) -> dict:
     gens = synthetic_generations(questions, n, len(tokenizer))
 
     t0 = time.perf_counter()
-    activations.dump(model, tokenizer, questions, gens, out_dir, layers, positions="predicting", dtype="float16",
-                     batch_size=64, attrs={}, log=lambda *_: None)
+    activations.dump(
+        model,
+        tokenizer,
+        questions,
+        gens,
+        out_dir,
+        layers,
+        positions="predicting",
+        dtype="float16",
+        batch_size=64,
+        attrs={},
+        log=lambda *_: None,
+    )
     seconds = time.perf_counter() - t0
     rss = peak_rss_mb()
     nbytes = sum(p.stat().st_size for p in out_dir.glob("layer_*.h5"))
@@ -107,9 +120,16 @@ def child(n: int, out_dir: Path) -> dict:
         write_s.append(replay(layers_data, out_dir / "replay"))
         os.sync()
         disk_s.append(plain_write(out_dir / "plain.bin", nbytes))
-    return {"responses": n, "tokens": int(gens["n_tokens"].sum()), "layers": len(layers), "seconds": seconds,
-            "write_seconds": statistics.median(write_s), "bytes": nbytes, "disk_seconds": statistics.median(disk_s),
-            "peak_rss_mb": rss}
+    return {
+        "responses": n,
+        "tokens": int(gens["n_tokens"].sum()),
+        "layers": len(layers),
+        "seconds": seconds,
+        "write_seconds": statistics.median(write_s),
+        "bytes": nbytes,
+        "disk_seconds": statistics.median(disk_s),
+        "peak_rss_mb": rss,
+    }
 
 
 def main() -> None:
@@ -125,21 +145,33 @@ def main() -> None:
     runs = {}
     for label, n in (("n", args.responses), ("4n", 4 * args.responses)):
         with tempfile.TemporaryDirectory(dir="data") as tmp:  # the disk the real dumps go to
-            res = subprocess.run([sys.executable, "-m", "bench.dump", "--child", str(n), "--out", tmp],
-                                 capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, "-m", "bench.dump", "--child", str(n), "--out", tmp],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[label] = json.loads(res.stdout.strip().splitlines()[-1])
     big = runs["4n"]
     mb = big["bytes"] / 2**20
-    emit({
-        "benchmark": "dump", "model": "world", "layers": big["layers"], "dtype": "float16",
-        "responses_n": runs["n"]["responses"], "responses_4n": big["responses"], "mb_4n": round(mb, 1),
-        "tokens_per_s": round(big["tokens"] / big["seconds"], 1),
-        "write_mb_per_s": round(mb / big["write_seconds"], 1),
-        "disk_mb_per_s": round(mb / big["disk_seconds"], 1),
-        "write_fraction_of_disk": round(big["disk_seconds"] / big["write_seconds"], 3),
-        "peak_rss_mb_n": round(runs["n"]["peak_rss_mb"], 1), "peak_rss_mb_4n": round(big["peak_rss_mb"], 1),
-        "rss_ratio_4n_n": round(big["peak_rss_mb"] / runs["n"]["peak_rss_mb"], 3),
-    })
+    emit(
+        {
+            "benchmark": "dump",
+            "model": "world",
+            "layers": big["layers"],
+            "dtype": "float16",
+            "responses_n": runs["n"]["responses"],
+            "responses_4n": big["responses"],
+            "mb_4n": round(mb, 1),
+            "tokens_per_s": round(big["tokens"] / big["seconds"], 1),
+            "write_mb_per_s": round(mb / big["write_seconds"], 1),
+            "disk_mb_per_s": round(mb / big["disk_seconds"], 1),
+            "write_fraction_of_disk": round(big["disk_seconds"] / big["write_seconds"], 3),
+            "peak_rss_mb_n": round(runs["n"]["peak_rss_mb"], 1),
+            "peak_rss_mb_4n": round(big["peak_rss_mb"], 1),
+            "rss_ratio_4n_n": round(big["peak_rss_mb"] / runs["n"]["peak_rss_mb"], 3),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -29,10 +29,20 @@ def peers_way(model, tokenizer, questions: pl.DataFrame, params: GenerateParams)
     for q in questions["question"]:
         ids = torch.tensor([encode_prompt(tokenizer, q, False)])
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=params.temperature,
-            top_k=None, top_p=None, num_return_sequences=params.n_samples, max_new_tokens=params.max_new_tokens,
-            stop_strings=params.stop, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
-            output_hidden_states=True, output_scores=True, return_dict_in_generate=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=params.temperature,
+            top_k=None,
+            top_p=None,
+            num_return_sequences=params.n_samples,
+            max_new_tokens=params.max_new_tokens,
+            stop_strings=params.stop,
+            tokenizer=tokenizer,
+            pad_token_id=tokenizer.pad_token_id,
+            output_hidden_states=True,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
         n += len(out.sequences)
     return n
@@ -49,8 +59,7 @@ def main() -> None:
     preset = ModelPreset(path=str(WORLD_MODEL), dtype="float32")
     model, tokenizer = load_model(preset, "cpu"), load_tokenizer(preset)
     questions = read_questions(WORLD_QUESTIONS).head(args.questions)
-    params = GenerateParams(n_samples=5, temperature=0.5, max_new_tokens=32, stop=["\n"],
-                            batch_size=args.batch_size)
+    params = GenerateParams(n_samples=5, temperature=0.5, max_new_tokens=32, stop=["\n"], batch_size=args.batch_size)
     samples = questions.height * params.n_samples
 
     generate(model, tokenizer, questions.head(4), params)  # warm-up: first-call costs out of the timings
@@ -63,12 +72,21 @@ def main() -> None:
         seconds, n = timed(peers_way, model, tokenizer, questions, params)
         assert n == samples
         base.append(samples / seconds)
-    emit({
-        "benchmark": "generation", "model": "world", "questions": questions.height, "k": params.n_samples,
-        "max_new_tokens": params.max_new_tokens, "batch_size": params.batch_size, "threads": threads,
-        "repeats": args.repeats, "samples_per_s": round(median(ours), 1),
-        "baseline_samples_per_s": round(median(base), 1), "ratio": round(median(ours) / median(base), 2),
-    })
+    emit(
+        {
+            "benchmark": "generation",
+            "model": "world",
+            "questions": questions.height,
+            "k": params.n_samples,
+            "max_new_tokens": params.max_new_tokens,
+            "batch_size": params.batch_size,
+            "threads": threads,
+            "repeats": args.repeats,
+            "samples_per_s": round(median(ours), 1),
+            "baseline_samples_per_s": round(median(base), 1),
+            "ratio": round(median(ours) / median(base), 2),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ KEY = "BENCH_JUDGE_KEY"
 
 @contextmanager
 def server(latency: float):
-    proc = subprocess.Popen([sys.executable, "-m", "halludetect.testing.fake_openai", "--port", "0", "--latency", str(latency)],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "halludetect.testing.fake_openai", "--port", "0", "--latency", str(latency)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = proc.stdout.readline().split()[1]  # "serving http://127.0.0.1:PORT/v1 ..."
         yield url
@@ -63,8 +67,11 @@ def stats(url: str) -> dict:
 
 def efficiency_run(url: str, calls: int, concurrency: int, cache_dir: Path) -> float:
     prompts = [labeling_prompt(f"Where was person {i} born?", f"In City{i}.", (f"City{i}",)) for i in range(calls)]
-    runner = ChatRunner(ChatParams(model="bench", base_url=url, api_key_env=KEY, concurrency=concurrency),
-                        where="bench", cache=CallCache(cache_dir / "calls.sqlite"))
+    runner = ChatRunner(
+        ChatParams(model="bench", base_url=url, api_key_env=KEY, concurrency=concurrency),
+        where="bench",
+        cache=CallCache(cache_dir / "calls.sqlite"),
+    )
     t0 = time.perf_counter()
     out = runner.run(prompts, lambda t: parse_choice(t, YES_NO))
     wall = time.perf_counter() - t0
@@ -74,19 +81,48 @@ def efficiency_run(url: str, calls: int, concurrency: int, cache_dir: Path) -> f
 
 def stage_files(d: Path, url: str, concurrency: int) -> list[str]:
     n = 100
-    pl.DataFrame({"id": [f"q{i}" for i in range(n)], "question": [f"Where was person {i} born?" for i in range(n)],
-                  "answers": [[f"City{i}"] for i in range(n)], "context": [""] * n,
-                  "split": ["test"] * n}).write_parquet(d / "questions.parquet")
-    pl.DataFrame([{"question_id": f"q{i}", "sample_index": k, "split": "test", "n_tokens": 3,
-                   "text": f"Born in City{i}{k or ''}.", "token_logprobs": [-0.5] * 3}
-                  for i in range(n) for k in range(5)]).write_parquet(d / "generations.parquet")
+    pl.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(n)],
+            "question": [f"Where was person {i} born?" for i in range(n)],
+            "answers": [[f"City{i}"] for i in range(n)],
+            "context": [""] * n,
+            "split": ["test"] * n,
+        }
+    ).write_parquet(d / "questions.parquet")
+    pl.DataFrame(
+        [
+            {
+                "question_id": f"q{i}",
+                "sample_index": k,
+                "split": "test",
+                "n_tokens": 3,
+                "text": f"Born in City{i}{k or ''}.",
+                "token_logprobs": [-0.5] * 3,
+            }
+            for i in range(n)
+            for k in range(5)
+        ]
+    ).write_parquet(d / "generations.parquet")
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     data["judge"]["backend"] = "openai"
     data["judge"]["openai"].update(base_url=url, api_key_env=KEY, concurrency=concurrency)
     (d / "params.yaml").write_text(yaml.safe_dump(data))
-    return [sys.executable, "-m", "stages.judge", "--params", str(d / "params.yaml"),
-            "--questions", str(d / "questions.parquet"), "--generations", str(d / "generations.parquet"),
-            "--out", str(d / "judgments.parquet"), "--metrics", str(d / "metrics.json")]
+    return [
+        sys.executable,
+        "-m",
+        "stages.judge",
+        "--params",
+        str(d / "params.yaml"),
+        "--questions",
+        str(d / "questions.parquet"),
+        "--generations",
+        str(d / "generations.parquet"),
+        "--out",
+        str(d / "judgments.parquet"),
+        "--metrics",
+        str(d / "metrics.json"),
+    ]
 
 
 def kill_and_rerun(latency: float, concurrency: int, sig: signal.Signals, env: dict) -> dict:
@@ -105,11 +141,16 @@ def kill_and_rerun(latency: float, concurrency: int, sig: signal.Signals, env: d
         subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
         final = stats(url)
         m = json.loads((d / "metrics.json").read_text())
-        return {"signal": sig.name, "exit_code": rc, "requests_before_kill": at_kill["requests"],
-                "distinct_calls": final["distinct"], "total_requests": final["requests"],
-                "repeat_calls": final["requests"] - final["distinct"],
-                "calls_in_last_rerun": final["requests"] - after_resume["requests"],
-                "cache_hits_in_last_rerun": m["api"]["cache_hits"]}
+        return {
+            "signal": sig.name,
+            "exit_code": rc,
+            "requests_before_kill": at_kill["requests"],
+            "distinct_calls": final["distinct"],
+            "total_requests": final["requests"],
+            "repeat_calls": final["requests"] - final["distinct"],
+            "calls_in_last_rerun": final["requests"] - after_resume["requests"],
+            "cache_hits_in_last_rerun": m["api"]["cache_hits"],
+        }
 
 
 def two_at_once(latency: float, concurrency: int, env: dict) -> dict:
@@ -119,17 +160,24 @@ def two_at_once(latency: float, concurrency: int, env: dict) -> dict:
         cmd = stage_files(d, url, concurrency)
         runs = []
         for i in (0, 1):
-            out = [a.replace("judgments.parquet", f"judgments{i}.parquet").replace("metrics.json", f"metrics{i}.json")
-                   for a in cmd]
-            runs.append(subprocess.Popen(out, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         text=True))
+            out = [
+                a.replace("judgments.parquet", f"judgments{i}.parquet").replace("metrics.json", f"metrics{i}.json")
+                for a in cmd
+            ]
+            runs.append(
+                subprocess.Popen(out, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            )
         errors = [p.communicate()[1] for p in runs]
         if any(p.returncode for p in runs):
             raise SystemExit(f"a judge run failed: {errors}")
         s = stats(url)
         same = (d / "judgments0.parquet").read_bytes() == (d / "judgments1.parquet").read_bytes()
-        return {"requests": s["requests"], "distinct_prompts": s["distinct"],
-                "paid_twice": s["requests"] - s["distinct"], "identical_outputs": same}
+        return {
+            "requests": s["requests"],
+            "distinct_prompts": s["distinct"],
+            "paid_twice": s["requests"] - s["distinct"],
+            "identical_outputs": same,
+        }
 
 
 def main() -> None:
@@ -156,16 +204,23 @@ def main() -> None:
         print(json.dumps(r, sort_keys=True))
     both = two_at_once(a.latency, a.concurrency, dict(os.environ))
     print(json.dumps({"two_at_once": both}, sort_keys=True))
-    emit({
-        "calls": a.calls, "latency_s": a.latency, "concurrency": a.concurrency,
-        "wall_s": round(wall, 3), "wall_s_runs": [round(w, 3) for w in walls], "ideal_s": round(ideal, 3),
-        "efficiency": round(ideal / wall, 3),
-        "repeat_calls_after_rerun": runs[0]["repeat_calls"] + runs[0]["calls_in_last_rerun"],
-        "repeat_calls_after_sigkill": runs[1]["repeat_calls"],
-        "calls_in_rerun_after_completion": runs[0]["calls_in_last_rerun"] + runs[1]["calls_in_last_rerun"],
-        "two_at_once_requests": both["requests"], "two_at_once_distinct": both["distinct_prompts"],
-        "two_at_once_paid_twice": both["paid_twice"],
-    })
+    emit(
+        {
+            "calls": a.calls,
+            "latency_s": a.latency,
+            "concurrency": a.concurrency,
+            "wall_s": round(wall, 3),
+            "wall_s_runs": [round(w, 3) for w in walls],
+            "ideal_s": round(ideal, 3),
+            "efficiency": round(ideal / wall, 3),
+            "repeat_calls_after_rerun": runs[0]["repeat_calls"] + runs[0]["calls_in_last_rerun"],
+            "repeat_calls_after_sigkill": runs[1]["repeat_calls"],
+            "calls_in_rerun_after_completion": runs[0]["calls_in_last_rerun"] + runs[1]["calls_in_last_rerun"],
+            "two_at_once_requests": both["requests"],
+            "two_at_once_distinct": both["distinct_prompts"],
+            "two_at_once_paid_twice": both["paid_twice"],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -79,13 +79,18 @@ def main() -> None:
         ids = semantic_entropy_ids(base, q, texts, EQUIVALENCE[a.equivalence])
         agree += ids == s.ids()  # exact relations are transitive: both must find the same partition
     n = len(items)
-    emit({
-        "source": source, "questions": n, "answers": sum(len(t) for _, t in items),
-        "mean_unique_answers": round(sum(len(s.unique) for s in states) / n, 3),
-        "same_clusters": agree / n,
-        "calls_per_question": round(ours.calls / n, 3), "baseline_calls_per_question": round(base.calls / n, 3),
-        "ratio": round(base.calls / max(ours.calls, 1), 2),
-    })
+    emit(
+        {
+            "source": source,
+            "questions": n,
+            "answers": sum(len(t) for _, t in items),
+            "mean_unique_answers": round(sum(len(s.unique) for s in states) / n, 3),
+            "same_clusters": agree / n,
+            "calls_per_question": round(ours.calls / n, 3),
+            "baseline_calls_per_question": round(base.calls / n, 3),
+            "ratio": round(base.calls / max(ours.calls, 1), 2),
+        }
+    )
 
 
 if __name__ == "__main__":

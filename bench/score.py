@@ -49,11 +49,25 @@ from halludetect.qa.datasets import read_questions
 
 WORLD_GENERATIONS = Path("data/generations/world/world.parquet")
 SHAPES = {
-    "deep": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=32, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048),
-    "llama3-8b-shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                            rope_theta=500000.0),
+    "deep": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
+    "llama3-8b-shape": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -70,17 +84,25 @@ def world_answers(n: int, model_dir: str, questions: str, generations: str) -> t
     need(Path(model_dir), Path(questions), Path(generations))
     tok = load_tokenizer(ModelPreset(path=model_dir))
     text = dict(read_questions(questions).select("id", "question").iter_rows())
-    gens = (pl.read_parquet(generations).filter((pl.col("split") != "train") & (pl.col("n_tokens") > 0))
-            .sort("question_id", "sample_index").head(n))
-    return [(encode_prompt(tok, text[q], False), list(ids)) for q, ids in
-            gens.select("question_id", "token_ids").iter_rows()], tok.pad_token_id
+    gens = (
+        pl.read_parquet(generations)
+        .filter((pl.col("split") != "train") & (pl.col("n_tokens") > 0))
+        .sort("question_id", "sample_index")
+        .head(n)
+    )
+    return [
+        (encode_prompt(tok, text[q], False), list(ids))
+        for q, ids in gens.select("question_id", "token_ids").iter_rows()
+    ], tok.pad_token_id
 
 
 def random_answers(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     """Prompt 1 is ~30 tokens and world answers ~12: the same shape, random ids (no special tokens)."""
     rng = np.random.default_rng(seed)
-    return [(rng.integers(10, vocab, rng.integers(25, 36)).tolist(),
-             rng.integers(10, vocab, rng.integers(5, 21)).tolist()) for _ in range(n)]
+    return [
+        (rng.integers(10, vocab, rng.integers(25, 36)).tolist(), rng.integers(10, vocab, rng.integers(5, 21)).tolist())
+        for _ in range(n)
+    ]
 
 
 class ForceAnswer(LogitsProcessor):
@@ -120,8 +142,9 @@ def batched(model, answers, pad_id, layer, n_blocks, detectors, batch_size, earl
             with capture(model, [layer]) as store:
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
             h = store[layer]
-        score_bags(detectors, h, [bag_slice(len(p), len(x), "predicting").start for p, x in part],
-                   [len(x) for _, x in part])
+        score_bags(
+            detectors, h, [bag_slice(len(p), len(x), "predicting").start for p, x in part], [len(x) for _, x in part]
+        )
     sync(device)
     return len(answers)
 
@@ -132,9 +155,18 @@ def peers_way(model, answers, pad_id, layer, detectors) -> int:
     for prompt, answer in answers:
         ids = torch.tensor([prompt], device=device)
         force = LogitsProcessorList([ForceAnswer(answer, ids.shape[1])])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=len(answer),
-                             min_new_tokens=len(answer), logits_processor=force, output_hidden_states=True,
-                             return_dict_in_generate=True, pad_token_id=pad_id, eos_token_id=None)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=len(answer),
+            min_new_tokens=len(answer),
+            logits_processor=force,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad_id,
+            eos_token_id=None,
+        )
         # step t's last position predicts answer token t (`predicting` bags, as the paper's code stored)
         h = torch.cat([out.hidden_states[t][layer][:, -1:] for t in range(len(answer))], dim=1)  # [1, n, d]
         score_bags(detectors, h, [0], [len(answer)])
@@ -173,25 +205,48 @@ def run_preset(name: str, args) -> dict:
                     n = batched(model, answers, pad_id, layer, n_blocks, detectors, bs, way == "early")
                 rates[way].append(n / (time.perf_counter() - t0))
         early, full, peer = (median(rates[w]) for w in ("early", "full", "peers"))
-        rows.append({"layer": layer, "early_exit_answers_per_s": round(early, 1),
-                     "full_forward_answers_per_s": round(full, 1), "peers_answers_per_s": round(peer, 2),
-                     "ratio_full": round(early / full, 2), "ratio_peers": round(early / peer, 1),
-                     "n_over_layer": round(n_blocks / layer, 2),
-                     "n_over_layer_plus_1": round(n_blocks / (layer + 1), 2)})
+        rows.append(
+            {
+                "layer": layer,
+                "early_exit_answers_per_s": round(early, 1),
+                "full_forward_answers_per_s": round(full, 1),
+                "peers_answers_per_s": round(peer, 2),
+                "ratio_full": round(early / full, 2),
+                "ratio_peers": round(early / peer, 1),
+                "n_over_layer": round(n_blocks / layer, 2),
+                "n_over_layer_plus_1": round(n_blocks / (layer + 1), 2),
+            }
+        )
         print(rows[-1], flush=True)
-    return {"preset": name, "blocks": n_blocks, "hidden": d, "dtype": str(next(model.parameters()).dtype),
-            "answers": len(answers), "peer_answers": len(peers), "batch_size": bs,
-            "mean_tokens": round(float(np.mean([len(p) + len(x) for p, x in answers])), 1), "layers": rows}
+    return {
+        "preset": name,
+        "blocks": n_blocks,
+        "hidden": d,
+        "dtype": str(next(model.parameters()).dtype),
+        "answers": len(answers),
+        "peer_answers": len(peers),
+        "batch_size": bs,
+        "mean_tokens": round(float(np.mean([len(p) + len(x) for p, x in answers])), 1),
+        "layers": rows,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", action="append", choices=["world", "deep", "llama3-8b-shape"],
-                    help="repeatable; default: world and deep")
+    ap.add_argument(
+        "--preset",
+        action="append",
+        choices=["world", "deep", "llama3-8b-shape"],
+        help="repeatable; default: world and deep",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (llama3-8b-shape wants a GPU)")
     ap.add_argument("--answers", type=int, default=128, help="answers scored per way and repeat")
-    ap.add_argument("--peer-answers", type=int, default=8,
-                    help="the first N answers for the peers' way (one generate each; 0: all), default 8")
+    ap.add_argument(
+        "--peer-answers",
+        type=int,
+        default=8,
+        help="the first N answers for the peers' way (one generate each; 0: all), default 8",
+    )
     ap.add_argument("--layers", type=int, nargs="*", help="detector layers (default: world 1 2 4; others 8 16 24)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -202,8 +257,16 @@ def main() -> None:
     threads = setup_threads()
     presets = args.preset or ["world", "deep"]
     results = [run_preset(p, args) for p in presets]
-    emit({"benchmark": "score", "device": args.device, "threads": threads, "repeats": args.repeats,
-          "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "presets": results})
+    emit(
+        {
+            "benchmark": "score",
+            "device": args.device,
+            "threads": threads,
+            "repeats": args.repeats,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+            "presets": results,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ def main() -> None:
         for method in DETECTORS:
             mp = section(params.detectors, method)
             p_sem = p_sem_table(clusters, mp.p_sem) if method in SP_METHODS else None
-            train, val = split_data(data, judgments, "train", str(path), p_sem), split_data(
-                data, judgments, "val", str(path), p_sem)
+            train, val = (
+                split_data(data, judgments, "train", str(path), p_sem),
+                split_data(data, judgments, "val", str(path), p_sem),
+            )
             t0 = time.perf_counter()
             train_detector(method, mp, train, val, epochs=epochs, batch_size=batch_size, seed=seed)
             per_method[method] += time.perf_counter() - t0
@@ -120,26 +122,28 @@ def main() -> None:
         train_seeds("max", mp, train, val, {"val": val, "test": test}, seeds, epochs=epochs, batch_size=batch_size)
         parallel_s.append(time.perf_counter() - t0)
 
-    emit({
-        "bench": "training",
-        "threads": threads,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "layers": len(files),
-        "methods": len(DETECTORS),
-        "all_methods_all_layers_s": all_s,
-        "seconds_per_method_all_layers": per_method,
-        "loop_layer": layer_of_loop,
-        "loop_max_one_layer_s": loop_s,
-        "ours_max_one_layer_s": same_s,
-        "ratio_vs_loop_same_work": loop_s / same_s,
-        "all_methods_all_layers_over_loop_one_layer": all_s / loop_s,
-        "best_val_auroc": {"ours": ours.best_val_auroc, "loop": loop_auroc},
-        "seeds": seeds,
-        "seeds_sequential_all_cores_s": min(sequential_s),
-        "seeds_parallel_workers_s": min(parallel_s),
-        "seeds_ratio": min(sequential_s) / min(parallel_s),
-    })
+    emit(
+        {
+            "bench": "training",
+            "threads": threads,
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "layers": len(files),
+            "methods": len(DETECTORS),
+            "all_methods_all_layers_s": all_s,
+            "seconds_per_method_all_layers": per_method,
+            "loop_layer": layer_of_loop,
+            "loop_max_one_layer_s": loop_s,
+            "ours_max_one_layer_s": same_s,
+            "ratio_vs_loop_same_work": loop_s / same_s,
+            "all_methods_all_layers_over_loop_one_layer": all_s / loop_s,
+            "best_val_auroc": {"ours": ours.best_val_auroc, "loop": loop_auroc},
+            "seeds": seeds,
+            "seeds_sequential_all_cores_s": min(sequential_s),
+            "seeds_parallel_workers_s": min(parallel_s),
+            "seeds_ratio": min(sequential_s) / min(parallel_s),
+        }
+    )
 
 
 if __name__ == "__main__":

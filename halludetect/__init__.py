@@ -19,27 +19,43 @@ import importlib
 # name -> the module that defines it
 _EXPORTS = {
     # params
-    "Params": "halludetect.config", "load_params": "halludetect.config",
-    "UserError": "halludetect.core.errors", "DataError": "halludetect.core.errors",
+    "Params": "halludetect.config",
+    "load_params": "halludetect.config",
+    "UserError": "halludetect.core.errors",
+    "DataError": "halludetect.core.errors",
     # base models and their inputs
-    "load_model": "halludetect.lm.hf_models", "load_tokenizer": "halludetect.lm.hf_models",
+    "load_model": "halludetect.lm.hf_models",
+    "load_tokenizer": "halludetect.lm.hf_models",
     "encode_prompt": "halludetect.lm.model_inputs",
     # sampling, activations, layer files
-    "generate": "halludetect.lm.generation", "capture": "halludetect.activations.capture",
-    "dump": "halludetect.activations.capture", "layer_files": "halludetect.activations.layer_format",
-    "read_layer": "halludetect.activations.layer_reader", "LayerReader": "halludetect.activations.layer_reader",
+    "generate": "halludetect.lm.generation",
+    "capture": "halludetect.activations.capture",
+    "dump": "halludetect.activations.capture",
+    "layer_files": "halludetect.activations.layer_format",
+    "read_layer": "halludetect.activations.layer_reader",
+    "LayerReader": "halludetect.activations.layer_reader",
     # labels
-    "get_judge": "halludetect.labels.judges", "two_pass": "halludetect.labels.judges",
-    "get_nli": "halludetect.labels.nli", "cluster_responses": "halludetect.labels.nli",
-    "read_judgments": "halludetect.labels.readers", "read_clusters": "halludetect.labels.readers",
+    "get_judge": "halludetect.labels.judges",
+    "two_pass": "halludetect.labels.judges",
+    "get_nli": "halludetect.labels.nli",
+    "cluster_responses": "halludetect.labels.nli",
+    "read_judgments": "halludetect.labels.readers",
+    "read_clusters": "halludetect.labels.readers",
     # detectors: the methods' registry, bags of token states, building, training, evaluating
-    "METHODS": "halludetect.methods", "DETECTORS": "halludetect.detectors.build", "Bags": "halludetect.activations.bags",
-    "build_detector": "halludetect.detectors.build", "load_detector": "halludetect.detectors.build",
-    "save_detector": "halludetect.detectors.build", "split_data": "halludetect.detectors.data",
-    "train_detector": "halludetect.detectors.training", "evaluate_detector": "halludetect.evaluation.evaluate",
+    "METHODS": "halludetect.methods",
+    "DETECTORS": "halludetect.detectors.build",
+    "Bags": "halludetect.activations.bags",
+    "build_detector": "halludetect.detectors.build",
+    "load_detector": "halludetect.detectors.build",
+    "save_detector": "halludetect.detectors.build",
+    "split_data": "halludetect.detectors.data",
+    "train_detector": "halludetect.detectors.training",
+    "evaluate_detector": "halludetect.evaluation.evaluate",
     # scoring new answers with an exported bundle
-    "load_bundle": "halludetect.scoring.bundle", "Scorer": "halludetect.scoring.scorer",
-    "score_answers": "halludetect.scoring.scorer", "score_file": "halludetect.scoring.scorer",
+    "load_bundle": "halludetect.scoring.bundle",
+    "Scorer": "halludetect.scoring.scorer",
+    "score_answers": "halludetect.scoring.scorer",
+    "score_file": "halludetect.scoring.scorer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -33,14 +33,29 @@ def _score(args) -> None:
         if args.max_new_tokens is not None:
             generate = generate.model_copy(update={"max_new_tokens": args.max_new_tokens})
     elif args.params or args.seed is not None or args.max_new_tokens is not None or args.greedy:
-        raise UserError("--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
-                        "pass --generate, or drop them")
+        raise UserError(
+            "--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
+            "pass --generate, or drop them"
+        )
     threshold = args.threshold
     summary = score_file(
-        args.bundle, args.input, args.out, args.model, revision=args.revision, dtype=args.dtype, device=args.device,
-        device_map=args.device_map, positions=args.positions, generate=generate, greedy=args.greedy,
-        threshold=threshold, batch_size=args.batch_size, per_seed=args.per_seed, rows_per_part=args.rows_per_part,
-        progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr),
+        args.bundle,
+        args.input,
+        args.out,
+        args.model,
+        revision=args.revision,
+        dtype=args.dtype,
+        device=args.device,
+        device_map=args.device_map,
+        positions=args.positions,
+        generate=generate,
+        greedy=args.greedy,
+        threshold=threshold,
+        batch_size=args.batch_size,
+        per_seed=args.per_seed,
+        rows_per_part=args.rows_per_part,
+        progress=not args.no_progress,
+        log=lambda msg: print(msg, file=sys.stderr),
     )
     if args.summary:
         write_json(args.summary, summary)
@@ -60,10 +75,21 @@ def _train_layer(args) -> None:
     from halludetect.config import load_params
     from halludetect.experiments.sharing import train_layer_from_remote
 
-    fetched = train_layer_from_remote(Path("."), load_params(args.params), args.model, args.dataset, args.method,
-                                      args.layer, remote=args.remote, jobs=args.jobs)
-    print(json.dumps({"stage": fetched.stage, "fetched_bytes": fetched.bytes, "fetched": fetched.files},
-                     indent=2, sort_keys=True))
+    fetched = train_layer_from_remote(
+        Path("."),
+        load_params(args.params),
+        args.model,
+        args.dataset,
+        args.method,
+        args.layer,
+        remote=args.remote,
+        jobs=args.jobs,
+    )
+    print(
+        json.dumps(
+            {"stage": fetched.stage, "fetched_bytes": fetched.bytes, "fetched": fetched.files}, indent=2, sort_keys=True
+        )
+    )
 
 
 def _sweep(args) -> None:
@@ -81,8 +107,9 @@ def _sweep(args) -> None:
         if not sep:
             raise UserError(f"--where {item!r}: write KEY=VALUE, e.g. --where train.epochs=100")
         where[key] = _literal(value)
-    table = sweep(".", args.param, Grid.of(load_params(args.params)), method=args.method, metric=args.metric,
-                  where=where)
+    table = sweep(
+        ".", args.param, Grid.of(load_params(args.params)), method=args.method, metric=args.metric, where=where
+    )
     out = Path(args.out_dir)
     write_text(out / f"{table.name}.md", to_markdown(table))
     write_text(out / f"{table.name}.tex", to_latex(table))
@@ -98,39 +125,70 @@ def _literal(text: str):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="halludetect", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halludetect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("score", help="score answers (or sampled answers to questions) with a detector bundle",
-                       description="Score answers with a detector bundle (the export stage writes them to "
-                                   "data/bundles/<model>/<dataset>/<method>.safetensors). The base model runs only "
-                                   "up to the detector's layer.")
+    s = sub.add_parser(
+        "score",
+        help="score answers (or sampled answers to questions) with a detector bundle",
+        description="Score answers with a detector bundle (the export stage writes them to "
+        "data/bundles/<model>/<dataset>/<method>.safetensors). The base model runs only "
+        "up to the detector's layer.",
+    )
     s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
-    s.add_argument("--input", required=True, help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem]; "
-                                                  "with --generate: question[, id]")
-    s.add_argument("--out", required=True, help="output file, .parquet or .jsonl (parts of an unfinished run are "
-                                                "kept next to it in .<name>.parts/ and reused by a re-run)")
-    s.add_argument("--model", help="base model: a local directory or hub id (default: the one the bundle names); "
-                                   "it must be the model the detector was trained on")
+    s.add_argument(
+        "--input",
+        required=True,
+        help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem]; with --generate: question[, id]",
+    )
+    s.add_argument(
+        "--out",
+        required=True,
+        help="output file, .parquet or .jsonl (parts of an unfinished run are "
+        "kept next to it in .<name>.parts/ and reused by a re-run)",
+    )
+    s.add_argument(
+        "--model",
+        help="base model: a local directory or hub id (default: the one the bundle names); "
+        "it must be the model the detector was trained on",
+    )
     s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="model dtype (default: the bundle's preset)")
+    s.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="model dtype (default: the bundle's preset)"
+    )
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
     s.add_argument("--device-map", help="accelerate placement over several GPUs, e.g. auto")
-    s.add_argument("--positions", choices=["predicting", "generated"],
-                   help="the token-position convention you expect; a bundle with another one is refused")
-    s.add_argument("--threshold", help="flag threshold: best_f1, fpr_0.05, ... (stored in the bundle; `halludetect "
-                                       "show` lists them) or a logit value (default: the bundle's default)")
+    s.add_argument(
+        "--positions",
+        choices=["predicting", "generated"],
+        help="the token-position convention you expect; a bundle with another one is refused",
+    )
+    s.add_argument(
+        "--threshold",
+        help="flag threshold: best_f1, fpr_0.05, ... (stored in the bundle; `halludetect "
+        "show` lists them) or a logit value (default: the bundle's default)",
+    )
     s.add_argument("--batch-size", type=int, default=32, help="answers per forward pass (default: 32)")
-    s.add_argument("--rows-per-part", type=int, default=1024,
-                   help="rows per resumable part: a killed run loses at most one part (default: 1024)")
+    s.add_argument(
+        "--rows-per-part",
+        type=int,
+        default=1024,
+        help="rows per resumable part: a killed run loses at most one part (default: 1024)",
+    )
     s.add_argument("--per-seed", action="store_true", help="also write each seed's logit (seed_scores)")
-    s.add_argument("--generate", action="store_true",
-                   help="the input has questions only: sample one answer each and score it from the states "
-                        "of the sampling pass itself")
-    s.add_argument("--params", help="with --generate: a params file whose `generate` section sets the sampling "
-                                    "(default: the built-in defaults, as in params.yaml)")
+    s.add_argument(
+        "--generate",
+        action="store_true",
+        help="the input has questions only: sample one answer each and score it from the states "
+        "of the sampling pass itself",
+    )
+    s.add_argument(
+        "--params",
+        help="with --generate: a params file whose `generate` section sets the sampling "
+        "(default: the built-in defaults, as in params.yaml)",
+    )
     s.add_argument("--seed", type=int, help="with --generate: sampling seed (each row draws from its own stream)")
     s.add_argument("--max-new-tokens", type=int, help="with --generate: longest answer in tokens")
     s.add_argument("--greedy", action="store_true", help="with --generate: the most likely answer instead of a sample")
@@ -142,11 +200,14 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("bundle", help="detector bundle (.safetensors)")
     show.set_defaults(run=_show)
 
-    tl = sub.add_parser("train-layer", help="fetch one layer's states and the labels from the DVC remote and train "
-                                            "a method on that layer (nothing upstream runs)",
-                        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method>-"
-                                    "<layer> needs from the DVC remote, then run that stage alone (dvc repro "
-                                    "--single-item). Run it in the repository's root.")
+    tl = sub.add_parser(
+        "train-layer",
+        help="fetch one layer's states and the labels from the DVC remote and train "
+        "a method on that layer (nothing upstream runs)",
+        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method>-"
+        "<layer> needs from the DVC remote, then run that stage alone (dvc repro "
+        "--single-item). Run it in the repository's root.",
+    )
     tl.add_argument("--model", required=True, help="model preset (grid.models)")
     tl.add_argument("--dataset", required=True, help="dataset preset (grid.datasets)")
     tl.add_argument("--method", required=True, help="detector method (grid.methods or grid.sp_methods)")
@@ -156,16 +217,26 @@ def parser() -> argparse.ArgumentParser:
     tl.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     tl.set_defaults(run=_train_layer)
 
-    sw = sub.add_parser("sweep", help="one table of every DVC experiment along a swept parameter",
-                        description="Read the repository's experiments (dvc.api.exp_show) and write a table of a "
-                                    "method's test metric by the values of one parameter, per grid cell, as "
-                                    "Markdown and LaTeX. Run it in the repository's root.")
+    sw = sub.add_parser(
+        "sweep",
+        help="one table of every DVC experiment along a swept parameter",
+        description="Read the repository's experiments (dvc.api.exp_show) and write a table of a "
+        "method's test metric by the values of one parameter, per grid cell, as "
+        "Markdown and LaTeX. Run it in the repository's root.",
+    )
     sw.add_argument("param", help="the swept parameter, e.g. detectors.max.dim")
     sw.add_argument("--method", help="whose metrics (default: the method the parameter belongs to)")
-    sw.add_argument("--metric", default="auroc", help="a test metric of metrics/eval/...: auroc (default), auprc, "
-                                                      "margin, prr, fpr_at_95_tpr, ...")
-    sw.add_argument("--where", action="append", metavar="KEY=VALUE",
-                    help="only experiments with this param value (repeatable), when others vary too")
+    sw.add_argument(
+        "--metric",
+        default="auroc",
+        help="a test metric of metrics/eval/...: auroc (default), auprc, margin, prr, fpr_at_95_tpr, ...",
+    )
+    sw.add_argument(
+        "--where",
+        action="append",
+        metavar="KEY=VALUE",
+        help="only experiments with this param value (repeatable), when others vary too",
+    )
     sw.add_argument("--out-dir", default="metrics/sweeps", help="where the tables go (default: metrics/sweeps)")
     sw.add_argument("--params", default="params.yaml", help="params file, for the grid's paper identities")
     sw.set_defaults(run=_sweep)

@@ -23,8 +23,10 @@ from halludetect.methods import ANALYZABLE, METHODS, SP_METHODS
 
 def _split_fraction(value: float) -> float:
     if not 0.0 < value < 1.0:
-        raise ValueError(f"{value:g} is not a share strictly between 0 and 1: every split is needed (train fits the "
-                         "detectors, val picks their epoch and layer, test reports)")
+        raise ValueError(
+            f"{value:g} is not a share strictly between 0 and 1: every split is needed (train fits the "
+            "detectors, val picks their epoch and layer, test reports)"
+        )
     return value
 
 
@@ -64,8 +66,10 @@ def _stops(value: list[str]) -> list[str]:
     space), so every answer would come back empty: refused. Newlines are real stops."""
     for s in value:
         if not s.strip(" \t"):
-            raise ValueError(f"{s!r} is empty or only spaces/tabs: it would stop every answer before its first "
-                             "word; remove it (newline stops such as '\\n' are fine)")
+            raise ValueError(
+                f"{s!r} is empty or only spaces/tabs: it would stop every answer before its first "
+                "word; remove it (newline stops such as '\\n' are fine)"
+            )
     return value
 
 
@@ -114,8 +118,11 @@ class DatasetPreset(Section):
     revision: str | None = None
     max_questions: PositiveInt | None = None
     sizes: SplitSizes | None = Field(None, description="questions per split; None: prepare's fractions")
-    train_hf_split: str | None = Field(None, description="hub split of the train questions (disjoint from the "
-                                                         "evaluation ones); None: every split from one source")
+    train_hf_split: str | None = Field(
+        None,
+        description="hub split of the train questions (disjoint from the "
+        "evaluation ones); None: every split from one source",
+    )
 
     @model_validator(mode="after")
     def _path_needed(self) -> DatasetPreset:
@@ -192,12 +199,13 @@ class MatchJudgeParams(Section):
 
 
 class ChatParams(Section):
-    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see halludetect/labels/chat_client.py."""
+    """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see labels/chat_client.py."""
 
     model: str
     base_url: str | None = Field(None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1")
-    api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key; "
-                                    "None for a local endpoint without keys")
+    api_key_env: str | None = Field(
+        "OPENAI_API_KEY", description="environment variable holding the key; None for a local endpoint without keys"
+    )
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # reasoning models take none
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # None: the endpoint's default
     max_completion_tokens: PositiveInt | None = None  # None: no cap (a reasoning model needs room to think)
@@ -253,8 +261,11 @@ BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
 # One section per detection method, derived from the registry in methods/ (each method declares
 # its params class there), so changing one method's setting retrains only that method.
 DetectorsParams = create_model(
-    "DetectorsParams", __base__=Section, __doc__="One section per detection method (halludetect/methods/).",
-    **{name: (m.params, m.params()) for name, m in METHODS.items()})
+    "DetectorsParams",
+    __base__=Section,
+    __doc__="One section per detection method (halludetect/methods/).",
+    **{name: (m.params, m.params()) for name, m in METHODS.items()},
+)
 
 
 class BaselinesParams(Section):
@@ -360,27 +371,36 @@ class Params(Section):
         ):
             for name in names:
                 if name in SP_METHODS and key == "grid.methods":
-                    problems.append(f"{key}: '{name}' reads P_sem, so it trains in its own stage: list it "
-                                    "under grid.sp_methods")
+                    problems.append(
+                        f"{key}: '{name}' reads P_sem, so it trains in its own stage: list it under grid.sp_methods"
+                    )
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
                 elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
-                    problems.append(f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
-                                    f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too")
+                    problems.append(
+                        f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
+                        f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too"
+                    )
         for section, presets in (("models", self.models), ("datasets", self.datasets)):
             for name in presets:
                 if "." in name:  # dvc.yaml declares `models.${item.model}`: DVC would read nested keys
-                    problems.append(f"{section}: preset name '{name}' contains '.', which DVC reads as nesting in "
-                                    f"dvc.yaml's params ({section}.{name}); rename it, e.g. "
-                                    f"'{name.replace('.', '_')}'")
+                    problems.append(
+                        f"{section}: preset name '{name}' contains '.', which DVC reads as nesting in "
+                        f"dvc.yaml's params ({section}.{name}); rename it, e.g. "
+                        f"'{name.replace('.', '_')}'"
+                    )
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):
-            problems.append(f"analyze.layers: {untrained} are not trained (grid.layers is {self.grid.layers}); "
-                            "add them to grid.layers or drop them from analyze.layers")
+            problems.append(
+                f"analyze.layers: {untrained} are not trained (grid.layers is {self.grid.layers}); "
+                "add them to grid.layers or drop them from analyze.layers"
+            )
         if self.dump.layers != "all" and (undumped := sorted(set(self.grid.layers) - set(self.dump.layers))):
-            problems.append(f"grid.layers: {undumped} are not dumped (dump.layers is {self.dump.layers}); "
-                            "add them to dump.layers or drop them from grid.layers")
+            problems.append(
+                f"grid.layers: {undumped} are not dumped (dump.layers is {self.dump.layers}); "
+                "add them to dump.layers or drop them from grid.layers"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -448,8 +468,10 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ParamsError(f"{at}: YAML syntax error: {e.problem or e.context} (check the indentation and quoting "
-                          "at that line, or the line before it)") from None
+        raise ParamsError(
+            f"{at}: YAML syntax error: {e.problem or e.context} (check the indentation and quoting "
+            "at that line, or the line before it)"
+        ) from None
     except yaml.YAMLError as e:
         raise ParamsError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):

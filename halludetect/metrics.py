@@ -157,8 +157,9 @@ def question_groups(question_ids) -> np.ndarray:
     return order[inverse]
 
 
-def bootstrap_auroc_ci(y: np.ndarray, scores: list[np.ndarray], n: int, seed: int,
-                       groups: np.ndarray) -> list[float] | None:
+def bootstrap_auroc_ci(
+    y: np.ndarray, scores: list[np.ndarray], n: int, seed: int, groups: np.ndarray
+) -> list[float] | None:
     """95% percentile interval of the seed-mean AUROC, resampling questions (`groups` [N]: the
     question of each response) with replacement, all of a question's responses together.
 
@@ -190,14 +191,23 @@ def margin_by_length(y: np.ndarray, scores: list[np.ndarray], lengths: np.ndarra
     for name, upper in LENGTH_BUCKETS:
         sel = (lengths > lower) & (lengths <= upper if upper is not None else True)
         lower = upper if upper is not None else lower
-        out[name] = {"n": int(sel.sum()), "n_hallucinated": int(y[sel].sum()),
-                     "margin": mean_se([margin(y[sel], s[sel]) for s in scores]) if sel.any() else None}
+        out[name] = {
+            "n": int(sel.sum()),
+            "n_hallucinated": int(y[sel].sum()),
+            "margin": mean_se([margin(y[sel], s[sel]) for s in scores]) if sel.any() else None,
+        }
     return out
 
 
-def split_metrics(y: np.ndarray, scores: list[np.ndarray], bootstrap: int = 0, seed: int = 0,
-                  logits: bool = True, groups: np.ndarray | None = None,
-                  lengths: np.ndarray | None = None) -> dict:
+def split_metrics(
+    y: np.ndarray,
+    scores: list[np.ndarray],
+    bootstrap: int = 0,
+    seed: int = 0,
+    logits: bool = True,
+    groups: np.ndarray | None = None,
+    lengths: np.ndarray | None = None,
+) -> dict:
     """Metrics of one split for per-seed scores (each [N]).
 
     The margin needs logits: for a score that is not one (a baseline), it is None rather than a

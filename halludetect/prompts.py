@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-GENERATION = (
-    "Answer the following question in a single but complete sentence only.\n"
-    "Question: {question}\n"
-    "Answer:"
-)
+GENERATION = "Answer the following question in a single but complete sentence only.\nQuestion: {question}\nAnswer:"
 
 LABELING = (
     "We are assessing the quality of answers to the following question: {question}\n"
@@ -42,6 +38,7 @@ ENTAILMENT = (
     "Respond with only one word: entailment,contradiction, or neutral."
 )
 
+
 def generation_prompt(question: str, template: str = GENERATION) -> str:
     """Prompt 1 for one question. The answer follows after a space the model generates."""
     return template.format(question=question.strip())
@@ -57,8 +54,9 @@ def labeling_prompt(question: str, answer: str, references: tuple[str, ...] | No
     else:
         expected = f"The following are expected answers to this question: {'; '.join(refs)}."
         which = "any of the expected answers"
-    return LABELING_WITH_REFERENCE.format(question=question.strip(), expected=expected,
-                                          predicted_answer=answer.strip(), which=which)
+    return LABELING_WITH_REFERENCE.format(
+        question=question.strip(), expected=expected, predicted_answer=answer.strip(), which=which
+    )
 
 
 def entailment_prompt(question: str, a: str, b: str) -> str:

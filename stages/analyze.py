@@ -23,15 +23,19 @@ from stages import common
 def run(args, params):
     ap = params.analyze
     if args.method not in ANALYZABLE:
-        raise DataError(f"the sensitivity analysis applies to HaMI networks ({', '.join(ANALYZABLE)}), "
-                        f"not '{args.method}': remove it from grid.analyze")
+        raise DataError(
+            f"the sensitivity analysis applies to HaMI networks ({', '.join(ANALYZABLE)}), "
+            f"not '{args.method}': remove it from grid.analyze"
+        )
     evaluation = json.loads(Path(args.evaluation).read_text())
     best = int(evaluation["best_layer"])
     layers = sorted({best, *ap.layers})
     untrained = [layer for layer in layers if layer not in params.grid.layers]
     if untrained:
-        raise DataError(f"analyze.layers: {untrained} are not trained (grid.layers is {params.grid.layers}); "
-                        "add them to grid.layers or drop them from analyze.layers")
+        raise DataError(
+            f"analyze.layers: {untrained} are not trained (grid.layers is {params.grid.layers}); "
+            "add them to grid.layers or drop them from analyze.layers"
+        )
     detectors = Path(args.detectors)
     trained = trained_params(detectors / f"layer_{best}", args.method)
     if args.method in SP_METHODS:  # the scaling it was trained with, the only one it applies
@@ -39,20 +43,33 @@ def run(args, params):
         why = "the lam and P_sem variant the detector was trained with (read from its files)"
     else:
         lam, variant = ap.hami_lam, ap.hami_p_sem
-        why = ("HaMI applies no scaling: the analysis asks what HaMI (SP)'s scaling (analyze.hami_lam, "
-               "analyze.hami_p_sem) would do to its margin")
+        why = (
+            "HaMI applies no scaling: the analysis asks what HaMI (SP)'s scaling (analyze.hami_lam, "
+            "analyze.hami_p_sem) would do to its margin"
+        )
     p_sem = p_sem_table(read_clusters(args.clusters), variant)
     judgments = read_judgments(args.judgments)
     seeds = params.train.seeds
-    out = {"model": args.model, "dataset": args.dataset, "method": args.method, "lam": lam, "p_sem": variant,
-           "lam_source": why, "steps": ap.steps, "best_layer": best, "seeds": seeds,
-           "classes": "neg = correct (label 0), pos = hallucinated (label 1)", "layers": {}}
+    out = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "method": args.method,
+        "lam": lam,
+        "p_sem": variant,
+        "lam_source": why,
+        "steps": ap.steps,
+        "best_layer": best,
+        "seeds": seeds,
+        "classes": "neg = correct (label 0), pos = hallucinated (label 1)",
+        "layers": {},
+    }
     frames = []
     for layer in layers:
         path = Path(args.activations) / layer_filename(layer)
         data = read_layer(path, dtype=None, expect_layer=layer)
-        models = dict(zip(seeds, load_models(detectors / f"layer_{layer}", args.method, layer, seeds,
-                                             data.states.shape[1])))
+        models = dict(
+            zip(seeds, load_models(detectors / f"layer_{layer}", args.method, layer, seeds, data.states.shape[1]))
+        )
         out["layers"][str(layer)] = {}
         for split in ap.splits:
             split_set = split_data(data, judgments, split, str(path), p_sem)
@@ -61,10 +78,17 @@ def run(args, params):
             out["layers"][str(layer)][split] = summary
             frames.append(rows.with_columns(pl.lit(split).alias("split"), pl.lit(layer).alias("layer")))
             m = summary["mean"]["c_int"]
-            common.log.info("%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition holds in %d of "
-                         "the %d seeds where it applies",
-                         args.method, layer, split, m["gamma"] or float("nan"), m["inv_gamma"] or float("nan"),
-                         m["class_ratio"], *m["condition_holds_seeds"])
+            common.log.info(
+                "%s layer %d %s: gamma %.3g, 1/gamma %.3g, |S_neg|/|S_pos| %.3g, condition holds in %d of "
+                "the %d seeds where it applies",
+                args.method,
+                layer,
+                split,
+                m["gamma"] or float("nan"),
+                m["inv_gamma"] or float("nan"),
+                m["class_ratio"],
+                *m["condition_holds_seeds"],
+            )
         del data
     rows = pl.concat(frames)
     write_parquet(args.responses, rows)
@@ -74,22 +98,32 @@ def run(args, params):
             for name, frame in histograms(at_best, ap.bins).items():
                 frame.write_csv(tmp / f"{split}_{name}.csv", float_precision=6)
     scaling = f"lam = {lam:g}" + ("" if args.method in SP_METHODS else ", HaMI (SP)'s, applied to HaMI")
-    figures.save_png(figures.sensitivity(rows.filter(pl.col("layer") == best),
-                                         f"{args.method}: sensitivity to the semantic scaling ({scaling}) at layer "
-                                         f"{best}, seeds pooled, {args.model} / {args.dataset}"), args.figure)
+    figures.save_png(
+        figures.sensitivity(
+            rows.filter(pl.col("layer") == best),
+            f"{args.method}: sensitivity to the semantic scaling ({scaling}) at layer "
+            f"{best}, seeds pooled, {args.model} / {args.dataset}",
+        ),
+        args.figure,
+    )
     write_json(args.out, out)
 
 
 if __name__ == "__main__":
     p = common.parser(__doc__)
-    for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
-                       ("--method", "hami or hami_sp"), ("--evaluation", "the method's evaluate metrics JSON "
-                                                                         "(its best layer)"),
-                       ("--activations", "directory of layer files (layer_<L>.h5)"),
-                       ("--judgments", "judgments Parquet"), ("--clusters", "clusters Parquet (P_sem)"),
-                       ("--detectors", "the method's detector directory (layer_<L>/seed_<S>.safetensors)"),
-                       ("--out", "analysis metrics JSON"), ("--responses", "per-response Parquet"),
-                       ("--plots", "directory of distribution CSVs (DVC plots)"),
-                       ("--figure", "PNG of the C_B^int and P_sem C_B^int distributions per class")]:
+    for flag, text in [
+        ("--model", "model preset name"),
+        ("--dataset", "dataset preset name"),
+        ("--method", "hami or hami_sp"),
+        ("--evaluation", "the method's evaluate metrics JSON (its best layer)"),
+        ("--activations", "directory of layer files (layer_<L>.h5)"),
+        ("--judgments", "judgments Parquet"),
+        ("--clusters", "clusters Parquet (P_sem)"),
+        ("--detectors", "the method's detector directory (layer_<L>/seed_<S>.safetensors)"),
+        ("--out", "analysis metrics JSON"),
+        ("--responses", "per-response Parquet"),
+        ("--plots", "directory of distribution CSVs (DVC plots)"),
+        ("--figure", "PNG of the C_B^int and P_sem C_B^int distributions per class"),
+    ]:
         p.add_argument(flag, required=True, help=text)
     common.main(run, p)

@@ -22,8 +22,10 @@ def run(args, params):
     per_q = df.unique("question_id", keep="first").sort("question_id")
     valid = per_q.filter(pl.col("valid"))
     metrics = {
-        "backend": cp.backend, "equivalence": cp.equivalence,
-        "answers": df.height, "excluded_empty_answers": int((gens["n_tokens"] == 0).sum()),
+        "backend": cp.backend,
+        "equivalence": cp.equivalence,
+        "answers": df.height,
+        "excluded_empty_answers": int((gens["n_tokens"] == 0).sum()),
         "questions": per_q.height,
         "invalid_questions": per_q.height - valid.height,  # the NLI backend failed: no P_sem for their answers
         "single_answer_questions": int((per_q["n_unique"] == 1).sum()),  # one unique answer: no NLI call
@@ -41,12 +43,18 @@ def run(args, params):
     common.log.info("cluster: %s", {k: v for k, v in metrics.items() if k != "api"})
     # Written first, so they can be inspected; then a clustering nothing can use fails the stage.
     if unusable := unusable_clustering(df):
-        where = f"; the raw replies are in the call cache {nli.runner.cache.path} (table calls)" \
-            if hasattr(nli, "runner") else ""
-        raise UserError("cluster: no usable clustering:\n  " + "\n  ".join(unusable)
-                        + f"\nInvalid questions are the rows with valid = false in {args.out}, counted in "
-                        f"{args.metrics}{where}. Check cluster.{cp.backend} (model, endpoint); replies are cached per "
-                        "request, so re-running unchanged asks nothing new")
+        where = (
+            f"; the raw replies are in the call cache {nli.runner.cache.path} (table calls)"
+            if hasattr(nli, "runner")
+            else ""
+        )
+        raise UserError(
+            "cluster: no usable clustering:\n  "
+            + "\n  ".join(unusable)
+            + f"\nInvalid questions are the rows with valid = false in {args.out}, counted in "
+            f"{args.metrics}{where}. Check cluster.{cp.backend} (model, endpoint); replies are cached per "
+            "request, so re-running unchanged asks nothing new"
+        )
     if metrics["invalid_questions"]:
         common.log.warning("cluster: %d questions invalid (no P_sem for their answers)", metrics["invalid_questions"])
 

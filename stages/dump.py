@@ -32,11 +32,23 @@ def run(args, params):
         common.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
     tokenizer = load_tokenizer(preset)
     model = load_model(preset, me.device or params.dump.device)
-    attrs = {"model": preset.path, "revision": preset.revision or "", "positions": params.dump.positions,
-             "dtype": params.dump.dtype, "prompt_hash": template_hash(GENERATION),
-             "excluded_empty_answers": excluded["empty_answer"]}
-    kw = dict(positions=params.dump.positions, dtype=params.dump.dtype, batch_size=params.dump.batch_size,
-              attrs=attrs, chat_template=preset.chat_template, workers=me, log=common.log.info)
+    attrs = {
+        "model": preset.path,
+        "revision": preset.revision or "",
+        "positions": params.dump.positions,
+        "dtype": params.dump.dtype,
+        "prompt_hash": template_hash(GENERATION),
+        "excluded_empty_answers": excluded["empty_answer"],
+    }
+    kw = dict(
+        positions=params.dump.positions,
+        dtype=params.dump.dtype,
+        batch_size=params.dump.batch_size,
+        attrs=attrs,
+        chat_template=preset.chat_template,
+        workers=me,
+        log=common.log.info,
+    )
     questions = read_questions(args.questions)
     out = Path(args.out)
     if me.size == 1:

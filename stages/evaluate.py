@@ -25,11 +25,18 @@ def run(args, params):
     for layer in params.grid.layers:
         path = Path(args.layer_metrics) / f"layer_{layer}.json"
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: run the train stage of layer {layer} first "
-                                    "(grid.layers lists the layers evaluated)")
+            raise FileNotFoundError(
+                f"{path} is missing: run the train stage of layer {layer} first "
+                "(grid.layers lists the layers evaluated)"
+            )
         per_layer[layer] = json.loads(path.read_text())
-    metrics = {"model": args.model, "dataset": args.dataset, "method": args.method, "family": "detector",
-               "seeds": seeds}
+    metrics = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "method": args.method,
+        "family": "detector",
+        "seeds": seeds,
+    }
     metrics |= evaluate_detector(per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed)
 
     # Throughput of the chosen layer's detector, on its test responses.
@@ -41,17 +48,22 @@ def run(args, params):
     judgments = read_judgments(args.judgments)
     test = split_data(read_layer(layer_file, dtype=None, expect_layer=best), judgments, "test", str(layer_file), p_sem)
     models = load_models(detectors, args.method, best, seeds, int(test.tokens.shape[-1]))
-    t = metrics["throughput"] = detector_throughput(models, test, layer_file, ep.throughput_repeats,
-                                                    resolve_device(ep.device, "evaluate.device"))
+    t = metrics["throughput"] = detector_throughput(
+        models, test, layer_file, ep.throughput_repeats, resolve_device(ep.device, "evaluate.device")
+    )
     if p_sem is not None:
         if not (args.timings and args.generation_metrics and args.latency):
-            raise DataError(f"{args.method}: pass --timings, --generation-metrics and --latency to charge its "
-                            "sampling and NLI")
-        metrics["cost"] = hami_sp_cost(json.loads(Path(args.generation_metrics).read_text()),
-                                       read_parquet(args.timings, "cluster", "cluster timings table"),
-                                       judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list(),
-                                       t["preloaded_samples_per_s"], json.loads(Path(args.latency).read_text()),
-                                       t["single_response_seconds"])
+            raise DataError(
+                f"{args.method}: pass --timings, --generation-metrics and --latency to charge its sampling and NLI"
+            )
+        metrics["cost"] = hami_sp_cost(
+            json.loads(Path(args.generation_metrics).read_text()),
+            read_parquet(args.timings, "cluster", "cluster timings table"),
+            judgments.filter(pl.col("split") == "test")["question_id"].unique().to_list(),
+            t["preloaded_samples_per_s"],
+            json.loads(Path(args.latency).read_text()),
+            t["single_response_seconds"],
+        )
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
     common.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
@@ -59,14 +71,18 @@ def run(args, params):
 
 if __name__ == "__main__":
     p = common.parser(__doc__)
-    for flag, text in [("--model", "model preset name"), ("--dataset", "dataset preset name"),
-                       ("--method", "detector method"),
-                       ("--layer-metrics", "directory of the per-layer figures (layer_<L>.json)"),
-                       ("--scores", "directory of the per-layer scores (layer_<L>.parquet)"),
-                       ("--detectors", "directory of the per-layer detectors (layer_<L>/seed_<S>.safetensors)"),
-                       ("--activations", "directory of layer files (for the throughput of the best layer)"),
-                       ("--judgments", "judgments Parquet"), ("--out", "metrics JSON"),
-                       ("--plot", "per-layer AUROC JSON (DVC plot)")]:
+    for flag, text in [
+        ("--model", "model preset name"),
+        ("--dataset", "dataset preset name"),
+        ("--method", "detector method"),
+        ("--layer-metrics", "directory of the per-layer figures (layer_<L>.json)"),
+        ("--scores", "directory of the per-layer scores (layer_<L>.parquet)"),
+        ("--detectors", "directory of the per-layer detectors (layer_<L>/seed_<S>.safetensors)"),
+        ("--activations", "directory of layer files (for the throughput of the best layer)"),
+        ("--judgments", "judgments Parquet"),
+        ("--out", "metrics JSON"),
+        ("--plot", "per-layer AUROC JSON (DVC plot)"),
+    ]:
         p.add_argument(flag, required=True, help=text)
     p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it")
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")

@@ -18,15 +18,28 @@ def run(args, params):
     metrics = json.loads(Path(args.metrics).read_text())
     manifest = json.loads(Path(args.manifest).read_text())
     meta = export_bundle(
-        args.out, metrics=metrics, detectors_dir=args.detectors, scores_dir=args.scores, manifest=manifest,
-        positions=params.dump.positions, states_dtype=params.dump.dtype, prompt_template=GENERATION,
-        fpr_targets=params.export.fpr_targets, default_threshold=params.export.threshold,
+        args.out,
+        metrics=metrics,
+        detectors_dir=args.detectors,
+        scores_dir=args.scores,
+        manifest=manifest,
+        positions=params.dump.positions,
+        states_dtype=params.dump.dtype,
+        prompt_template=GENERATION,
+        fpr_targets=params.export.fpr_targets,
+        default_threshold=params.export.threshold,
     )
     ev = meta["evaluation"]
-    common.log.info("%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold "
-                 "%s = %.3f", meta["method"], meta["layer"], meta["seeds"], ev["test_auroc_dag"]["mean"],
-                 ev["test_auroc_ensemble"], meta["default_threshold"],
-                 meta["thresholds"][meta["default_threshold"]]["threshold"])
+    common.log.info(
+        "%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold %s = %.3f",
+        meta["method"],
+        meta["layer"],
+        meta["seeds"],
+        ev["test_auroc_dag"]["mean"],
+        ev["test_auroc_ensemble"],
+        meta["default_threshold"],
+        meta["thresholds"][meta["default_threshold"]]["threshold"],
+    )
 
 
 if __name__ == "__main__":

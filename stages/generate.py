@@ -43,8 +43,16 @@ def run(args, params):
     me.barrier()
     tokenizer = load_tokenizer(preset)
     model = load_model(preset, me.device or params.generate.device)
-    df = generate(model, tokenizer, questions, params.generate, chat_template=preset.chat_template,
-                  store=store, workers=me, log=common.log.info)
+    df = generate(
+        model,
+        tokenizer,
+        questions,
+        params.generate,
+        chat_template=preset.chat_template,
+        store=store,
+        workers=me,
+        log=common.log.info,
+    )
     if not me.main:
         return
     # Wall times go to the metrics, not the Parquet: the same samples then give the same
@@ -52,7 +60,9 @@ def run(args, params):
     write_parquet(args.out, df.drop("seconds"))
     store.remove()
     metrics = {
-        "questions": questions.height, "samples": df.height, "processes": me.size,
+        "questions": questions.height,
+        "samples": df.height,
+        "processes": me.size,
         "device": str(model.device) if not preset.device_map else f"device_map={preset.device_map}",
         "seconds_total": round(float(df["seconds"].sum()), 3),
         "seconds_per_sample": float(df["seconds"].mean()) if df.height else 0.0,
@@ -62,9 +72,16 @@ def run(args, params):
         "mean_answer_tokens": float(df["n_tokens"].mean()) if df.height else 0.0,
     }
     write_json(args.metrics, metrics)
-    common.log.info("generated %d answers for %d questions in %.1f s of model time "
-                 "(%d re-sampled after an empty answer, %d still empty)", df.height, questions.height,
-                 metrics["seconds_total"], metrics["resampled_after_empty"], metrics["still_empty"])
+    common.log.info(
+        "generated %d answers for %d questions in %.1f s of model time "
+        "(%d re-sampled after an empty answer, %d still empty)",
+        df.height,
+        questions.height,
+        metrics["seconds_total"],
+        metrics["resampled_after_empty"],
+        metrics["still_empty"],
+    )
+
 
 if __name__ == "__main__":
     relaunch("stages.generate")

@@ -32,12 +32,25 @@ def run(args, params):
             raise UserError(f"{args.questions} has no test question to time")
         model = load_model(preset, device)
         generations = read_parquet(args.generations, "generate", "generations table")
-        out = sequential_cost(model, load_tokenizer(preset), nli, questions, generations,
-                              params.generate, cp.equivalence, chat_template=preset.chat_template)
+        out = sequential_cost(
+            model,
+            load_tokenizer(preset),
+            nli,
+            questions,
+            generations,
+            params.generate,
+            cp.equivalence,
+            chat_template=preset.chat_template,
+        )
     write_json(args.out, out)
-    common.log.info("one response at a time: %.3g s for %d more answers + %.3g s for %.1f NLI calls, on %s",
-                 out["seconds_extra_samples_per_question"], out["extra_samples"], out["nli_seconds_per_question"],
-                 out["nli_calls_per_question"], out["device"])
+    common.log.info(
+        "one response at a time: %.3g s for %d more answers + %.3g s for %.1f NLI calls, on %s",
+        out["seconds_extra_samples_per_question"],
+        out["extra_samples"],
+        out["nli_seconds_per_question"],
+        out["nli_calls_per_question"],
+        out["device"],
+    )
 
 
 if __name__ == "__main__":

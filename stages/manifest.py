@@ -14,8 +14,12 @@ from stages import common
 def run(args, params):
     preset = params.model(args.name)
     config = load_config(preset)  # fails early, with a clear message, if it cannot be found
-    manifest = {"name": args.name, "preset": preset.model_dump(), "num_hidden_layers": n_layers(config),
-                "hidden_size": config.get_text_config().hidden_size}
+    manifest = {
+        "name": args.name,
+        "preset": preset.model_dump(),
+        "num_hidden_layers": n_layers(config),
+        "hidden_size": config.get_text_config().hidden_size,
+    }
     if is_local(preset):
         manifest["files"] = dir_fingerprint(preset.path)
     else:

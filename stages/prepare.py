@@ -12,11 +12,25 @@ def run(args, params):
     # Exact repeats of an earlier record (same id, question, answers, context) are dropped:
     # counted, with their ids (the first 100), so a user sees which.
     repeats = {"count": len(report.repeated_ids), "ids": report.repeated_ids[:100]}
-    write_json(args.metrics, {"read": report.read, "dropped": report.dropped, "repeated_records": repeats,
-                              "questions": df.height, "splits": counts,
-                              "mean_answers": float(df["answers"].list.len().mean())})
-    common.log.info("prepare %s: %d questions %s, dropped %s, %d exact repeats", args.dataset, df.height, counts,
-                 report.dropped, len(report.repeated_ids))
+    write_json(
+        args.metrics,
+        {
+            "read": report.read,
+            "dropped": report.dropped,
+            "repeated_records": repeats,
+            "questions": df.height,
+            "splits": counts,
+            "mean_answers": float(df["answers"].list.len().mean()),
+        },
+    )
+    common.log.info(
+        "prepare %s: %d questions %s, dropped %s, %d exact repeats",
+        args.dataset,
+        df.height,
+        counts,
+        report.dropped,
+        len(report.repeated_ids),
+    )
 
 
 if __name__ == "__main__":

@@ -12,16 +12,23 @@ from stages import common
 def run(args, params):
     g = params.grid
     # The paper's figures belong to a model and a dataset, not to a preset name: match by hub id and loader.
-    grid = Grid(g.models, g.datasets, {m: paper.model_key(params.model(m).path) for m in g.models},
-                {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets})
-    metrics = load_metrics(args.metrics_dir, g.models, g.datasets, [*g.methods, *g.sp_methods], args.baselines_dir,
-                           g.baselines)
+    grid = Grid(
+        g.models,
+        g.datasets,
+        {m: paper.model_key(params.model(m).path) for m in g.models},
+        {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets},
+    )
+    metrics = load_metrics(
+        args.metrics_dir, g.models, g.datasets, [*g.methods, *g.sp_methods], args.baselines_dir, g.baselines
+    )
     labels = load_per_cell(args.labels_dir, g.models, g.datasets)
     analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
-    common.log.info("%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)")
+    common.log.info(
+        "%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)"
+    )
     for table in tables:
         write_text(out / f"{table.name}.md", to_markdown(table))
         write_text(out / f"{table.name}.tex", to_latex(table))
@@ -31,8 +38,12 @@ def run(args, params):
 
 if __name__ == "__main__":
     p = common.parser(__doc__)
-    p.add_argument("--metrics-dir", required=True, help="directory of <model>/<dataset>/<method>.json (and the "
-                                                        "analyses, <model>/<dataset>/analysis/<method>.json)")
+    p.add_argument(
+        "--metrics-dir",
+        required=True,
+        help="directory of <model>/<dataset>/<method>.json (and the "
+        "analyses, <model>/<dataset>/analysis/<method>.json)",
+    )
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--out-dir", required=True, help="directory for the tables")

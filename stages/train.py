@@ -24,9 +24,20 @@ def run(args, params):
     layer = read_layer(args.activations, dtype=None, expect_layer=args.layer)
     data = {s: split_data(layer, judgments, s, str(args.activations), p_sem) for s in SPLITS}
     del layer
-    train_layer(args.method, method_params, data, tp.seeds, layer=args.layer, epochs=tp.epochs,
-                batch_size=tp.batch_size, device=device, out_dir=Path(args.out), scores_path=Path(args.scores),
-                metrics_path=Path(args.metrics), log=common.log.info)
+    train_layer(
+        args.method,
+        method_params,
+        data,
+        tp.seeds,
+        layer=args.layer,
+        epochs=tp.epochs,
+        batch_size=tp.batch_size,
+        device=device,
+        out_dir=Path(args.out),
+        scores_path=Path(args.scores),
+        metrics_path=Path(args.metrics),
+        log=common.log.info,
+    )
 
 
 if __name__ == "__main__":

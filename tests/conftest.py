@@ -1,4 +1,17 @@
-"""Shared fixtures: a tiny randomly initialised Llama with a real BPE tokenizer, saved locally."""
+"""Shared fixtures: a tiny randomly initialised Llama with a real BPE tokenizer, saved locally, the
+miniature DAG on it and its bundle, a trained synthetic cell to damage, and a guard against loading
+weights. Helpers that are not fixtures live in support.py (tests/ is on pytest's pythonpath).
+
+The tests mirror the library: tests/<folder>/test_<module>.py checks halludetect/<folder>/<module>.py
+(every test file has a unique basename, no tests/ folder is a package); tests/stages/ checks the
+stages' own plumbing. Two markers cut across them:
+
+- `e2e`: the end-to-end modules (test_e2e.py, test_e2e_sharing.py), run first (see below).
+- `hostile`: issue 13, the cases a hostile new user tried, one test each, named after the case
+  (`pytest -m hostile`). Bad input never becomes a result, damaged state never blocks a re-run, and
+  nothing is paid twice across processes; each asserts the message a user sees (the file, line,
+  row or params key, and the fix).
+"""
 
 from __future__ import annotations
 
@@ -29,9 +42,16 @@ def tiny_model_dir(tmp_path_factory):
     tok = train_tokenizer(docs, vocab_size=400)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     model = LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny") / "model"
@@ -67,12 +87,76 @@ def bundle_path(contract, tmp_path_factory):
     from halludetect.scoring.bundle import export_bundle
 
     out = tmp_path_factory.mktemp("bundle") / "max.safetensors"
-    export_bundle(out, metrics=json.loads((contract / "metrics" / "max.json").read_text()),
-                  detectors_dir=contract / "detectors" / "max", scores_dir=contract / "scores" / "max",
-                  manifest=json.loads((contract / "manifest.json").read_text()), positions="predicting",
-                  states_dtype="float16", prompt_template=GENERATION, fpr_targets=[0.01, 0.05, 0.1],
-                  default_threshold="best_f1")
+    export_bundle(
+        out,
+        metrics=json.loads((contract / "metrics" / "max.json").read_text()),
+        detectors_dir=contract / "detectors" / "max",
+        scores_dir=contract / "scores" / "max",
+        manifest=json.loads((contract / "manifest.json").read_text()),
+        positions="predicting",
+        states_dtype="float16",
+        prompt_template=GENERATION,
+        fpr_targets=[0.01, 0.05, 0.1],
+        default_threshold="best_f1",
+    )
     return out
+
+
+@pytest.fixture(scope="session")
+def trained_once(tmp_path_factory):
+    """Layers 0 and 1 trained with one seed (max, a few epochs) by their train stages' code."""
+    from support import cell
+
+    from halludetect.activations.layer_format import layer_filename
+    from halludetect.activations.layer_reader import read_layer
+    from halludetect.detectors.data import SPLITS, split_data
+    from halludetect.detectors.training import train_layer
+    from halludetect.methods.pooling import PoolingParams
+
+    root = tmp_path_factory.mktemp("trained")
+    acts, labels, _ = cell(root)
+    labels.write_parquet(root / "judgments.parquet")
+    params = PoolingParams(dim=8, dropout=0.0)
+    for index in (0, 1):
+        layer = read_layer(acts / layer_filename(index), dtype=None)
+        train_layer(
+            "max",
+            params,
+            {s: split_data(layer, labels, s) for s in SPLITS},
+            [0],
+            layer=index,
+            epochs=2,
+            batch_size=64,
+            device="cpu",
+            out_dir=root / "dets" / f"layer_{index}",
+            scores_path=root / "scores" / f"layer_{index}.parquet",
+            metrics_path=root / "layers" / f"layer_{index}.json",
+            log=lambda *_: None,
+        )
+    return root, labels
+
+
+@pytest.fixture
+def trained(trained_once, tmp_path):
+    """A private copy of the trained cell (tests damage it)."""
+    import shutil
+
+    root, _ = trained_once
+    for name in ("acts", "dets", "scores", "layers", "params.yaml", "judgments.parquet"):
+        (shutil.copytree if (root / name).is_dir() else shutil.copy)(root / name, tmp_path / name)
+    return tmp_path
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Mismatches must be refused before any weights are loaded."""
+    from halludetect.scoring import scorer as scoring
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the mismatch was found")
+
+    monkeypatch.setattr("halludetect.activations.early_exit.load_until", refuse)
+    monkeypatch.setattr(scoring, "load_model", refuse)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,26 +39,50 @@ SEEDS = [0, 1]
 
 def questions(n: int = 24) -> pl.DataFrame:
     splits = ["train", "val", "test"]
-    return pl.DataFrame({"id": [f"q{i:02d}" for i in range(n)],
-                         "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
-                         "split": [splits[i % 3] for i in range(n)]})
+    return pl.DataFrame(
+        {
+            "id": [f"q{i:02d}" for i in range(n)],
+            "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
+            "split": [splits[i % 3] for i in range(n)],
+        }
+    )
 
 
-def build(root: Path, model, tokenizer, model_dir: Path, *, method: str = "max", positions: str = "predicting",
-          seeds: list[int] = SEEDS) -> Path:
+def build(
+    root: Path,
+    model,
+    tokenizer,
+    model_dir: Path,
+    *,
+    method: str = "max",
+    positions: str = "predicting",
+    seeds: list[int] = SEEDS,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     qs = questions()
     gens = generate(model, tokenizer, qs, GenerateParams(n_samples=3, max_new_tokens=8, stop=[]))
     gens = gens.filter(pl.col("n_tokens") > 0)
     judgments = gens.select("question_id", "sample_index", "split").with_columns(
-        label=(pl.int_range(pl.len()) % 2).cast(pl.Int64), kept=pl.lit(True))
+        label=(pl.int_range(pl.len()) % 2).cast(pl.Int64), kept=pl.lit(True)
+    )
     qs.write_parquet(root / "questions.parquet")
     gens.write_parquet(root / "generations.parquet")
     judgments.write_parquet(root / "judgments.parquet")
     top = n_layers(model.config)
     (root / "activations").mkdir()
-    dump(model, tokenizer, qs, gens, root / "activations", list(range(top + 1)), positions=positions,
-         dtype="float16", batch_size=64, attrs={"model": str(model_dir)}, log=lambda *_: None)
+    dump(
+        model,
+        tokenizer,
+        qs,
+        gens,
+        root / "activations",
+        list(range(top + 1)),
+        positions=positions,
+        dtype="float16",
+        batch_size=64,
+        attrs={"model": str(model_dir)},
+        log=lambda *_: None,
+    )
     params = params_for(method, {"dim": 8, "lr": 1e-2})
     per_layer, splits_by_layer = [], {}
     for layer, path in layer_files(root / "activations").items():
@@ -69,41 +93,86 @@ def build(root: Path, model, tokenizer, model_dir: Path, *, method: str = "max",
             res = train_detector(method, params, sd["train"], sd["val"], epochs=3, batch_size=16, seed=seed)
             out = root / "detectors" / method / f"layer_{layer}" / f"seed_{seed}.safetensors"
             out.parent.mkdir(parents=True, exist_ok=True)
-            save_detector(out, res.state_dict, {"method": method, "layer": layer, "seed": seed,
-                                                "best_epoch": res.best_epoch, "d": int(sd["train"].tokens.shape[-1]),
-                                                "params": params.model_dump()})
+            save_detector(
+                out,
+                res.state_dict,
+                {
+                    "method": method,
+                    "layer": layer,
+                    "seed": seed,
+                    "best_epoch": res.best_epoch,
+                    "d": int(sd["train"].tokens.shape[-1]),
+                    "params": params.model_dump(),
+                },
+            )
             det, _ = load_detector(out)
             for split in ("val", "test"):
                 z = score(det, sd[split])
                 scores[split].append(z)
-                for rid, y, n, zi in zip(sd[split].response_ids, sd[split].y.numpy(),
-                                         sd[split].lengths.numpy(), z):
+                for rid, y, n, zi in zip(sd[split].response_ids, sd[split].y.numpy(), sd[split].lengths.numpy(), z):
                     q, s = rid.rsplit("/", 1)
-                    rows.append({"response_id": rid, "question_id": q, "sample_index": int(s), "split": split,
-                                 "label": int(y), "seed": seed, "score": float(zi), "n_tokens": int(n),
-                                 "p_sem": None})
-        table = pl.DataFrame(rows, schema={"response_id": pl.String, "question_id": pl.String,
-                                           "sample_index": pl.Int32, "split": pl.String, "label": pl.Int64,
-                                           "seed": pl.Int64, "score": pl.Float64, "n_tokens": pl.Int32,
-                                           "p_sem": pl.Float64})
+                    rows.append(
+                        {
+                            "response_id": rid,
+                            "question_id": q,
+                            "sample_index": int(s),
+                            "split": split,
+                            "label": int(y),
+                            "seed": seed,
+                            "score": float(zi),
+                            "n_tokens": int(n),
+                            "p_sem": None,
+                        }
+                    )
+        table = pl.DataFrame(
+            rows,
+            schema={
+                "response_id": pl.String,
+                "question_id": pl.String,
+                "sample_index": pl.Int32,
+                "split": pl.String,
+                "label": pl.Int64,
+                "seed": pl.Int64,
+                "score": pl.Float64,
+                "n_tokens": pl.Int32,
+                "p_sem": pl.Float64,
+            },
+        )
         (root / "scores" / method).mkdir(parents=True, exist_ok=True)
         table.write_parquet(root / "scores" / method / f"layer_{layer}.parquet")
         y = {s: sd[s].y.numpy() for s in ("val", "test")}
-        per_layer.append({"layer": layer,
-                          "val_auroc": float(np.mean([roc_auc_score(y["val"], z) for z in scores["val"]])),
-                          "test_auroc": float(np.mean([roc_auc_score(y["test"], z) for z in scores["test"]]))})
+        per_layer.append(
+            {
+                "layer": layer,
+                "val_auroc": float(np.mean([roc_auc_score(y["val"], z) for z in scores["val"]])),
+                "test_auroc": float(np.mean([roc_auc_score(y["test"], z) for z in scores["test"]])),
+            }
+        )
         splits_by_layer[layer] = (y, scores)
     best = max(per_layer, key=lambda r: r["val_auroc"])["layer"]
     y, scores = splits_by_layer[best]
-    metrics = {"model": "tiny", "dataset": "mini", "method": method, "family": "detector", "seeds": seeds,
-               "best_layer": best, "layer_selection": "highest mean validation AUROC over seeds",
-               "val": split_metrics(y["val"], scores["val"]), "test": split_metrics(y["test"], scores["test"]),
-               "layers": per_layer}
+    metrics = {
+        "model": "tiny",
+        "dataset": "mini",
+        "method": method,
+        "family": "detector",
+        "seeds": seeds,
+        "best_layer": best,
+        "layer_selection": "highest mean validation AUROC over seeds",
+        "val": split_metrics(y["val"], scores["val"]),
+        "test": split_metrics(y["test"], scores["test"]),
+        "layers": per_layer,
+    }
     (root / "metrics").mkdir(exist_ok=True)
     (root / "metrics" / f"{method}.json").write_text(json.dumps(metrics))
     preset = ModelPreset(path=str(model_dir), dtype="float32")
-    manifest = {"name": "tiny", "preset": preset.model_dump(), "num_hidden_layers": top,
-                "hidden_size": model.config.hidden_size, "files": dir_fingerprint(model_dir)}
+    manifest = {
+        "name": "tiny",
+        "preset": preset.model_dump(),
+        "num_hidden_layers": top,
+        "hidden_size": model.config.hidden_size,
+        "files": dir_fingerprint(model_dir),
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
@@ -112,12 +181,20 @@ def dumped_rows(questions: pl.DataFrame, dumped: pl.DataFrame, token_ids: bool =
     """The dumped answers as scoring input, in the dump's order (question id, sample index)."""
     text = questions.select(question_id="id", question="question")
     gens = dumped.sort("question_id", "sample_index").join(text, on="question_id", maintain_order="left")
-    return [{"id": f"{r['question_id']}/{r['sample_index']}", "question": r["question"], "answer": r["text"],
-             **({"answer_token_ids": r["token_ids"]} if token_ids else {})} for r in gens.iter_rows(named=True)]
+    return [
+        {
+            "id": f"{r['question_id']}/{r['sample_index']}",
+            "question": r["question"],
+            "answer": r["text"],
+            **({"answer_token_ids": r["token_ids"]} if token_ids else {}),
+        }
+        for r in gens.iter_rows(named=True)
+    ]
 
 
-def assert_bundle_scores_match_dag(bundle_path: Path, scores_dir: Path, questions: pl.DataFrame,
-                                   dumped: pl.DataFrame, model_dir: Path, batch_size: int) -> int:
+def assert_bundle_scores_match_dag(
+    bundle_path: Path, scores_dir: Path, questions: pl.DataFrame, dumped: pl.DataFrame, model_dir: Path, batch_size: int
+) -> int:
     """Score every dumped answer from scratch through the bundle (question, answer and its token
     ids), in the dump's order and batch size, so that the model sees the inputs the dump gave
     it: each test answer gets each seed's evaluate logit at the bundle's layer (`scores_dir/

@@ -18,12 +18,30 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY = ["halludetect", "stages", "dvc.yaml", "params.yaml", "pyproject.toml", "inputs/README.md", ".dvc/config",
-        ".dvc/plots", ".dvcignore", ".gitignore"]
+COPY = [
+    "halludetect",
+    "stages",
+    "dvc.yaml",
+    "params.yaml",
+    "pyproject.toml",
+    "inputs/README.md",
+    ".dvc/config",
+    ".dvc/plots",
+    ".dvcignore",
+    ".gitignore",
+]
 
 SMALL = {
-    "world": {"n_people": 60, "exposures": [0, 30], "epochs": 10, "hidden_size": 64, "intermediate_size": 128,
-              "n_heads": 4, "n_layers": 2, "vocab_size": 512},
+    "world": {
+        "n_people": 60,
+        "exposures": [0, 30],
+        "epochs": 10,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "n_heads": 4,
+        "n_layers": 2,
+        "vocab_size": 512,
+    },
     "generate": {"n_samples": 3, "max_new_tokens": 16},
     "train": {"epochs": 8, "seeds": [0]},
     "evaluate": {"bootstrap": 20, "throughput_repeats": 1},

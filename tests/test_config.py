@@ -1,15 +1,14 @@
-import subprocess
-import sys
-from pathlib import Path
+"""Typed params (halludetect/config.py): the shipped params are valid; unknown keys, wrong types, bad
+choices, undefined grid names, dotted preset names and cross-field problems are named with their
+dotted key and a suggestion, every problem at once; the export threshold must be one the bundle
+stores; and the hostile cases, an empty stop string, a zero split share, no seeds, no layers, a
+YAML syntax error (file, line and column) and an unknown device, each named with its key."""
 
 import pytest
-import yaml
+from support import ROOT, base_params, stage
+from support import base_params as base
 
 from halludetect.config import ParamsError, load_params, parse_params
-
-
-def base() -> dict:
-    return yaml.safe_load(Path("params.yaml").read_text())
 
 
 def test_shipped_params_are_valid():
@@ -92,29 +91,92 @@ def test_unknown_preset_lookup():
         p.model("llama3-7b")
 
 
-def run_prepare(tmp_path, data: dict, dataset: str):
-    """Run the prepare stage as DVC would, with `data` as its params file."""
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump(data))
-    return subprocess.run(
-        [sys.executable, "-m", "stages.prepare", "--params", str(params), "--dataset", dataset,
-         "--out", str(tmp_path / "q.parquet"), "--metrics", str(tmp_path / "m.json")],
-        capture_output=True, text=True,
+def test_export_params_name_a_stored_threshold():
+    params = load_params("params.yaml")
+    assert params.export.threshold == "best_f1" and params.export.fpr_targets == [0.01, 0.05, 0.1]
+    data = {
+        "grid": {"models": [], "datasets": [], "methods": []},
+        "models": {},
+        "datasets": {},
+        "export": {"fpr_targets": [0.05], "threshold": "fpr_0.01"},
+    }
+    with pytest.raises(ParamsError, match=r"export: threshold 'fpr_0.01' is none the bundle stores.*fpr_0.05"):
+        parse_params(data)
+
+
+# ------------------------------------------------------------------------ hostile params
+def params_error(update) -> str:
+    data = base_params()
+    update(data)
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    return str(e.value)
+
+
+@pytest.mark.hostile
+def test_params_reject_an_empty_stop_string_naming_the_key():
+    msg = params_error(lambda d: d["generate"].update(stop=["\n", ""]))
+    assert "generate.stop: '' is empty or only spaces/tabs: it would stop every answer before its first word" in msg
+    assert "generate.stop: ' ' is empty" in params_error(lambda d: d["generate"].update(stop=[" "]))
+    data = base_params()
+    data["generate"]["stop"] = ["\n", "\n\n", "Question:"]  # newline stops are real stops
+    assert parse_params(data).generate.stop == ["\n", "\n\n", "Question:"]
+
+
+@pytest.mark.hostile
+def test_params_reject_a_zero_split_fraction_naming_the_key():
+    msg = params_error(lambda d: d["prepare"].update(val=0, test=0.5))  # still sums to 1
+    assert (
+        "prepare.val: 0 is not a share strictly between 0 and 1: every split is needed (train fits the "
+        "detectors, val picks their epoch and layer, test reports)"
+    ) in msg
+
+
+@pytest.mark.hostile
+def test_params_reject_empty_train_seeds_naming_the_key():
+    msg = params_error(lambda d: d["train"].update(seeds=[]))
+    assert "train.seeds: no seeds: list at least one (the paper: [0, 1, 2, 3, 4]); an empty list trains nothing" in msg
+
+
+@pytest.mark.hostile
+def test_params_reject_empty_dump_layers_naming_the_key():
+    msg = params_error(lambda d: d["dump"].update(layers=[]))
+    assert "dump.layers: no layers: list at least one index (0 = embeddings), or write all" in msg
+
+
+@pytest.mark.hostile
+def test_params_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    text = (
+        (ROOT / "params.yaml")
+        .read_text()
+        .replace("prepare:\n  seed: 0\n  train: 0.5", "prepare:\n  seed: 0\n train: 0.5")
     )
-
-
-def test_stage_reports_bad_params_without_traceback(tmp_path):
-    data = base()
-    data["prepare"]["tran"] = 0.5
-    res = run_prepare(tmp_path, data, "world")
-    assert res.returncode == 2
-    assert "prepare.tran: unknown key; did you mean 'train'?" in res.stderr
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    line = text.splitlines().index(" train: 0.5") + 1
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert str(e.value).startswith(f"{path}:{line}:2: YAML syntax error: ")
+    res = stage(
+        "stages.prepare",
+        "--params",
+        str(path),
+        "--dataset",
+        "world",
+        "--out",
+        str(tmp_path / "q.parquet"),
+        "--metrics",
+        str(tmp_path / "m.json"),
+    )
+    assert res.returncode == 2 and f"error: {path}:{line}:2: YAML syntax error" in res.stderr
     assert "Traceback" not in res.stderr
-    assert not (tmp_path / "q.parquet").exists()  # nothing written
 
 
-def test_stage_missing_dataset_file_is_one_clear_line(tmp_path):
-    data = base()
-    data["datasets"]["bioasq"]["path"] = str(tmp_path / "training11b.json")
-    res = run_prepare(tmp_path, data, "bioasq")
-    assert res.returncode == 2 and "register at bioasq.org" in res.stderr and "Traceback" not in res.stderr
+@pytest.mark.hostile
+def test_params_reject_an_unknown_device_naming_the_key():
+    msg = params_error(lambda d: [d["generate"].update(device="banana"), d["train"].update(device="gpu")])
+    assert "generate.device: 'banana' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps" in msg
+    assert "train.device: 'gpu' is not a device" in msg
+    data = base_params()
+    data["dump"]["device"], data["cluster"]["hf"]["device"], data["train"]["device"] = "cuda:1", "mps", "cuda"
+    parse_params(data)  # real devices pass

@@ -47,8 +47,15 @@ def repo(tmp_path_factory):
 def test_dag_writes_the_comparison_table(repo):
     table = (repo / "metrics/tables/detection_auroc.md").read_text()
     assert "world / world" in table
-    for name in ("HaMI", "Max pooling", "HaMI (SP)", "P_sem", "Semantic entropy", "Mean token log-prob",
-                 "Answer length"):
+    for name in (
+        "HaMI",
+        "Max pooling",
+        "HaMI (SP)",
+        "P_sem",
+        "Semantic entropy",
+        "Mean token log-prob",
+        "Answer length",
+    ):
         assert f"| {name} |" in table
     for name in ("auroc", "margin", "throughput", "label_distribution", "expected_c_int_world_test"):
         assert (repo / f"metrics/tables/{name}.md").exists() and (repo / f"metrics/tables/{name}.tex").exists()
@@ -57,8 +64,13 @@ def test_dag_writes_the_comparison_table(repo):
         assert set(a["layers"][str(a["best_layer"])]) == {"train", "test"}
     assert json.loads((repo / "metrics/latency/world/world.json").read_text())["questions"] > 0
     assert {p.name for p in (repo / "metrics/figures/world/world").iterdir()} == {
-        "auroc_by_layer.png", "roc.png", "scores.png", "responses.png", "sensitivity_hami_sp.png",
-        "sensitivity_hami.png"}
+        "auroc_by_layer.png",
+        "roc.png",
+        "scores.png",
+        "responses.png",
+        "sensitivity_hami_sp.png",
+        "sensitivity_hami.png",
+    }
     for method in (*METHODS, "hami_sp"):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
         assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in LAYERS
@@ -81,10 +93,14 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
 
     dumped, _ = select_answers(pl.read_parquet(repo / "data/generations/world/world.parquet"))
     batch_size = yaml.safe_load((repo / "params.yaml").read_text())["dump"]["batch_size"]
-    n = assert_bundle_scores_match_dag(repo / "data/bundles/world/world/max.safetensors",
-                                       repo / "data/scores/world/world/max",
-                                       pl.read_parquet(repo / "data/questions/world.parquet"), dumped,
-                                       repo / "data/world/model", batch_size)
+    n = assert_bundle_scores_match_dag(
+        repo / "data/bundles/world/world/max.safetensors",
+        repo / "data/scores/world/world/max",
+        pl.read_parquet(repo / "data/questions/world.parquet"),
+        dumped,
+        repo / "data/world/model",
+        batch_size,
+    )
     assert n > 0
 
 
@@ -93,7 +109,34 @@ def test_training_param_reruns_only_training_and_after(repo):
     assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {
-        "evaluate@world-world-max", "export@world-world-max", "figures@world-world", "report"}
+        "evaluate@world-world-max",
+        "export@world-world-max",
+        "figures@world-world",
+        "report",
+    }
+
+
+def test_a_new_method_file_re_runs_only_what_uses_methods(repo):
+    """Adding a detection method is one file (methods/) and `make deps`: the stages that train,
+    evaluate, export, analyse, draw or report detectors see it, sampling, dumping and labelling do
+    not (config.py imports methods/ only to validate params)."""
+    new = repo / "halludetect" / "methods" / "extra.py"
+    new.write_text(
+        '"""A method that only needs to exist."""\n\nfrom halludetect.methods.pooling import PoolingParams\n'
+        "from halludetect.methods.spec import Method, register\n\n"
+        'register(Method("extra", "Extra", PoolingParams, build=lambda net, d, p: net.LastTokenProbe(d)))\n'
+    )
+    try:
+        run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
+        stale = changed(repo)
+        assert stale and all(
+            s.startswith(("train", "evaluate", "export", "analyze", "figures", "report")) for s in stale
+        ), stale
+        assert {f"train@world-world-max-{layer}" for layer in LAYERS} <= stale
+    finally:
+        new.unlink()
+        run(["git", "checkout", "-q", "HEAD", "--", "dvc.yaml"], repo)
+    assert changed(repo) == set()
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
@@ -121,7 +164,8 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
     # without repeating the whole DAG.
     stale = changed(repo)
     assert stale >= {"judge@world-world", "cluster@world-world", "baselines@world-world", "latency@world-world"} | {
-        s for s in DETECTOR_STAGES if s.startswith(("train", "evaluate"))}
+        s for s in DETECTOR_STAGES if s.startswith(("train", "evaluate"))
+    }
     assert not stale & {"world", "world_check", "manifest@world", "prepare@world"}
     restore(repo)
 
@@ -138,7 +182,8 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
     # the bundles record the position convention their detectors read
     assert changed(repo) == {"dump@world-world"} | {f"export@world-world-{m}" for m in METHODS} | {
-        "export_sp@world-world-hami_sp"}
+        "export_sp@world-world-hami_sp"
+    }
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"dump@world-world"}
     stale = changed(repo)
@@ -150,19 +195,45 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
 def stage_args(repo: Path, tmp: Path, stage: str) -> list[str]:
     """The stage's own command from dvc.yaml, with outputs redirected under tmp."""
     if stage == "generate":
-        return ["--model", "world", "--questions", "data/questions/world.parquet", "--manifest",
-                "data/models/world.json", "--progress", str(tmp / "progress"), "--out", str(tmp / "gen.parquet"),
-                "--metrics", str(tmp / "gen.json")]
-    return ["--model", "world", "--questions", "data/questions/world.parquet", "--generations",
-            "data/generations/world/world.parquet", "--manifest", "data/models/world.json", "--out", str(tmp / "acts")]
+        return [
+            "--model",
+            "world",
+            "--questions",
+            "data/questions/world.parquet",
+            "--manifest",
+            "data/models/world.json",
+            "--progress",
+            str(tmp / "progress"),
+            "--out",
+            str(tmp / "gen.parquet"),
+            "--metrics",
+            str(tmp / "gen.json"),
+        ]
+    return [
+        "--model",
+        "world",
+        "--questions",
+        "data/questions/world.parquet",
+        "--generations",
+        "data/generations/world/world.parquet",
+        "--manifest",
+        "data/models/world.json",
+        "--out",
+        str(tmp / "acts"),
+    ]
 
 
 def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_path):
     set_params(repo, {"generate": {"batch_size": 4}})  # many small units, so the kill lands mid-way
-    env = {**os.environ, "PYTHONPATH": str(repo),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "generate@world-world"], cwd=repo, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": str(repo), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro", "generate@world-world"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     progress = repo / "data/generations/world/.world.progress"
     deadline = time.monotonic() + 120
     while len(list(progress.glob("unit_*.parquet"))) < 3:
@@ -188,8 +259,9 @@ def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
         d.mkdir()
     for stage in ("generate", "dump"):
         run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, one, stage)], repo)
-        log = run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage)], repo,
-                  HALLUDETECT_PROCESSES="2")
+        log = run(
+            [sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage)], repo, HALLUDETECT_PROCESSES="2"
+        )
         assert stage == "generate" or "process 1: dumped" in log
     assert (one / "gen.parquet").read_bytes() == (two / "gen.parquet").read_bytes()
     assert json.loads((two / "gen.json").read_text())["processes"] == 2

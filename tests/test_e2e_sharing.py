@@ -1,22 +1,22 @@
-"""Sharing through a real S3 remote and sweeps that end in tables, as the README says.
+"""Sharing through a real S3 remote and sweeps that end in tables, as docs/sweeps-and-sharing.md says.
 
-The README's bash blocks ("Sharing through a remote", "Sweeps") run as written, in a temporary
+The bash blocks of docs/sweeps-and-sharing.md ("Sharing through a remote", "Sweeps") run as written, in a temporary
 copy of the repository (tests/e2e_support.py) whose DAG is the small world's with one method on
-hidden states (`max`, the one the README's commands use) and `hami_sp`, on layer 2 only (the
-README's), without the analysis: what the commands read, and no more. A real S3-compatible
+hidden states (`max`, the one the commands use) and `hami_sp`, on layer 2 only (the
+docs'), without the analysis: what the commands read, and no more. A real S3-compatible
 server (moto's) on 127.0.0.1 and a bare git repository stand for the team's remotes.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from e2e_support import ROOT, build_repo, changed, ran, run
+from e2e_support import build_repo, changed, ran, run
+from support import doc_blocks
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +29,7 @@ def repo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A real S3-compatible server (moto's) on 127.0.0.1, started and stopped by the test, and the
-    shell variables the README's commands read: the remote's URL and endpoint, and credentials
+    shell variables the documented commands read: the remote's URL and endpoint, and credentials
     from the environment (never in .dvc/config)."""
     import boto3
     from moto.server import ThreadedMotoServer
@@ -37,12 +37,19 @@ def s3(tmp_path_factory):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    creds = {"AWS_ACCESS_KEY_ID": "e2e-key-id", "AWS_SECRET_ACCESS_KEY": "e2e-secret",
-             "AWS_DEFAULT_REGION": "us-east-1"}
+    creds = {
+        "AWS_ACCESS_KEY_ID": "e2e-key-id",
+        "AWS_SECRET_ACCESS_KEY": "e2e-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"])
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+    )
     client.create_bucket(Bucket="halludetect-e2e")
     origin = tmp_path_factory.mktemp("origin") / "world.git"  # the team's git server
     run(["git", "init", "-q", "--bare", str(origin)], origin.parent)
@@ -51,15 +58,20 @@ def s3(tmp_path_factory):
 
 
 def readme_blocks(title: str) -> list[str]:
-    """The bash blocks of a README section, in order: the tests run them as written."""
-    text = (ROOT / "README.md").read_text()
-    body = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return [code for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, flags=re.S) if lang == "bash"]
+    """The bash blocks of a section of docs/sweeps-and-sharing.md, in order: run as written."""
+    return doc_blocks("docs/sweeps-and-sharing.md", title).get("bash", [])
 
 
 def bash(code: str, cwd: Path, env: dict) -> str:
-    return run(["bash", "-euo", "pipefail", "-c", code], cwd, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t", **env)
+    return run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        cwd,
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
+        **env,
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -80,7 +92,7 @@ def copies(exps: Path) -> int:
 
 
 def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo, s3, tmp_path):
-    """README "Sharing through a remote": A pushes; a fresh clone B with an empty cache fetches one
+    """docs "Sharing through a remote": A pushes; a fresh clone B with an empty cache fetches one
     layer file and the labels, trains and evaluates one method on that layer, runs nothing
     upstream, leaves `dvc status` of what it ran clean, and gets A's figures byte for byte."""
     push, colleague = readme_blocks("Sharing through a remote")
@@ -96,7 +108,7 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     assert json.loads(run([sys.executable, "-m", "dvc", "status", "--json", "train@world-world-max-2"], b)) == {}
     for rel in ("metrics/layers/world/world/max/layer_2.json", "data/scores/world/world/max/layer_2.parquet"):
         assert (b / rel).read_bytes() == (repo / rel).read_bytes(), rel
-    fetched = json.loads(log[log.index("{"):log.rindex("}") + 1])
+    fetched = json.loads(log[log.index("{") : log.rindex("}") + 1])
     layer_file = "data/activations/world/world/layer_2.h5"
     assert set(fetched["fetched"]) == {layer_file, "data/labels/world/world/judgments.parquet"}
     assert sorted(p.name for p in (b / "data/activations/world/world").iterdir()) == ["layer_2.h5"]
@@ -105,35 +117,71 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     print(f"\nB fetched {fetched['fetched_bytes']:,} bytes; the activation directory is {whole:,} bytes")
 
     # A layer that was never dumped, and a remote that is not configured: clear errors, nothing run.
-    bad = run([sys.executable, "-m", "halludetect.cli", "train-layer", "--model", "world", "--dataset", "world",
-               "--method", "max", "--layer", "7"], b, check=False, **s3)
+    bad = run(
+        [
+            sys.executable,
+            "-m",
+            "halludetect.cli",
+            "train-layer",
+            "--model",
+            "world",
+            "--dataset",
+            "world",
+            "--method",
+            "max",
+            "--layer",
+            "7",
+        ],
+        b,
+        check=False,
+        **s3,
+    )
     assert "layer 7 was never dumped for world/world: data/activations/world/world holds layers [0, 1, 2]" in bad
     c = tmp_path / "c"
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(c)], tmp_path)
     run([sys.executable, "-m", "dvc", "remote", "remove", "shared"], c)
-    bad = run([sys.executable, "-m", "halludetect.cli", "train-layer", "--model", "world", "--dataset", "world",
-               "--method", "max", "--layer", "2"], c, check=False)
+    bad = run(
+        [
+            sys.executable,
+            "-m",
+            "halludetect.cli",
+            "train-layer",
+            "--model",
+            "world",
+            "--dataset",
+            "world",
+            "--method",
+            "max",
+            "--layer",
+            "2",
+        ],
+        c,
+        check=False,
+    )
     assert "ERROR" in bad and "remote" in bad.lower() and "Running stage" not in bad
 
 
 def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3, tmp_path):
-    """README "Sweeps": a two-value sweep queued and run by `dvc queue start`, one table of it
+    """docs "Sweeps": a two-value sweep queued and run by `dvc queue start`, one table of it
     (the committed baseline is a third point), its results pushed with `dvc exp push` and pulled
     by a colleague, whose table is the same."""
     queue, table, share, pull = readme_blocks("Sweeps")
     before = dir_bytes(repo / ".dvc/cache")
     bash(queue, repo, s3)
     copied, deadline = 0, time.monotonic() + 600  # bytes of activation files copied into an experiment's workspace
-    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and \
-            ("Queued" in status or "Running" in status):
+    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
+        "Queued" in status or "Running" in status
+    ):
         assert time.monotonic() < deadline, status
         copied = max(copied, copies(repo / ".dvc/tmp/exps"))
         time.sleep(0.5)
     assert status.count("Success") == 2, status
     growth = (dir_bytes(repo / ".dvc/cache") - before) / 2
     activations = dir_bytes(repo / "data/activations")
-    print(f"\nper queued experiment: cache growth {growth:,.0f} bytes, activation bytes copied into its workspace "
-          f"{copied:,} (the activations: {activations:,} bytes; cache.type hardlink)")
+    print(
+        f"\nper queued experiment: cache growth {growth:,.0f} bytes, activation bytes copied into its workspace "
+        f"{copied:,} (the activations: {activations:,} bytes; cache.type hardlink)"
+    )
     assert copied == 0 and growth < activations / 4
     out = bash(table, repo, s3)
     md = (repo / "metrics/sweeps/detectors_max_dim.md").read_text()

@@ -102,7 +102,8 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     code_deps.imports_of.cache_clear()
     try:
         assert upward("halludetect.core.bad") == [
-            "halludetect.core.bad (floor 0, core) imports halludetect.detectors.build (floor 5, detectors)"]
+            "halludetect.core.bad (floor 0, core) imports halludetect.detectors.build (floor 5, detectors)"
+        ]
         assert upward("halludetect.detectors.build") == []
     finally:
         code_deps.imports_of.cache_clear()

@@ -1,13 +1,19 @@
-"""Split metrics: PRR as lm-polygraph defines it, FPR at 95% TPR, SD and SE over seeds, margins
-by answer length, and a bootstrap that resamples questions."""
+"""Split metrics (halludetect/metrics.py): AUROC and average precision equal sklearn's (ties included),
+the margin as the paper defines it, PRR as lm-polygraph defines it, FPR at 95% TPR, SD and SE over
+seeds, margins by answer length, and a bootstrap that resamples questions."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score
 
 from halludetect.metrics import (
+    auroc,
+    average_precision,
     bootstrap_auroc_ci,
     fpr_at_tpr,
+    margin,
     margin_by_length,
     mean_se,
     prr,
@@ -124,3 +130,32 @@ def test_roc_points_and_fpr_match_sklearn_with_ties():
         np.testing.assert_allclose(ours_tpr, tpr[1:])
         for level in (0.5, 0.9, 0.95):
             assert fpr_at_tpr(y, score, level) == pytest.approx(fpr[np.searchsorted(tpr, level, side="left")])
+
+
+def test_metrics_match_sklearn_and_margin_definition():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 200)
+    z = rng.normal(size=200) + y
+    m = split_metrics(y, [z], bootstrap=200, seed=0, groups=np.arange(200))
+    assert m["auroc"]["mean"] == pytest.approx(roc_auc_score(y, z))
+    assert m["margin"]["mean"] == pytest.approx(np.mean(np.where(y == 1, 1, -1) * z))
+    lo, hi = m["auroc_ci95"]
+    assert lo < m["auroc"]["mean"] < hi
+    assert margin(np.array([1, 0]), np.array([2.0, -3.0])) == pytest.approx(2.5)
+    assert split_metrics(y, [z], logits=False)["margin"] is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=2, max_size=60), st.booleans())
+def test_auroc_and_average_precision_equal_sklearns_with_ties(pairs, continuous):
+    """Our numpy AUROC and AP (metrics.py) are sklearn's, ties included (integer scores tie often)."""
+    from sklearn.metrics import average_precision_score
+
+    y = np.array([p[0] for p in pairs])
+    if y.min() == y.max():
+        y[0] = 1 - y[0]
+    s = np.array([p[1] for p in pairs], dtype=np.float64)
+    if continuous:
+        s = s + np.random.default_rng(len(pairs)).normal(size=len(s))
+    assert auroc(y, s) == pytest.approx(roc_auc_score(y, s), abs=1e-12)
+    assert average_precision(y, s) == pytest.approx(average_precision_score(y, s), abs=1e-12)

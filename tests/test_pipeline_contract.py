@@ -55,12 +55,38 @@ def test_the_closure_sees_function_level_imports_package_inits_and_discovery():
     # `world_check` reaches generation through halludetect.world.check (a function-level import
     # among them); every stage runs stages/__init__.py; methods/ imports its modules by discovery.
     runs = {code_deps.relative(p) for p in code_deps.closure("stages.world_check")}
-    assert {"halludetect/lm/generation.py", "halludetect/lm/model_inputs.py", "halludetect/world/check.py",
-            "stages/__init__.py", "halludetect/methods/hami.py", "halludetect/methods/probe.py"} <= runs
+    assert {
+        "halludetect/lm/generation.py",
+        "halludetect/lm/model_inputs.py",
+        "halludetect/world/check.py",
+        "stages/__init__.py",
+    } <= runs
     assert "halludetect/world/tiny_llama.py" not in runs  # the check never trains
     assert "halludetect/__init__.py" not in runs  # the front door runs nothing
     assert "halludetect/lm/__init__.py" not in runs  # a docstring changes no result
     assert "halludetect/detectors/networks.py" not in runs  # only stages that build detectors run networks
+    # config.py validates every method's params section (VALIDATION_ONLY): not code of the check
+    assert not any(r.startswith("halludetect/methods/") for r in runs)
+    train = {code_deps.relative(p) for p in code_deps.closure("stages.train")}
+    assert {
+        "halludetect/methods/__init__.py",
+        "halludetect/methods/hami.py",
+        "halludetect/methods/probe.py",
+        "halludetect/methods/spec.py",
+        "halludetect/detectors/networks.py",
+    } <= train
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_a_stage_that_reads_detector_params_runs_the_methods(name):
+    """config.py's import of methods/ is left out of the closure because it only validates; a
+    stage whose outputs depend on a method's params must then reach methods/ through its own
+    imports, or an edit to a method's defaults would leave its outputs current."""
+    stage = stages()[name]
+    reads = [p for p in declared(stage) if p.split(".")[0] == "detectors"]
+    runs = {code_deps.relative(p) for p in code_deps.closure(stage_module(stage))}
+    if reads:
+        assert "halludetect/methods/__init__.py" in runs, f"{name} declares {reads} but never imports methods/"
 
 
 def test_a_new_import_or_method_file_changes_the_closure(tmp_path, monkeypatch):
@@ -102,8 +128,12 @@ def params_read(module_path: Path) -> set[str]:
     """Dotted params keys a stage module reads: `params.a.b...` chains, and the preset lookups."""
     keys = set()
     for node in ast.walk(ast.parse(module_path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                isinstance(node.func.value, ast.Name) and node.func.value.id == "params":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "params"
+        ):
             keys.add({"model": "models.*", "dataset": "datasets.*"}.get(node.func.attr, node.func.attr))
         elif isinstance(node, ast.Attribute):
             chain, cur = [], node
@@ -139,8 +169,21 @@ def test_every_stage_declares_the_params_it_reads(name):
     assert not undeclared, f"{name} reads params {undeclared} that dvc.yaml does not declare"
 
 
-STAGE_SECTIONS = ["world", "prepare", "generate", "dump", "judge", "cluster", "detectors", "baselines", "train",
-                  "evaluate", "export", "latency", "analyze"]
+STAGE_SECTIONS = [
+    "world",
+    "prepare",
+    "generate",
+    "dump",
+    "judge",
+    "cluster",
+    "detectors",
+    "baselines",
+    "train",
+    "evaluate",
+    "export",
+    "latency",
+    "analyze",
+]
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

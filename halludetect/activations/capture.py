@@ -127,9 +127,22 @@ def bag_positions(starts, lengths) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- dump
 @torch.no_grad()
-def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[int], *,
-         positions: str, dtype: str, batch_size: int, attrs: dict, chat_template: bool = False,
-         workers=None, log=print) -> None:
+def dump(
+    model,
+    tokenizer,
+    questions,
+    generations,
+    out_dir: Path,
+    layers: list[int],
+    *,
+    positions: str,
+    dtype: str,
+    batch_size: int,
+    attrs: dict,
+    chat_template: bool = False,
+    workers=None,
+    log=print,
+) -> None:
     """Teacher-forced pass over prompt + answer ids; one HDF5 file per layer in `out_dir`.
 
     Responses go in (question_id, sample_index) order. With several `workers`, this process
@@ -140,8 +153,10 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
         raise ValueError(f"unknown positions '{positions}'; choose from {POSITIONS}")
     generations = generations.sort("question_id", "sample_index")
     question_text = dict(zip(questions["id"], questions["question"]))
-    prompts = {q: encode_prompt(tokenizer, question_text[q], chat_template)
-               for q in generations["question_id"].unique().to_list()}
+    prompts = {
+        q: encode_prompt(tokenizer, question_text[q], chat_template)
+        for q in generations["question_id"].unique().to_list()
+    }
     longest = generations.group_by("question_id").agg(pl.col("n_tokens").max())
     check_context(model, {q: len(prompts[q]) + n for q, n in longest.iter_rows()}, 0, "their answers")
     hidden = model.config.get_text_config().hidden_size
@@ -154,11 +169,15 @@ def dump(model, tokenizer, questions, generations, out_dir: Path, layers: list[i
     n_batches = -(-generations.height // batch_size)
     try:
         with capture(model, layers) as store:
-            for b in tqdm(workers.span(n_batches), desc=f"dump[{workers.rank}]", unit="batch",
-                          disable=not workers.main):
+            for b in tqdm(
+                workers.span(n_batches), desc=f"dump[{workers.rank}]", unit="batch", disable=not workers.main
+            ):
                 # One batch's rows only: memory does not grow with the number of responses.
-                batch = generations.slice(b * batch_size, batch_size).select(
-                    "question_id", "sample_index", "token_ids", "n_tokens").to_dicts()
+                batch = (
+                    generations.slice(b * batch_size, batch_size)
+                    .select("question_id", "sample_index", "token_ids", "n_tokens")
+                    .to_dicts()
+                )
                 seqs = [prompts[r["question_id"]] + list(r["token_ids"]) for r in batch]
                 starts = [bag_slice(len(prompts[r["question_id"]]), r["n_tokens"], positions).start for r in batch]
                 lengths = np.asarray([r["n_tokens"] for r in batch])  # [B]

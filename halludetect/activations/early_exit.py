@@ -83,14 +83,17 @@ def load_until(preset: ModelPreset, layer: int, device: str = "auto"):
     except OSError as e:
         raise hub_hint(preset, e) from None
     if info["missing_keys"]:
-        raise ModelError(f"{preset.path}: the checkpoint lacks {len(info['missing_keys'])} tensors of blocks "
-                         f"1..{layer} (e.g. {sorted(info['missing_keys'])[:3]}): is it a complete model?")
+        raise ModelError(
+            f"{preset.path}: the checkpoint lacks {len(info['missing_keys'])} tensors of blocks "
+            f"1..{layer} (e.g. {sorted(info['missing_keys'])[:3]}): is it a complete model?"
+        )
     return place(model, kw, device)
 
 
 @torch.no_grad()
-def states_until(model, layer: int, n_layers_full: int, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor) -> torch.Tensor:
+def states_until(
+    model, layer: int, n_layers_full: int, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """Hidden state `layer` [B, W, d] of a plain forward over right-padded inputs, skipping
     everything after it. `n_layers_full` is the complete model's number of blocks (layer
     numbering as in `activations.layer_module`)."""

@@ -55,9 +55,12 @@ def open_layer(path: str | Path) -> tuple[h5py.File, np.ndarray, list[str]]:
         if (down := np.flatnonzero(np.diff(offsets) < 0)).size:
             raise layer_problem(path, f"offsets decrease at response {down[0]} ({ids[down[0]]})")
         if len(offsets) and offsets[-1] != states.shape[0]:
-            raise layer_problem(path, f"the last offset is {offsets[-1]} but states has {states.shape[0]} rows "
-                                f"(offsets {'past the end of' if offsets[-1] > states.shape[0] else 'short of'} "
-                                "states)")
+            raise layer_problem(
+                path,
+                f"the last offset is {offsets[-1]} but states has {states.shape[0]} rows "
+                f"(offsets {'past the end of' if offsets[-1] > states.shape[0] else 'short of'} "
+                "states)",
+            )
     except BaseException:
         f.close()
         raise
@@ -104,9 +107,9 @@ def read_layer(path: str | Path, dtype=np.float32, expect_layer: int | None = No
 class LayerReader:
     """Streams a layer file as padded batches, reading only the bags asked for.
 
-        with LayerReader(path) as layer:
-            for index, x, mask in layer.batches(128):   # x [B, T, d] float32, mask [B, T]
-                ...
+    with LayerReader(path) as layer:
+        for index, x, mask in layer.batches(128):   # x [B, T, d] float32, mask [B, T]
+            ...
     """
 
     def __init__(self, path: str | Path, dtype=np.float32):
@@ -147,8 +150,9 @@ class LayerReader:
             lengths = torch.from_numpy(ends - starts)
         return Bags(torch.from_numpy(tokens.astype(self.dtype, copy=False)), lengths)
 
-    def batches(self, batch_size: int, index: np.ndarray | None = None
-                ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, batch_size: int, index: np.ndarray | None = None
+    ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
         index = np.arange(len(self)) if index is None else np.asarray(index, dtype=np.int64)
         for start in range(0, len(index), batch_size):
             part = index[start : start + batch_size]

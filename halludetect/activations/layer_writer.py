@@ -35,8 +35,12 @@ class LayerWriter:
         self.np_dtype = np.dtype(dtype)
         self.chunk = _chunk_rows(hidden_size, self.np_dtype.itemsize)
         self.states = self.f.create_dataset(
-            "states", shape=(0, hidden_size), maxshape=(None, hidden_size), dtype=self.np_dtype,
-            chunks=(self.chunk, hidden_size), track_times=False,
+            "states",
+            shape=(0, hidden_size),
+            maxshape=(None, hidden_size),
+            dtype=self.np_dtype,
+            chunks=(self.chunk, hidden_size),
+            track_times=False,
         )
         self.pending: list[np.ndarray] = []  # rows not yet written, fewer than a chunk after each append
         self.n_pending = 0

@@ -33,9 +33,18 @@ class SampledAnswer:
 
 
 @torch.no_grad()
-def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], params: GenerateParams,
-                 eos: list[int], layer: int, positions: str, states_dtype: torch.dtype,
-                 greedy: bool) -> list[SampledAnswer]:
+def _sample_once(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    keys: list[tuple],
+    params: GenerateParams,
+    eos: list[int],
+    layer: int,
+    positions: str,
+    states_dtype: torch.dtype,
+    greedy: bool,
+) -> list[SampledAnswer]:
     steps: list[torch.Tensor] = []  # each forward's states at `layer`: [R, W, d], then [R, 1, d] per step
     last_call: dict = {}
 
@@ -45,8 +54,10 @@ def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], 
     def watch(_module, _args, kwargs):  # the sampling pass's KV cache, for the step after its last
         last_call["cache"] = kwargs.get("past_key_values")
 
-    handles = [layer_module(model, layer).register_forward_hook(keep),
-               model.register_forward_pre_hook(watch, with_kwargs=True)]
+    handles = [
+        layer_module(model, layer).register_forward_hook(keep),
+        model.register_forward_pre_hook(watch, with_kwargs=True),
+    ]
     try:
         answers, _, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
         width = max(map(len, prompts))
@@ -57,10 +68,16 @@ def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], 
             _, prompt_mask = pad_ids(prompts, tokenizer.pad_token_id, left=True)  # [R, W]
             mask = torch.cat([prompt_mask, torch.ones(len(prompts), generated, dtype=prompt_mask.dtype)], dim=1)
             mask = mask.to(steps[0].device)  # [R, W + generated]
-            last = torch.tensor([a.token_ids[-1] if c else tokenizer.pad_token_id for a, c in zip(answers, cut)],
-                                device=mask.device)[:, None]  # [R, 1]
-            model(input_ids=last, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                  past_key_values=last_call["cache"], use_cache=True)
+            last = torch.tensor(
+                [a.token_ids[-1] if c else tokenizer.pad_token_id for a, c in zip(answers, cut)], device=mask.device
+            )[:, None]  # [R, 1]
+            model(
+                input_ids=last,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1)[:, -1:],
+                past_key_values=last_call["cache"],
+                use_cache=True,
+            )
     finally:
         for h in handles:
             h.remove()
@@ -73,9 +90,19 @@ def _sample_once(model, tokenizer, prompts: list[list[int]], keys: list[tuple], 
     return out
 
 
-def sample_with_states(model, tokenizer, prompts: list[list[int]], keys: list[tuple], params: GenerateParams,
-                       eos: list[int], *, layer: int, positions: str, states_dtype: torch.dtype,
-                       greedy: bool = False) -> list[SampledAnswer]:
+def sample_with_states(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    keys: list[tuple],
+    params: GenerateParams,
+    eos: list[int],
+    *,
+    layer: int,
+    positions: str,
+    states_dtype: torch.dtype,
+    greedy: bool = False,
+) -> list[SampledAnswer]:
     """One answer per prompt with its bag of `layer` states. `keys` are the rows' random-stream
     keys (seed, id, sample index, attempt); an empty answer is sampled again with the next
     attempt, at most `params.empty_retries` times, as the generate stage does."""
@@ -84,9 +111,18 @@ def sample_with_states(model, tokenizer, prompts: list[list[int]], keys: list[tu
         empty = [r for r, s in enumerate(out) if not s.answer.token_ids]
         if not empty:
             break
-        again = _sample_once(model, tokenizer, [prompts[r] for r in empty],
-                             [(*keys[r][:3], attempt) for r in empty], params, eos, layer, positions, states_dtype,
-                             greedy)
+        again = _sample_once(
+            model,
+            tokenizer,
+            [prompts[r] for r in empty],
+            [(*keys[r][:3], attempt) for r in empty],
+            params,
+            eos,
+            layer,
+            positions,
+            states_dtype,
+            greedy,
+        )
         for r, s in zip(empty, again):
             out[r] = s
     return out

@@ -29,8 +29,10 @@ def _first_line(err: BaseException) -> str:
 def damaged(path: str | Path, what: str, writer: str, err: BaseException | str) -> ArtifactError:
     """The error for a file that exists but cannot be used: what it should be, why, the fix."""
     why = err if isinstance(err, str) else _first_line(err)
-    return ArtifactError(f"{path}: not a readable {what} ({why}); it is damaged or not what the {writer} stage "
-                         f"writes: re-run {writer} to rewrite it (dvc repro --force the {writer} stage)")
+    return ArtifactError(
+        f"{path}: not a readable {what} ({why}); it is damaged or not what the {writer} stage "
+        f"writes: re-run {writer} to rewrite it (dvc repro --force the {writer} stage)"
+    )
 
 
 def missing(path: str | Path, writer: str) -> ArtifactError:

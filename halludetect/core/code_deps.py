@@ -13,11 +13,12 @@ package on the way, which Python executes on import. One function serves three u
 
 tests/test_pipeline_contract.py fails when dvc.yaml differs from what `--write` would write.
 
-Three rules beyond plain imports: the front door (`halludetect/__init__.py`) is left out, because
+Four rules beyond plain imports: the front door (`halludetect/__init__.py`) is left out, because
 it only maps names to modules lazily and runs nothing (a test holds it to that); so is a file that
-is only a docstring (most package `__init__.py`), which cannot change a result; and a package
-that imports its own modules by discovery (`pkgutil.iter_modules(__path__)`, as methods/ does)
-brings all of them.
+is only a docstring (most package `__init__.py`), which cannot change a result; a package that
+imports its own modules by discovery (`pkgutil.iter_modules(__path__)`, as methods/ does) brings
+all of them; and config.py's import of methods/, which only validates params, is not followed
+(VALIDATION_ONLY says why).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding halludetect/ (and stages/ in a checkout)
 PACKAGES = ("halludetect", "stages")
 FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
+# Imports made only to validate params: config.py imports methods/ to check every detector's
+# section of params.yaml (and the grid's method names) in every stage, so that a typo stops the
+# first stage rather than the training hours later. Those checks can stop a stage but never change
+# what it writes, so they are not code of the stage: a stage that uses a method (to build, name or
+# analyse a detector) imports methods/ itself and lists them, and adding or editing a method
+# never re-runs sampling, dumping or labelling. (The contract test holds every stage declaring
+# `detectors` params to running methods/.)
+VALIDATION_ONLY = {"halludetect.config": ("halludetect.methods",)}
 
 
 def module_file(name: str) -> Path | None:
@@ -93,7 +102,8 @@ def closure(module: str) -> list[Path]:
                 continue
             seen.add(path)
             package = ".".join(parts[:k]) if path.name == "__init__.py" else ".".join(parts[: k - 1])
-            todo += imports_of(path, package)
+            skip = VALIDATION_ONLY.get(".".join(parts[:k]), ())
+            todo += [n for n in imports_of(path, package) if not any(n == s or n.startswith(s + ".") for s in skip)]
     return sorted(p for p in seen - {FRONT_DOOR} if not _runs_nothing(p))
 
 
@@ -187,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(new)
         tmp.replace(path)
-    print(f"{path}: code deps of {len(stage_modules(new))} stages written"
-          + ("" if new != text else " (unchanged)"))
+    print(f"{path}: code deps of {len(stage_modules(new))} stages written" + ("" if new != text else " (unchanged)"))
     return 0
 
 

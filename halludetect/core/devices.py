@@ -24,8 +24,9 @@ def resolve_device(device: str, key: str = "device") -> str:
             raise DeviceError(f"{key}: '{device}' was asked for but CUDA is not available; use 'cpu' or 'auto'")
         index, n = int(device.partition(":")[2] or 0), torch.cuda.device_count()
         if index >= n:
-            raise DeviceError(f"{key}: '{device}' was asked for but this machine has {n} GPU(s) "
-                              f"(cuda:0 to cuda:{n - 1})")
+            raise DeviceError(
+                f"{key}: '{device}' was asked for but this machine has {n} GPU(s) (cuda:0 to cuda:{n - 1})"
+            )
     if device == "mps" and not torch.backends.mps.is_available():
         raise DeviceError(f"{key}: 'mps' was asked for but this machine has no Apple GPU; use 'cpu' or 'auto'")
     return device

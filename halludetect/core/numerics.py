@@ -31,7 +31,7 @@ Modes (`HALLUDETECT_NUMERICS`):
 - `portable`: MKL on its COMPATIBLE (SSE2) branch, which MKL documents as identical on Intel and
   AMD processors. It makes the bytes independent of the instruction sets MKL would pick
   (tested), but not of the vendor: under CPU emulation an AMD EPYC-Rome still trained the world
-  to other weights than an Intel machine (README, "Reproducible numbers"), so something besides
+  to other weights than an Intel machine (docs/reproducible-numbers.md), so something besides
   MKL chooses by vendor. Its matrix products are slower: the world model trains about 3.5 times
   as long.
 - `native`: no pins; all cores and the CPU's own kernels. Fastest, byte-stable on one machine
@@ -70,8 +70,12 @@ def pin(threads: int = THREADS) -> None:
     current = mode()
     if current == "native":
         return
-    pins = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": MKL_BRANCH[current], "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads)}
+    pins = {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": MKL_BRANCH[current],
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    }
     if all(os.environ.get(k) == v for k, v in pins.items()):
         return  # pinned already (a stage module imported by a test that pinned first)
     if "torch" in sys.modules:

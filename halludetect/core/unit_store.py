@@ -51,8 +51,12 @@ class UnitStore:
         except FileNotFoundError:
             log.warning("progress %s has no fingerprint.json: discarding its units", self.dir)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            log.warning("progress %s: fingerprint.json is unreadable (%s: %s): discarding its units", self.dir,
-                        type(e).__name__, e)
+            log.warning(
+                "progress %s: fingerprint.json is unreadable (%s: %s): discarding its units",
+                self.dir,
+                type(e).__name__,
+                e,
+            )
         return None
 
     def prepare(self) -> int:
@@ -63,8 +67,9 @@ class UnitStore:
                 self._discard_damaged()
                 return len(self.finished())
             if old is not None:
-                log.info("progress %s was computed differently (params, model, inputs or code): discarding it",
-                         self.dir)
+                log.info(
+                    "progress %s was computed differently (params, model, inputs or code): discarding it", self.dir
+                )
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True)
         write_json(self.dir / "fingerprint.json", self.fingerprint)
@@ -105,8 +110,10 @@ class UnitStore:
         """One finished unit; a damaged one is an error that says a re-run heals it."""
         df, why = self._read(self._path(unit))
         if why:
-            raise DataError(f"work unit {self._path(unit)} is {why}; re-run the stage: it discards the damaged "
-                            "unit and computes it again")
+            raise DataError(
+                f"work unit {self._path(unit)} is {why}; re-run the stage: it discards the damaged "
+                "unit and computes it again"
+            )
         return df
 
     def merge(self, n_units: int) -> pl.DataFrame:

@@ -81,6 +81,10 @@ def load_detector(path) -> tuple[nn.Module, dict]:
     try:
         model.load_state_dict(load_safetensors(path, "train", WHAT))
     except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
-        raise damaged(path, WHAT, "train", f"its tensors do not fit a '{meta['method']}' detector for "
-                      f"d={meta['d']}: {str(e).splitlines()[0]}") from None
+        raise damaged(
+            path,
+            WHAT,
+            "train",
+            f"its tensors do not fit a '{meta['method']}' detector for d={meta['d']}: {str(e).splitlines()[0]}",
+        ) from None
     return model.eval(), meta

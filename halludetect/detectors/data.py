@@ -60,8 +60,15 @@ class SplitData:
 
     def to(self, device) -> SplitData:
         p = None if self.p_sem is None else self.p_sem.to(device)
-        return SplitData(self.tokens.to(device), self.offsets.to(device), self.y.to(device), self.response_ids, p,
-                         self.excluded, self.layer_index)
+        return SplitData(
+            self.tokens.to(device),
+            self.offsets.to(device),
+            self.y.to(device),
+            self.response_ids,
+            p,
+            self.excluded,
+            self.layer_index,
+        )
 
 
 def labelled_index(
@@ -82,8 +89,14 @@ def labelled_index(
     return index, kept["label"].to_numpy().astype(np.int64), kept["rid"].to_list()
 
 
-def select(ids: list[str], offsets: np.ndarray, judgments: pl.DataFrame, split: str, source: str,
-           p_sem: dict[str, float] | None = None) -> tuple[np.ndarray, np.ndarray, list[str], dict]:
+def select(
+    ids: list[str],
+    offsets: np.ndarray,
+    judgments: pl.DataFrame,
+    split: str,
+    source: str,
+    p_sem: dict[str, float] | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[str], dict]:
     """The responses of `split` a detector can use: labelled, with tokens, with P_sem when it
     is needed. Returns positions, labels, ids and the counts left out, by reason."""
     index, y, rids = labelled_index(ids, judgments, split, source)
@@ -104,8 +117,9 @@ def p_sem_table(clusters: pl.DataFrame, variant: str) -> dict[str, float]:
     return dict(zip(ok.select(response_ids(ok)).to_series().to_list(), ok[f"p_sem_{variant}"].to_list()))
 
 
-def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer",
-               p_sem: dict[str, float] | None = None) -> SplitData:
+def split_data(
+    layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer", p_sem: dict[str, float] | None = None
+) -> SplitData:
     """The packed, checked data of one split. Responses without tokens, or (when `p_sem` is
     given) without a semantic probability, are left out and counted in `excluded`."""
     index, y, rids, excluded = select(layer.response_ids, layer.offsets, judgments, split, source, p_sem)
@@ -115,8 +129,10 @@ def split_data(layer: Layer, judgments: pl.DataFrame, split: str, source: str = 
     finite = torch.isfinite(tokens).all(1)  # [N]
     if not finite.all():
         bag = int(torch.repeat_interleave(torch.arange(len(index)), lengths)[~finite][0])
-        raise DataError(f"{source}: non-finite hidden states (NaN or inf) in response {rids[bag]}; "
-                        "re-run dump (a float16 overflow? try dump.dtype: float32)")
+        raise DataError(
+            f"{source}: non-finite hidden states (NaN or inf) in response {rids[bag]}; "
+            "re-run dump (a float16 overflow? try dump.dtype: float32)"
+        )
     return SplitData(
         tokens=tokens,
         offsets=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]),

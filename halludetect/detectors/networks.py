@@ -53,8 +53,7 @@ class HaMI(nn.Module):
 
     def __init__(self, d: int, dim: int, dropout: float, k_ratio: float, lam: float = 0.0):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d, dim), nn.BatchNorm1d(dim), nn.ReLU(), Dropout(dropout),
-                                 nn.Linear(dim, 1))
+        self.net = nn.Sequential(nn.Linear(d, dim), nn.BatchNorm1d(dim), nn.ReLU(), Dropout(dropout), nn.Linear(dim, 1))
         self.k_ratio, self.lam = k_ratio, lam
 
     def token_logits(self, bags: Bags) -> torch.Tensor:

@@ -53,7 +53,8 @@ def segment_softmax(scores: torch.Tensor, bags: Bags) -> torch.Tensor:
     """scores [N] -> weights [N] that sum to 1 over each bag's tokens."""
     with torch.no_grad():  # the shift only keeps exp finite; softmax does not depend on it
         top = scores.new_full((len(bags),), float("-inf")).scatter_reduce_(
-            0, bags.bag_of_token, scores, "amax", include_self=False)
+            0, bags.bag_of_token, scores, "amax", include_self=False
+        )
     e = torch.exp(scores - top[bags.bag_of_token])
     return e / segment_sum(e, bags)[bags.bag_of_token]
 

@@ -1,6 +1,6 @@
 """Training MIL detectors on one layer's bags, with the best epoch chosen on validation.
 
-Data flow: one packed `SplitData` per split (detector_data.py) -> `epochs` of mini-batches
+Data flow: one packed `SplitData` per split (data.py) -> `epochs` of mini-batches
 gathered by index arithmetic -> validation AUROC after every epoch -> the weights of the best
 epoch (the first best on ties).
 
@@ -80,8 +80,17 @@ class TrainResult:
     curve: list[dict]  # per epoch: epoch, train_loss, val_auroc
 
 
-def train_detector(method: str, method_params, train: SplitData, val: SplitData, *, epochs: int,
-                   batch_size: int, seed: int, device: str = "cpu") -> TrainResult:
+def train_detector(
+    method: str,
+    method_params,
+    train: SplitData,
+    val: SplitData,
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    device: str = "cpu",
+) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
     best epoch by validation AUROC. Deterministic for a seed on a given device."""
     torch.manual_seed(seed)
@@ -116,7 +125,6 @@ def train_detector(method: str, method_params, train: SplitData, val: SplitData,
     return best
 
 
-
 # ------------------------------------------------------------------- several seeds at once
 @dataclass
 class SeedResult:
@@ -131,17 +139,35 @@ _JOB: dict = {}  # what forked workers read: set before the pool starts, inherit
 def _train_one(seed: int) -> SeedResult:
     job = _JOB
     with numerics.fixed_threads(1):  # a seed's numbers never depend on how many run beside it
-        res = train_detector(job["method"], job["params"], job["train"], job["val"], epochs=job["epochs"],
-                             batch_size=job["batch_size"], seed=seed, device=job["device"])
+        res = train_detector(
+            job["method"],
+            job["params"],
+            job["train"],
+            job["val"],
+            epochs=job["epochs"],
+            batch_size=job["batch_size"],
+            seed=seed,
+            device=job["device"],
+        )
         model = build_detector(job["method"], job["train"].tokens.shape[-1], job["params"])
         model.load_state_dict(res.state_dict)
         scores = {split: score(model, data) for split, data in job["score"].items()}
     return SeedResult(seed, res, scores)
 
 
-def train_seeds(method: str, method_params, train: SplitData, val: SplitData, score_splits: dict[str, SplitData],
-                seeds: list[int], *, epochs: int, batch_size: int, device: str = "cpu",
-                workers: int | None = None) -> list[SeedResult]:
+def train_seeds(
+    method: str,
+    method_params,
+    train: SplitData,
+    val: SplitData,
+    score_splits: dict[str, SplitData],
+    seeds: list[int],
+    *,
+    epochs: int,
+    batch_size: int,
+    device: str = "cpu",
+    workers: int | None = None,
+) -> list[SeedResult]:
     """`train_detector` for every seed, then each seed's best weights scored on `score_splits`.
 
     On the CPU the seeds train side by side in forked single-threaded worker processes, one per
@@ -150,8 +176,16 @@ def train_seeds(method: str, method_params, train: SplitData, val: SplitData, sc
     (3 seeds on 2 cores take 1.5 trainings' time, not 2). A seed gives the same bytes whatever
     the number of workers (tested). On a GPU they train one after another in this process.
     """
-    _JOB.update(method=method, params=method_params, train=train, val=val, score=score_splits, epochs=epochs,
-                batch_size=batch_size, device=device)
+    _JOB.update(
+        method=method,
+        params=method_params,
+        train=train,
+        val=val,
+        score=score_splits,
+        epochs=epochs,
+        batch_size=batch_size,
+        device=device,
+    )
     try:
         n = min(len(seeds), workers or len(seeds))
         if device != "cpu" or n <= 1:
@@ -159,8 +193,9 @@ def train_seeds(method: str, method_params, train: SplitData, val: SplitData, sc
         # fork: the workers inherit the data without copying or pickling it (at paper scale a
         # layer's states are gigabytes). A forked child must not use the parent's OpenMP pool:
         # each worker runs on one thread from its first instruction.
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads,
-                                 initargs=(1,)) as pool:
+        with ProcessPoolExecutor(
+            n, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
             return list(pool.map(_train_one, seeds))
     finally:
         _JOB.clear()
@@ -172,54 +207,111 @@ def scores_frame(splits: dict[str, SplitData], results: list) -> pl.DataFrame:
     frames = []
     for split, data in splits.items():
         qid, sample = zip(*(rid.rsplit("/", 1) for rid in data.response_ids), strict=True)
-        base = {"response_id": data.response_ids, "question_id": list(qid),
-                "sample_index": [int(s) for s in sample], "split": [split] * len(data),
-                "label": data.y.numpy().astype(np.int8), "n_tokens": data.lengths.numpy().astype(np.int32),
-                "p_sem": [None] * len(data) if data.p_sem is None else data.p_sem.numpy().astype(np.float64)}
+        base = {
+            "response_id": data.response_ids,
+            "question_id": list(qid),
+            "sample_index": [int(s) for s in sample],
+            "split": [split] * len(data),
+            "label": data.y.numpy().astype(np.int8),
+            "n_tokens": data.lengths.numpy().astype(np.int32),
+            "p_sem": [None] * len(data) if data.p_sem is None else data.p_sem.numpy().astype(np.float64),
+        }
         for r in results:
-            frames.append(pl.DataFrame({**base, "seed": [r.seed] * len(data), "score": r.scores[split]},
-                                       schema=SCORES_SCHEMA))
+            frames.append(
+                pl.DataFrame({**base, "seed": [r.seed] * len(data), "score": r.scores[split]}, schema=SCORES_SCHEMA)
+            )
     return pl.concat(frames)
 
 
-SCORES_SCHEMA = {"response_id": pl.String, "question_id": pl.String, "sample_index": pl.Int32, "split": pl.String,
-                 "label": pl.Int8, "n_tokens": pl.Int32, "p_sem": pl.Float64, "seed": pl.Int32,
-                 "score": pl.Float64}
+SCORES_SCHEMA = {
+    "response_id": pl.String,
+    "question_id": pl.String,
+    "sample_index": pl.Int32,
+    "split": pl.String,
+    "label": pl.Int8,
+    "n_tokens": pl.Int32,
+    "p_sem": pl.Float64,
+    "seed": pl.Int32,
+    "score": pl.Float64,
+}
 
 
 def layer_metrics(splits: dict[str, SplitData], results: list, *, n_train: int, excluded: dict) -> dict:
     """A layer's figures: val and test metrics over seeds (no bootstrap: that is for the chosen
     layer only), each seed's best epoch, and what was left out."""
-    out = {"seeds": [r.seed for r in results], "n_train": n_train, "excluded": excluded,
-           "best_epoch": {str(r.seed): r.result.best_epoch for r in results}}
+    out = {
+        "seeds": [r.seed for r in results],
+        "n_train": n_train,
+        "excluded": excluded,
+        "best_epoch": {str(r.seed): r.result.best_epoch for r in results},
+    }
     for split, data in splits.items():
         out[split] = split_metrics(data.y.numpy(), [r.scores[split] for r in results])
     return out
 
 
-def train_layer(method: str, method_params, data: dict[str, SplitData], seeds: list[int], *, layer: int,
-                epochs: int, batch_size: int, device: str, out_dir: Path, scores_path: Path, metrics_path: Path,
-                log=print) -> list[SeedResult]:
+def train_layer(
+    method: str,
+    method_params,
+    data: dict[str, SplitData],
+    seeds: list[int],
+    *,
+    layer: int,
+    epochs: int,
+    batch_size: int,
+    device: str,
+    out_dir: Path,
+    scores_path: Path,
+    metrics_path: Path,
+    log=print,
+) -> list[SeedResult]:
     """Train every seed on one layer's train split (best epoch on val), then write the layer's
     three outputs: `out_dir/seed_<S>.safetensors` (+ curves.json, summary.json), the val/test
     scores of every seed (Parquet), and the layer's figures (JSON). Each is written atomically."""
-    results = train_seeds(method, method_params, data["train"], data["val"], {s: data[s] for s in ("val", "test")},
-                          seeds, epochs=epochs, batch_size=batch_size, device=device)
+    results = train_seeds(
+        method,
+        method_params,
+        data["train"],
+        data["val"],
+        {s: data[s] for s in ("val", "test")},
+        seeds,
+        epochs=epochs,
+        batch_size=batch_size,
+        device=device,
+    )
     curves, summary = {}, {}
     with atomic_path(out_dir, is_dir=True) as tmp:
         for r in results:
-            save_detector(tmp / f"seed_{r.seed}.safetensors", r.result.state_dict,
-                          {"method": method, "layer": layer, "seed": r.seed, "best_epoch": r.result.best_epoch,
-                           "d": int(data["train"].tokens.shape[-1]), "params": method_params.model_dump()})
+            save_detector(
+                tmp / f"seed_{r.seed}.safetensors",
+                r.result.state_dict,
+                {
+                    "method": method,
+                    "layer": layer,
+                    "seed": r.seed,
+                    "best_epoch": r.result.best_epoch,
+                    "d": int(data["train"].tokens.shape[-1]),
+                    "params": method_params.model_dump(),
+                },
+            )
             curves[f"seed_{r.seed}"] = r.result.curve
             summary[f"seed_{r.seed}"] = {"best_epoch": r.result.best_epoch, "val_auroc": r.result.best_val_auroc}
-            log(f"{method} layer {layer} seed {r.seed}: best epoch {r.result.best_epoch}, "
-                f"val AUROC {r.result.best_val_auroc:.3f}")
+            log(
+                f"{method} layer {layer} seed {r.seed}: best epoch {r.result.best_epoch}, "
+                f"val AUROC {r.result.best_val_auroc:.3f}"
+            )
         write_json(tmp / "curves.json", curves)
         write_json(tmp / "summary.json", summary)
     scored = {s: data[s] for s in ("val", "test")}
     write_parquet(scores_path, scores_frame(scored, results))
-    write_json(metrics_path, {"method": method, "layer": layer,
-                              **layer_metrics(scored, results, n_train=len(data["train"]),
-                                              excluded={s: d.excluded for s, d in data.items()})})
+    write_json(
+        metrics_path,
+        {
+            "method": method,
+            "layer": layer,
+            **layer_metrics(
+                scored, results, n_train=len(data["train"]), excluded={s: d.excluded for s, d in data.items()}
+            ),
+        },
+    )
     return results

@@ -25,8 +25,9 @@ from halludetect.evaluation.sensitivity import bag_sensitivity, class_expectatio
 VARIANTS = ("c0", "c_int")  # C_B at p = 0, and the path-integrated C_B^int
 
 
-def analyze_split(models: dict[int, torch.nn.Module], data: SplitData, lam: float, steps: int,
-                  batch_size: int = 1024) -> tuple[pl.DataFrame, dict]:
+def analyze_split(
+    models: dict[int, torch.nn.Module], data: SplitData, lam: float, steps: int, batch_size: int = 1024
+) -> tuple[pl.DataFrame, dict]:
     """Every seed's sensitivities on one split of one layer: (per-response rows, summary).
 
     models: seed -> trained HaMI network; data: the split with P_sem of every bag.
@@ -38,9 +39,12 @@ def analyze_split(models: dict[int, torch.nn.Module], data: SplitData, lam: floa
     frames, per_seed = [], {}
     for seed, model in models.items():
         model.eval()
-        parts = [bag_sensitivity(model, data.slice(a, min(a + batch_size, len(data))),
-                                 lam * data.p_sem[a : a + batch_size], steps)
-                 for a in range(0, len(data), batch_size)]
+        parts = [
+            bag_sensitivity(
+                model, data.slice(a, min(a + batch_size, len(data))), lam * data.p_sem[a : a + batch_size], steps
+            )
+            for a in range(0, len(data), batch_size)
+        ]
         s = type(parts[0])(*(np.concatenate([getattr(p, f) for p in parts]) for f in parts[0].__dataclass_fields__))
         scaled = s.p > 0
         gap = np.abs(s.c_int - s.c_exact)[scaled]
@@ -48,17 +52,37 @@ def analyze_split(models: dict[int, torch.nn.Module], data: SplitData, lam: floa
             "c0": class_expectations(p_sem, s.c0, y),
             "c_int": class_expectations(p_sem, s.c_int, y),
             "margin": margin_change(s, y),
-            "path_check": {"steps": steps, "max_abs_c_int_minus_exact": float(gap.max()) if gap.size else None,
-                           "mean_abs_c_int_minus_exact": float(gap.mean()) if gap.size else None,
-                           "bags_with_p_zero": int((~scaled).sum())},
+            "path_check": {
+                "steps": steps,
+                "max_abs_c_int_minus_exact": float(gap.max()) if gap.size else None,
+                "mean_abs_c_int_minus_exact": float(gap.mean()) if gap.size else None,
+                "bags_with_p_zero": int((~scaled).sum()),
+            },
             "positive_c_int_share": float(np.mean(s.c_int > 0)),
         }
-        frames.append(pl.DataFrame({
-            "response_id": data.response_ids, "seed": seed, "label": y, "n_tokens": data.lengths.numpy(),
-            "p_sem": p_sem, "p": s.p, "z0": s.z0, "z_p": s.z_p, "c0": s.c0, "c_int": s.c_int, "c_exact": s.c_exact,
-        }))
-    summary = {"n": len(data), "n_hallucinated": int(y.sum()), "per_seed": per_seed,
-               "mean": {v: mean_over_seeds([r[v] for r in per_seed.values()]) for v in VARIANTS}}
+        frames.append(
+            pl.DataFrame(
+                {
+                    "response_id": data.response_ids,
+                    "seed": seed,
+                    "label": y,
+                    "n_tokens": data.lengths.numpy(),
+                    "p_sem": p_sem,
+                    "p": s.p,
+                    "z0": s.z0,
+                    "z_p": s.z_p,
+                    "c0": s.c0,
+                    "c_int": s.c_int,
+                    "c_exact": s.c_exact,
+                }
+            )
+        )
+    summary = {
+        "n": len(data),
+        "n_hallucinated": int(y.sum()),
+        "per_seed": per_seed,
+        "mean": {v: mean_over_seeds([r[v] for r in per_seed.values()]) for v in VARIANTS},
+    }
     return pl.concat(frames), summary
 
 
@@ -70,12 +94,16 @@ def mean_over_seeds(per_seed: list[dict]) -> dict:
     """Class expectations averaged over seeds, and gamma, 1/gamma and the condition computed from
     those means (so a table's ratios are those of the expectations it shows); each seed's own
     gamma is kept for the spread, and the condition is counted over seeds: [holds, applies]."""
-    out = {cls: {k: _mean([s[cls][k] for s in per_seed]) for k in ("p_sem", "c", "p_sem_c")} | {
-        "n": per_seed[0][cls]["n"]} for cls in ("neg", "pos")}
+    out = {
+        cls: {k: _mean([s[cls][k] for s in per_seed]) for k in ("p_sem", "c", "p_sem_c")} | {"n": per_seed[0][cls]["n"]}
+        for cls in ("neg", "pos")
+    }
     out |= ratios(out["neg"], out["pos"])
     out["gamma_per_seed"] = [s["gamma"] for s in per_seed]
-    out["condition_holds_seeds"] = [sum(s["condition_holds"] is True for s in per_seed),
-                                    sum(s["condition_applies"] for s in per_seed)]
+    out["condition_holds_seeds"] = [
+        sum(s["condition_holds"] is True for s in per_seed),
+        sum(s["condition_applies"] for s in per_seed),
+    ]
     out["margin_widens_seeds"] = [sum(s["margin_widens"] for s in per_seed), len(per_seed)]
     return out
 
@@ -83,7 +111,11 @@ def mean_over_seeds(per_seed: list[dict]) -> dict:
 def histograms(rows: pl.DataFrame, bins: int) -> dict[str, pl.DataFrame]:
     """Density per class of C_B^int, P_sem C_B^int, C_B and P_sem C_B (all seeds pooled), on shared
     bins: long-format frames (value, series, density) for DVC's `series` plot template."""
-    quantities = {"c_int": rows["c_int"], "p_sem_c_int": rows["p_sem"] * rows["c_int"], "c0": rows["c0"],
-                  "p_sem_c0": rows["p_sem"] * rows["c0"]}
+    quantities = {
+        "c_int": rows["c_int"],
+        "p_sem_c_int": rows["p_sem"] * rows["c_int"],
+        "c0": rows["c0"],
+        "p_sem_c0": rows["p_sem"] * rows["c0"],
+    }
     label = rows["label"].to_numpy()
     return {name: class_histogram_data(values.to_numpy(), label, bins) for name, values in quantities.items()}

@@ -54,16 +54,18 @@ def _length(generations, clusters, p):
 assert set(BASELINE_SCORES) == set(BASELINES), "config.BASELINES must name every registered baseline"
 
 
-def baseline_scores(name: str, generations: pl.DataFrame, clusters: pl.DataFrame,
-                    params: BaselinesParams) -> pl.DataFrame:
+def baseline_scores(
+    name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: BaselinesParams
+) -> pl.DataFrame:
     """Columns rid, score for every response the baseline can score."""
     return lookup("baseline", name, BASELINE_SCORES)(generations, clusters, params)
 
 
 def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstrap: int, seed: int) -> dict:
     """A baseline's val/test figures from its per-response scores (columns rid, score)."""
-    labels = judgments.filter(pl.col("kept")).select(response_ids(judgments).alias("rid"), "question_id", "split",
-                                                     "label")
+    labels = judgments.filter(pl.col("kept")).select(
+        response_ids(judgments).alias("rid"), "question_id", "split", "label"
+    )
     joined = labels.join(scores, on="rid", how="left")
     out = {"best_layer": None, "layers": [], "excluded": {}}
     for split in ("val", "test"):
@@ -72,6 +74,12 @@ def evaluate_baseline(scores: pl.DataFrame, judgments: pl.DataFrame, *, bootstra
         out["excluded"][split] = {"no_score": part.height - ok.height}
         y = ok["label"].to_numpy().astype(np.int64)
         check_two_classes(y, split)
-        out[split] = split_metrics(y, [ok["score"].to_numpy()], bootstrap=bootstrap if split == "test" else 0,
-                                   seed=seed, logits=False, groups=question_groups(ok["question_id"].to_list()))
+        out[split] = split_metrics(
+            y,
+            [ok["score"].to_numpy()],
+            bootstrap=bootstrap if split == "test" else 0,
+            seed=seed,
+            logits=False,
+            groups=question_groups(ok["question_id"].to_list()),
+        )
     return out

@@ -76,8 +76,15 @@ def single_response_seconds(model, data: SplitData, n: int = 256, device="cpu") 
 
 
 @torch.no_grad()
-def end_to_end_throughput(model, path: Path, index: np.ndarray, p_sem: torch.Tensor | None = None,
-                          repeats: int = 3, batch_size: int = 1024, device="cpu") -> float:
+def end_to_end_throughput(
+    model,
+    path: Path,
+    index: np.ndarray,
+    p_sem: torch.Tensor | None = None,
+    repeats: int = 3,
+    batch_size: int = 1024,
+    device="cpu",
+) -> float:
     """Samples/s from opening the HDF5 layer file to the last logit on `device` (best of `repeats`)."""
     device = torch.device(device)
     model = model.to(device).eval()
@@ -88,8 +95,11 @@ def end_to_end_throughput(model, path: Path, index: np.ndarray, p_sem: torch.Ten
         with LayerReader(path) as layer:
             for a in range(0, len(index), batch_size):
                 bags = layer.packed(index[a : a + batch_size])
-                bags = type(bags)(bags.tokens.to(device), bags.lengths.to(device),
-                                  None if p_sem is None else p_sem[a : a + batch_size].to(device))
+                bags = type(bags)(
+                    bags.tokens.to(device),
+                    bags.lengths.to(device),
+                    None if p_sem is None else p_sem[a : a + batch_size].to(device),
+                )
                 model(bags)
         _sync(device)
         best = min(best, time.perf_counter() - t0)
@@ -102,12 +112,16 @@ def load_models(detectors_dir: Path, method: str, layer: int, seeds: list[int], 
     for seed in seeds:
         weights = Path(detectors_dir) / f"seed_{seed}.safetensors"
         if not weights.exists():
-            raise FileNotFoundError(f"{weights} is missing: train layer {layer} with seed {seed} first "
-                                    "(train.seeds must list the seeds evaluated)")
+            raise FileNotFoundError(
+                f"{weights} is missing: train layer {layer} with seed {seed} first "
+                "(train.seeds must list the seeds evaluated)"
+            )
         model, meta = load_detector(weights)
         if meta["method"] != method or int(meta["d"]) != d or int(meta["layer"]) != layer:
-            raise DataError(f"{weights} holds a '{meta['method']}' detector of layer {meta['layer']} for "
-                            f"d={meta['d']}, not '{method}' of layer {layer} for d={d}: re-run train")
+            raise DataError(
+                f"{weights} holds a '{meta['method']}' detector of layer {meta['layer']} for "
+                f"d={meta['d']}, not '{method}' of layer {layer} for d={d}: re-run train"
+            )
         models.append(model)
     return models
 
@@ -128,37 +142,55 @@ def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, lis
     for split in ("val", "test"):
         part = df.filter(pl.col("split") == split)
         per_seed = [part.filter(pl.col("seed") == s).sort("response_id") for s in seeds]
-        out[split] = (per_seed[0]["label"].to_numpy().astype(np.int64), [p["score"].to_numpy() for p in per_seed],
-                      per_seed[0])
+        out[split] = (
+            per_seed[0]["label"].to_numpy().astype(np.int64),
+            [p["score"].to_numpy() for p in per_seed],
+            per_seed[0],
+        )
     return out
 
 
-def evaluate_detector(per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int,
-                      seed: int) -> dict:
+def evaluate_detector(
+    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int
+) -> dict:
     """The method's figures: every layer's val/test AUROC (the plot), the layer chosen on
     validation, and its full val/test metrics from its scores (the test AUROC with a bootstrap
     interval)."""
     counts = {layer: (m["val"]["n"], m["test"]["n"]) for layer, m in per_layer.items()}
     if len(set(counts.values())) > 1:
-        raise DataError(f"the layers were scored on different responses (val, test counts by layer: {counts}): "
-                        "they come from different dumps or labels; re-run train for every layer")
+        raise DataError(
+            f"the layers were scored on different responses (val, test counts by layer: {counts}): "
+            "they come from different dumps or labels; re-run train for every layer"
+        )
     best = best_layer(per_layer)
     scores = read_scores(Path(scores_dir) / f"layer_{best}.parquet", seeds)
     figures = {}
     for split, (y, per_seed, rows) in scores.items():
         # The bootstrap resamples questions; margins are also reported by answer length (the bag's tokens).
-        figures[split] = split_metrics(y, per_seed, bootstrap=bootstrap if split == "test" else 0, seed=seed,
-                                       groups=question_groups(rows["question_id"].to_list()),
-                                       lengths=rows["n_tokens"].to_numpy())
+        figures[split] = split_metrics(
+            y,
+            per_seed,
+            bootstrap=bootstrap if split == "test" else 0,
+            seed=seed,
+            groups=question_groups(rows["question_id"].to_list()),
+            lengths=rows["n_tokens"].to_numpy(),
+        )
     return {
         "best_layer": best,
         "layer_selection": "highest mean validation AUROC over seeds",
         "val": figures["val"],
         "test": figures["test"],
         "excluded": per_layer[best]["excluded"],
-        "layers": [{"layer": layer, "val_auroc": m["val"]["auroc"]["mean"], "test_auroc": m["test"]["auroc"]["mean"],
-                    "test_auprc": m["test"]["auprc"]["mean"], "test_margin": m["test"]["margin"]["mean"]}
-                   for layer, m in sorted(per_layer.items())],
+        "layers": [
+            {
+                "layer": layer,
+                "val_auroc": m["val"]["auroc"]["mean"],
+                "test_auroc": m["test"]["auroc"]["mean"],
+                "test_auprc": m["test"]["auprc"]["mean"],
+                "test_margin": m["test"]["margin"]["mean"],
+            }
+            for layer, m in sorted(per_layer.items())
+        ],
     }
 
 
@@ -169,21 +201,27 @@ def detector_throughput(models: list, test: SplitData, layer_file: Path, repeats
     where = device_name(device)
     return {
         "preloaded_samples_per_s": throughput(models[0], test, repeats, device=device),
-        "end_to_end_samples_per_s": end_to_end_throughput(models[0], layer_file, test.layer_index, test.p_sem,
-                                                          device=device),
+        "end_to_end_samples_per_s": end_to_end_throughput(
+            models[0], layer_file, test.layer_index, test.p_sem, device=device
+        ),
         "single_response_seconds": single_response_seconds(models[0], test, device=device),
         "n": len(test),
         "device": where,
         "what": "detector inference on the best layer's test responses, batches of 1024, best of "
-                f"{repeats} (preloaded float32 tensors) and of 3 (from opening the HDF5 file), on {where}"
-                f"{', synchronised' if device.type == 'cuda' else ''}; single_response_seconds: median of 256 "
-                "responses scored one at a time",
+        f"{repeats} (preloaded float32 tensors) and of 3 (from opening the HDF5 file), on {where}"
+        f"{', synchronised' if device.type == 'cuda' else ''}; single_response_seconds: median of 256 "
+        "responses scored one at a time",
     }
 
 
-def hami_sp_cost(generation_metrics: dict, timings: pl.DataFrame, question_ids: list[str],
-                 detector_samples_per_s: float, latency: dict | None = None,
-                 detector_single_seconds: float | None = None) -> dict:
+def hami_sp_cost(
+    generation_metrics: dict,
+    timings: pl.DataFrame,
+    question_ids: list[str],
+    detector_samples_per_s: float,
+    latency: dict | None = None,
+    detector_single_seconds: float | None = None,
+) -> dict:
     """What one more response costs HaMI (SP) beyond the detector: sampling K - 1 more answers
     to get its P_sem, and clustering the K answers.
 
@@ -206,7 +244,7 @@ def hami_sp_cost(generation_metrics: dict, timings: pl.DataFrame, question_ids: 
         "extra_seconds_per_response": extra,
         "samples_per_s_with_sampling_and_nli": 1.0 / (extra + 1.0 / detector_samples_per_s),
         "what": "amortised: (K - 1) extra samples at generate's seconds_per_sample + the mean clustering seconds "
-                "of the test questions (cluster_timings.parquet), added to the preloaded detector time",
+        "of the test questions (cluster_timings.parquet), added to the preloaded detector time",
     }
     if latency is not None:
         if detector_single_seconds is None:
@@ -214,6 +252,8 @@ def hami_sp_cost(generation_metrics: dict, timings: pl.DataFrame, question_ids: 
         seq = latency["seconds_per_question"] + detector_single_seconds
         out["sequential"] = {**latency, "detector_seconds": detector_single_seconds, "seconds_per_response": seq}
         out["sequential_samples_per_s"] = 1.0 / seq
-        out["what"] += ("; sequential: one response at a time, K - 1 answers to its question alone and its NLI "
-                        "calls one by one (the latency stage), plus the detector on that response alone")
+        out["what"] += (
+            "; sequential: one response at a time, K - 1 answers to its question alone and its NLI "
+            "calls one by one (the latency stage), plus the detector on that response alone"
+        )
     return out

@@ -46,14 +46,24 @@ def _sync(model) -> None:
         torch.cuda.synchronize()
 
 
-def sequential_cost(model, tokenizer, nli, questions: pl.DataFrame, generations: pl.DataFrame,
-                    params: GenerateParams, equivalence: str, chat_template: bool = False) -> dict:
+def sequential_cost(
+    model,
+    tokenizer,
+    nli,
+    questions: pl.DataFrame,
+    generations: pl.DataFrame,
+    params: GenerateParams,
+    equivalence: str,
+    chat_template: bool = False,
+) -> dict:
     """Per question, alone: seconds to sample K - 1 more answers, seconds and calls to cluster its
     K recorded answers one NLI call at a time. `questions`: the ones to measure (id, question, split)."""
     k = params.n_samples
     alone = params.model_copy(update={"n_samples": max(1, k - 1), "batch_size": 1})
-    texts = {qid: g.sort("sample_index")["text"].to_list()
-             for (qid,), g in generations.filter(pl.col("n_tokens") > 0).group_by("question_id")}
+    texts = {
+        qid: g.sort("sample_index")["text"].to_list()
+        for (qid,), g in generations.filter(pl.col("n_tokens") > 0).group_by("question_id")
+    }
     if k > 1:
         generate(model, tokenizer, questions.head(1), alone, chat_template=chat_template)  # warm-up, not timed
     gen_s, nli_s, calls = [], [], []
@@ -70,10 +80,13 @@ def sequential_cost(model, tokenizer, nli, questions: pl.DataFrame, generations:
         nli_s.append(time.perf_counter() - t0)
         calls.append(seq.calls)
     return {
-        "questions": len(gen_s), "extra_samples": k - 1,
+        "questions": len(gen_s),
+        "extra_samples": k - 1,
         "seconds_extra_samples_per_question": float(np.mean(gen_s)),
-        "nli_seconds_per_question": float(np.mean(nli_s)), "nli_calls_per_question": float(np.mean(calls)),
+        "nli_seconds_per_question": float(np.mean(nli_s)),
+        "nli_calls_per_question": float(np.mean(calls)),
         "seconds_per_nli_call": float(np.sum(nli_s) / np.sum(calls)) if np.sum(calls) else None,
         "seconds_per_question": float(np.mean(gen_s) + np.mean(nli_s)),
-        "device": str(getattr(model, "device", "cpu")), "nli_backend": nli.name,
+        "device": str(getattr(model, "device", "cpu")),
+        "nli_backend": nli.name,
     }

@@ -251,8 +251,12 @@ def class_expectations(p_sem: np.ndarray, c: np.ndarray, y: np.ndarray) -> dict:
         raise ValueError("the class expectations need both classes")
     out: dict = {}
     for name, sel in (("neg", ~y), ("pos", y)):
-        out[name] = {"n": int(sel.sum()), "p_sem": float(p_sem[sel].mean()), "c": float(c[sel].mean()),
-                     "p_sem_c": float((p_sem * c)[sel].mean())}
+        out[name] = {
+            "n": int(sel.sum()),
+            "p_sem": float(p_sem[sel].mean()),
+            "c": float(c[sel].mean()),
+            "p_sem_c": float((p_sem * c)[sel].mean()),
+        }
     return out | ratios(out["neg"], out["pos"])
 
 
@@ -261,10 +265,14 @@ def ratios(neg: dict, pos: dict) -> dict:
     gamma = _ratio(neg["p_sem_c"], pos["p_sem_c"])
     applies = neg["p_sem_c"] > 0 and pos["p_sem_c"] > 0
     class_ratio = neg["n"] / pos["n"]
-    return {"gamma": gamma, "inv_gamma": None if not gamma else 1 / gamma, "class_ratio": class_ratio,
-            "condition_applies": bool(applies),
-            "condition_holds": bool(class_ratio > 1 / gamma) if applies else None,
-            "margin_widens": bool(neg["n"] * neg["p_sem_c"] > pos["n"] * pos["p_sem_c"])}
+    return {
+        "gamma": gamma,
+        "inv_gamma": None if not gamma else 1 / gamma,
+        "class_ratio": class_ratio,
+        "condition_applies": bool(applies),
+        "condition_holds": bool(class_ratio > 1 / gamma) if applies else None,
+        "margin_widens": bool(neg["n"] * neg["p_sem_c"] > pos["n"] * pos["p_sem_c"]),
+    }
 
 
 def margin_change(sens: BagSensitivity, y: np.ndarray) -> dict:
@@ -272,5 +280,9 @@ def margin_change(sens: BagSensitivity, y: np.ndarray) -> dict:
     logits, beside its prediction from the path-integrated sensitivities."""
     sign = 2 * np.asarray(y, dtype=np.float64) - 1
     unscaled, scaled = float(np.mean(sign * sens.z0)), float(np.mean(sign * sens.z_p))
-    return {"unscaled": unscaled, "scaled": scaled, "change": scaled - unscaled,
-            "change_from_c_int": float(np.mean(-sign * sens.p * sens.c_int))}
+    return {
+        "unscaled": unscaled,
+        "scaled": scaled,
+        "change": scaled - unscaled,
+        "change_from_c_int": float(np.mean(-sign * sens.p * sens.c_int)),
+    }

@@ -39,12 +39,16 @@ def train_stage_name(model: str, dataset: str, method: str, layer: int) -> str:
 def check_in_grid(params: Params, model: str, dataset: str, method: str) -> None:
     """The stages exist only for the grid's cells: say which key to change, before DVC says less."""
     methods = [*params.grid.methods, *params.grid.sp_methods]
-    for key, value, choices in (("grid.models", model, params.grid.models),
-                                ("grid.datasets", dataset, params.grid.datasets),
-                                ("grid.methods / grid.sp_methods", method, methods)):
+    for key, value, choices in (
+        ("grid.models", model, params.grid.models),
+        ("grid.datasets", dataset, params.grid.datasets),
+        ("grid.methods / grid.sp_methods", method, methods),
+    ):
         if value not in choices:
-            raise SharingError(f"{key} has no {value!r}{suggest(value, choices)}: add it to params.yaml (the "
-                               "stages exist only for the grid's cells)")
+            raise SharingError(
+                f"{key} has no {value!r}{suggest(value, choices)}: add it to params.yaml (the "
+                "stages exist only for the grid's cells)"
+            )
 
 
 def dvc(*args: str, cwd: Path) -> None:
@@ -61,8 +65,11 @@ def stage_data_deps(repo: Path, stage: str) -> list[str]:
     with Repo(str(repo)) as r:
         (found,) = r.stage.collect(stage)
         written = [str(o.def_path) for s in r.index.stages for o in s.outs]
-        return [str(d.def_path) for d in found.deps
-                if any(str(d.def_path) == w or str(d.def_path).startswith(w + "/") for w in written)]
+        return [
+            str(d.def_path)
+            for d in found.deps
+            if any(str(d.def_path) == w or str(d.def_path).startswith(w + "/") for w in written)
+        ]
 
 
 def dumped_layers(repo: Path, activations: str) -> list[int]:
@@ -71,7 +78,7 @@ def dumped_layers(repo: Path, activations: str) -> list[int]:
 
     fs = DVCFileSystem(str(repo))
     names = [Path(p).name for p in fs.ls(activations, detail=False)]
-    return sorted(int(n[len("layer_"):-len(".h5")]) for n in names if n.startswith("layer_") and n.endswith(".h5"))
+    return sorted(int(n[len("layer_") : -len(".h5")]) for n in names if n.startswith("layer_") and n.endswith(".h5"))
 
 
 @dataclass
@@ -84,8 +91,17 @@ class Fetched:
         return sum(self.files.values())
 
 
-def train_layer_from_remote(repo: Path, params: Params, model: str, dataset: str, method: str, layer: int, *,
-                            remote: str | None = None, jobs: int | None = None) -> Fetched:
+def train_layer_from_remote(
+    repo: Path,
+    params: Params,
+    model: str,
+    dataset: str,
+    method: str,
+    layer: int,
+    *,
+    remote: str | None = None,
+    jobs: int | None = None,
+) -> Fetched:
     """Pull the one layer file and the labels a layer's train stage needs, then run that stage
     alone (`dvc repro --single-item`). Returns what was fetched."""
     check_in_grid(params, model, dataset, method)
@@ -93,16 +109,20 @@ def train_layer_from_remote(repo: Path, params: Params, model: str, dataset: str
         # No stage for it: find the cell's dump directory through a layer that has one.
         some = stage_data_deps(repo, train_stage_name(model, dataset, method, params.grid.layers[0]))
         activations = str(Path(next(d for d in some if d.endswith(".h5"))).parent)
-        raise SharingError(_not_dumped(repo, activations, model, dataset, layer) or
-                           f"grid.layers {params.grid.layers} has no layer {layer}: add it to params.yaml")
+        raise SharingError(
+            _not_dumped(repo, activations, model, dataset, layer)
+            or f"grid.layers {params.grid.layers} has no layer {layer}: add it to params.yaml"
+        )
     stage = train_stage_name(model, dataset, method, layer)
     deps = stage_data_deps(repo, stage)
     dvc("pull", *(["-r", remote] if remote else []), *(["-j", str(jobs)] if jobs else []), *deps, cwd=repo)
     if absent := [d for d in deps if not (repo / d).exists()]:
         # `dvc pull` of a file its directory does not hold says "Everything is up to date".
         layer_file = next((d for d in absent if d.endswith(layer_filename(layer))), None)
-        raise SharingError((layer_file and _not_dumped(repo, str(Path(layer_file).parent), model, dataset, layer))
-                           or f"the remote has no {absent}: whoever ran the pipeline must `dvc push` them")
+        raise SharingError(
+            (layer_file and _not_dumped(repo, str(Path(layer_file).parent), model, dataset, layer))
+            or f"the remote has no {absent}: whoever ran the pipeline must `dvc push` them"
+        )
     dvc("repro", "--single-item", stage, cwd=repo)
     return Fetched(stage, {d: (repo / d).stat().st_size for d in deps})
 
@@ -111,5 +131,7 @@ def _not_dumped(repo: Path, activations: str, model: str, dataset: str, layer: i
     have = dumped_layers(repo, activations)
     if layer in have:
         return None
-    return (f"layer {layer} was never dumped for {model}/{dataset}: {activations} holds layers {have}. Train one "
-            f"of those (--layer), or dump layer {layer} (dump.layers) and push it")
+    return (
+        f"layer {layer} was never dumped for {model}/{dataset}: {activations} holds layers {have}. Train one "
+        f"of those (--layer), or dump layer {layer} (dump.layers) and push it"
+    )

@@ -80,8 +80,11 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
                 per_file.setdefault(cell, {})[m["key"]] = _value(v)
             elif k not in META and ":" not in k and "/" not in k:  # a param (deps are paths, metrics file:key)
                 params[k] = _value(v)
-        out.append(Experiment(row.get("Experiment") or row.get("rev"), params,
-                              {cell: _nest(flat) for cell, flat in per_file.items()}))
+        out.append(
+            Experiment(
+                row.get("Experiment") or row.get("rev"), params, {cell: _nest(flat) for cell, flat in per_file.items()}
+            )
+        )
     return out
 
 
@@ -91,43 +94,62 @@ def method_of(param: str) -> str | None:
     return parts[1] if parts[0] == "detectors" and len(parts) > 2 else None
 
 
-def sweep_results(exps: list[Experiment], param: str, method: str, where: dict[str, object] | None = None
-                  ) -> dict[tuple[str, str], dict]:
+def sweep_results(
+    exps: list[Experiment], param: str, method: str, where: dict[str, object] | None = None
+) -> dict[tuple[str, str], dict]:
     """{(model, dataset): {value: metrics JSON}} of `method` over the experiments that differ in
     `param` only (after `where` picks a slice)."""
     exps = [e for e in exps if all(e.params.get(k) == v for k, v in (where or {}).items())]
     values = {repr(e.params.get(param)) for e in exps}
     if len(values) < 2:
-        varied = sorted(k for k in {k for e in exps for k in e.params}
-                        if len({repr(e.params.get(k)) for e in exps}) > 1)
-        raise SweepError(f"no experiment varies {param} ({len(exps)} experiment(s), all at "
-                         f"{sorted(values) or 'no value'}); the parameters that vary: {varied or 'none'}. "
-                         f"Queue a sweep: dvc exp run --queue -S '{param}=1,2,4' && dvc queue start")
-    others = sorted(k for k in {k for e in exps for k in e.params} - {param}
-                    if len({repr(e.params.get(k)) for e in exps}) > 1)
+        varied = sorted(
+            k for k in {k for e in exps for k in e.params} if len({repr(e.params.get(k)) for e in exps}) > 1
+        )
+        raise SweepError(
+            f"no experiment varies {param} ({len(exps)} experiment(s), all at "
+            f"{sorted(values) or 'no value'}); the parameters that vary: {varied or 'none'}. "
+            f"Queue a sweep: dvc exp run --queue -S '{param}=1,2,4' && dvc queue start"
+        )
+    others = sorted(
+        k for k in {k for e in exps for k in e.params} - {param} if len({repr(e.params.get(k)) for e in exps}) > 1
+    )
     if others:
-        raise SweepError(f"the experiments vary {others} as well as {param}: one table would mix them. Pick a "
-                         f"slice with --where KEY=VALUE (e.g. --where {others[0]}="
-                         f"{exps[0].params.get(others[0])!r})")
+        raise SweepError(
+            f"the experiments vary {others} as well as {param}: one table would mix them. Pick a "
+            f"slice with --where KEY=VALUE (e.g. --where {others[0]}="
+            f"{exps[0].params.get(others[0])!r})"
+        )
     out: dict[tuple[str, str], dict] = {}
     for e in reversed(exps):  # oldest first, so the newest run of a value is the one kept
         for (m, d, meth), metrics in e.metrics.items():
             if meth == method and "test" in metrics:
                 out.setdefault((m, d), {})[e.params[param]] = metrics
     if not out:
-        raise SweepError(f"no experiment has metrics of '{method}' (metrics/eval/<model>/<dataset>/{method}.json): "
-                         "is it in grid.methods, and did the experiments finish (dvc queue status)?")
+        raise SweepError(
+            f"no experiment has metrics of '{method}' (metrics/eval/<model>/<dataset>/{method}.json): "
+            "is it in grid.methods, and did the experiments finish (dvc queue status)?"
+        )
     return out
 
 
-def sweep(repo: str | Path, param: str, grid: Grid, *, method: str | None = None, metric: str = "auroc",
-          where: dict[str, object] | None = None) -> Table:
+def sweep(
+    repo: str | Path,
+    param: str,
+    grid: Grid,
+    *,
+    method: str | None = None,
+    metric: str = "auroc",
+    where: dict[str, object] | None = None,
+) -> Table:
     method = method or method_of(param)
     if method is None:
         raise SweepError(f"{param} is not a detector's parameter: say which method's metrics to tabulate (--method)")
     results = sweep_results(experiments(repo), param, method, where)
     cells = {cell for cell in results}
-    grid = Grid([m for m in grid.models if any(c[0] == m for c in cells)] or sorted({c[0] for c in cells}),
-                [d for d in grid.datasets if any(c[1] == d for c in cells)] or sorted({c[1] for c in cells}),
-                grid.model_keys, grid.dataset_keys)
+    grid = Grid(
+        [m for m in grid.models if any(c[0] == m for c in cells)] or sorted({c[0] for c in cells}),
+        [d for d in grid.datasets if any(c[1] == d for c in cells)] or sorted({c[1] for c in cells}),
+        grid.model_keys,
+        grid.dataset_keys,
+    )
     return sweep_table(param, results, grid, metric=metric, name=param.replace(".", "_"))

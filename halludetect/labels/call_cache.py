@@ -123,8 +123,10 @@ class CallCache:
             other = self.claim_of(key)
             if other is not None and other.owner != self.owner and other.alive(time.time()):
                 return "wait", other
-            self.db.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?)",
-                            (key, self.owner, HOST, os.getpid(), time.time() + self.lease_s))
+            self.db.execute(
+                "INSERT OR REPLACE INTO claims VALUES (?, ?, ?, ?, ?)",
+                (key, self.owner, HOST, os.getpid(), time.time() + self.lease_s),
+            )
             return "mine", None
 
     def renew(self) -> None:
@@ -142,8 +144,16 @@ class CallCache:
         with self._write():  # the reply and the end of its claim, together
             self.db.execute(
                 "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, json.dumps(request, sort_keys=True), reply["reply"], reply["prompt_tokens"],
-                 reply["completion_tokens"], reply["reasoning_tokens"], reply["latency_s"], time.time()),
+                (
+                    key,
+                    json.dumps(request, sort_keys=True),
+                    reply["reply"],
+                    reply["prompt_tokens"],
+                    reply["completion_tokens"],
+                    reply["reasoning_tokens"],
+                    reply["latency_s"],
+                    time.time(),
+                ),
             )
             self.db.execute("DELETE FROM claims WHERE key = ?", (key,))
 

@@ -107,8 +107,13 @@ class Usage:
         else:
             cost = lambda p, c: (p * price.input + c * price.output) / 1e6
             out["cost_usd"] = round(cost(self.prompt_tokens, self.completion_tokens), 6)
-            out["cost_usd_all"] = round(cost(self.prompt_tokens + self.cached_prompt_tokens,
-                                             self.completion_tokens + self.cached_completion_tokens), 6)
+            out["cost_usd_all"] = round(
+                cost(
+                    self.prompt_tokens + self.cached_prompt_tokens,
+                    self.completion_tokens + self.cached_completion_tokens,
+                ),
+                6,
+            )
         return out
 
 
@@ -182,8 +187,10 @@ class ChatRunner:
         if p.api_key_env:
             key = os.environ.get(p.api_key_env)
             if not key:
-                raise ApiError(f"{self.where}: the API key variable {p.api_key_env} is not set; export it, or set "
-                               f"{self.where}.api_key_env (null for a local endpoint that needs no key)")
+                raise ApiError(
+                    f"{self.where}: the API key variable {p.api_key_env} is not set; export it, or set "
+                    f"{self.where}.api_key_env (null for a local endpoint that needs no key)"
+                )
         else:
             key = "no-key"  # local servers ignore it; the client requires some string
         self.base_url = (p.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
@@ -225,8 +232,13 @@ class ChatRunner:
 
         p = self.params
         # Retries are ours (`_call`): they honour the per-request deadline and the patience.
-        self._client = openai.AsyncOpenAI(api_key=self._key, base_url=self.base_url, max_retries=0,
-                                          timeout=p.timeout, http_client=openai.DefaultAioHttpClient())
+        self._client = openai.AsyncOpenAI(
+            api_key=self._key,
+            base_url=self.base_url,
+            max_retries=0,
+            timeout=p.timeout,
+            http_client=openai.DefaultAioHttpClient(),
+        )
         self._sem = asyncio.Semaphore(p.concurrency)
         self._stopping: str | None = None
         loop = asyncio.get_running_loop()
@@ -272,8 +284,10 @@ class ChatRunner:
             await self._client.close()
         errors = [e for e in outcomes if isinstance(e, BaseException) and not isinstance(e, _Stop)]
         if errors or self._stopping:
-            saved = f"{len(results)} of {len(distinct)} distinct prompts done; every reply received is cached, " \
-                    "re-run to resume"
+            saved = (
+                f"{len(results)} of {len(distinct)} distinct prompts done; every reply received is cached, "
+                "re-run to resume"
+            )
             if errors:
                 raise self._error(f"{errors[0]} ({saved})") from errors[0]
             raise KeyboardInterrupt(self.redact(f"{self._stopping} ({saved})"))
@@ -340,42 +354,55 @@ class ChatRunner:
                 # `chat.completions.create`: it skips the typed-params transform and the response
                 # model, about 0.6 ms of CPU a call on the 2-core machines (of ~3 ms in all).
                 resp = await asyncio.wait_for(
-                    self._client.post("/chat/completions", cast_to=httpx.Response, body=request["body"]), p.timeout)
+                    self._client.post("/chat/completions", cast_to=httpx.Response, body=request["body"]), p.timeout
+                )
                 data = json.loads(resp.content)
                 text = data["choices"][0]["message"]["content"]  # a body without them is malformed
                 if text is not None and not isinstance(text, str):
                     raise TypeError(f"message content is {type(text).__name__}")
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 if malformed == p.max_retries:
-                    raise self._error(f"{where}: {self.base_url} kept returning malformed replies "
-                                      f"({p.max_retries + 1} tries): {type(e).__name__}: {e}") from None
+                    raise self._error(
+                        f"{where}: {self.base_url} kept returning malformed replies "
+                        f"({p.max_retries + 1} tries): {type(e).__name__}: {e}"
+                    ) from None
                 await asyncio.sleep(_backoff(malformed))
                 malformed += 1
                 continue
             except openai.AuthenticationError as e:
-                raise self._error(f"{where}: {self.base_url} rejected the key in ${p.api_key_env}: "
-                                  f"{e.message}") from None
+                raise self._error(
+                    f"{where}: {self.base_url} rejected the key in ${p.api_key_env}: {e.message}"
+                ) from None
             except openai.NotFoundError as e:
-                raise self._error(f"{where}: {self.base_url} has no model '{p.model}' (or no chat completions "
-                                  f"route): {e.message}; check {where}.model and {where}.base_url") from None
+                raise self._error(
+                    f"{where}: {self.base_url} has no model '{p.model}' (or no chat completions "
+                    f"route): {e.message}; check {where}.model and {where}.base_url"
+                ) from None
             except (openai.BadRequestError, openai.UnprocessableEntityError, openai.PermissionDeniedError) as e:
-                raise self._error(f"{where}: {self.base_url} refused the request for model '{p.model}' "
-                                  f"(HTTP {e.status_code}): {e.message}; check {where} (model, temperature, "
-                                  f"reasoning_effort, max_completion_tokens)") from None
+                raise self._error(
+                    f"{where}: {self.base_url} refused the request for model '{p.model}' "
+                    f"(HTTP {e.status_code}): {e.message}; check {where} (model, temperature, "
+                    f"reasoning_effort, max_completion_tokens)"
+                ) from None
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError is a connection error
                 refused = _connect_failure(e)  # the aiohttp transport reports a refused connection as a timeout
                 if isinstance(e, asyncio.TimeoutError | openai.APITimeoutError) and not refused:
-                    final = (f"{where}: {self.base_url} timed out {p.max_retries + 1} times ({p.timeout:g} s each); "
-                             f"raise {where}.timeout or lower concurrency")
+                    final = (
+                        f"{where}: {self.base_url} timed out {p.max_retries + 1} times ({p.timeout:g} s each); "
+                        f"raise {where}.timeout or lower concurrency"
+                    )
                 else:
-                    final = (f"{where}: cannot reach {self.base_url} ({p.max_retries + 1} tries): "
-                             f"{refused or e.__cause__ or e}; is the server up and {where}.base_url right?")
+                    final = (
+                        f"{where}: cannot reach {self.base_url} ({p.max_retries + 1} tries): "
+                        f"{refused or e.__cause__ or e}; is the server up and {where}.base_url right?"
+                    )
                 wait = None
             except openai.APIStatusError as e:
                 if e.status_code not in RETRY_STATUS and e.status_code < 500:
                     raise self._error(f"{where}: {self.base_url} answered HTTP {e.status_code}: {e.message}") from None
-                final = f"{where}: {self.base_url} answered HTTP {e.status_code} after {p.max_retries} retries: " \
-                        f"{e.message}"
+                final = (
+                    f"{where}: {self.base_url} answered HTTP {e.status_code} after {p.max_retries} retries: {e.message}"
+                )
                 wait = retry_after(e.response.headers)
                 left = deadline - time.monotonic()
                 if wait is not None and wait > left:
@@ -384,14 +411,19 @@ class ChatRunner:
                         f"({_duration(wait)}), longer than this request's remaining patience of {max(left, 0):.0f} s "
                         f"((max_retries + 1) x timeout = {patience:g} s in all): {e.message}. The endpoint is "
                         f"rate-limiting or out of quota: re-run later (every reply so far is cached), or raise "
-                        f"{where}.max_retries or {where}.timeout to wait that long") from None
+                        f"{where}.max_retries or {where}.timeout to wait that long"
+                    ) from None
             else:
                 latency = time.perf_counter() - t0
                 usage = data.get("usage") or {}
                 details = usage.get("completion_tokens_details") or {}
-                return {"reply": text, "prompt_tokens": usage.get("prompt_tokens"),
-                        "completion_tokens": usage.get("completion_tokens"),
-                        "reasoning_tokens": details.get("reasoning_tokens"), "latency_s": latency}
+                return {
+                    "reply": text,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "completion_tokens": usage.get("completion_tokens"),
+                    "reasoning_tokens": details.get("reasoning_tokens"),
+                    "latency_s": latency,
+                }
             if failures == p.max_retries:
                 raise self._error(final) from None
             await asyncio.sleep(wait if wait is not None else _backoff(failures))

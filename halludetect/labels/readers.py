@@ -27,12 +27,22 @@ from halludetect.core.errors import DataError
 SPLITS = ("train", "val", "test")
 SHOWN = 5  # offending rows named per problem
 
-JUDGMENT_COLUMNS = {"question_id": "string", "sample_index": "integer", "split": "string", "label": "integer",
-                    "kept": "boolean"}
+JUDGMENT_COLUMNS = {
+    "question_id": "string",
+    "sample_index": "integer",
+    "split": "string",
+    "label": "integer",
+    "kept": "boolean",
+}
 P_SEM = ("p_sem_mean", "p_sem_sum", "p_sem_count")
 ENTROPY = ("semantic_entropy_mean", "semantic_entropy_sum", "semantic_entropy_discrete")
-CLUSTER_COLUMNS = {"question_id": "string", "sample_index": "integer", "split": "string", "valid": "boolean",
-                   **dict.fromkeys(P_SEM + ENTROPY, "float")}
+CLUSTER_COLUMNS = {
+    "question_id": "string",
+    "sample_index": "integer",
+    "split": "string",
+    "valid": "boolean",
+    **dict.fromkeys(P_SEM + ENTROPY, "float"),
+}
 
 _KINDS = {
     "string": lambda t: t == pl.String,
@@ -75,16 +85,21 @@ def _check(df: pl.DataFrame, columns: dict[str, str], key_notnull: tuple[str, ..
         problems.append(f"split: not one of {list(SPLITS)} at {_rows(df, bad_split, 'split')}")
     dup = df.select(pl.struct("question_id", "sample_index").is_duplicated()).to_series()
     if dup.any():
-        problems.append(f"the same response on more than one row (one row per question_id and sample_index): "
-                        f"{_rows(df, dup, 'label' if 'label' in df.columns else None)}")
+        problems.append(
+            f"the same response on more than one row (one row per question_id and sample_index): "
+            f"{_rows(df, dup, 'label' if 'label' in df.columns else None)}"
+        )
     return problems
 
 
 def _raise(path: str | Path, problems: list[str], writer: str) -> None:
     if problems:
-        raise LabelTableError(f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
-                              + f"\nRe-run {writer} to rewrite it (dvc repro --force the {writer} stage), or undo "
-                              "the hand edit")
+        raise LabelTableError(
+            f"{path}: {len(problems)} problem(s):\n  "
+            + "\n  ".join(problems)
+            + f"\nRe-run {writer} to rewrite it (dvc repro --force the {writer} stage), or undo "
+            "the hand edit"
+        )
 
 
 def check_judgments(df: pl.DataFrame, source: str | Path) -> pl.DataFrame:
@@ -94,8 +109,10 @@ def check_judgments(df: pl.DataFrame, source: str | Path) -> pl.DataFrame:
         kept = df["kept"].fill_null(False)
         null = kept & df["label"].is_null()
         if null.any():
-            problems.append(f"label: null on kept row(s) {_rows(df, null)} (a kept answer needs 0 or 1; an answer "
-                            "without a label has kept = false)")
+            problems.append(
+                f"label: null on kept row(s) {_rows(df, null)} (a kept answer needs 0 or 1; an answer "
+                "without a label has kept = false)"
+            )
         bad = kept & df["label"].is_not_null() & ~df["label"].is_in([0, 1])
         if bad.any():
             problems.append(f"label: not 0 (correct) or 1 (hallucinated) on kept row(s) {_rows(df, bad, 'label')}")

@@ -57,7 +57,11 @@ def parse_choice(reply: str | None, forms: dict[str, str]) -> str | None:
 
 YES_NO = {"yes": "yes", "no": "no"}
 RELATIONS = {
-    "entailment": "entailment", "entails": "entailment", "entail": "entailment",
+    "entailment": "entailment",
+    "entails": "entailment",
+    "entail": "entailment",
     "neutral": "neutral",
-    "contradiction": "contradiction", "contradicts": "contradiction", "contradict": "contradiction",
+    "contradiction": "contradiction",
+    "contradicts": "contradiction",
+    "contradict": "contradiction",
 }

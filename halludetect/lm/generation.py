@@ -127,8 +127,9 @@ class Trimmed:
     finish_reason: str  # "eos" | "stop" | "length"
 
 
-def trim_answer(tokenizer, ids: list[int], stop: list[str], max_new_tokens: int,
-                eos: list[int] | None = None) -> Trimmed:
+def trim_answer(
+    tokenizer, ids: list[int], stop: list[str], max_new_tokens: int, eos: list[int] | None = None
+) -> Trimmed:
     """Cut at EOS (or padding) or at the first stop sequence, on a token boundary.
 
     The token that completes a stop sequence is dropped with everything after it; if it also
@@ -165,16 +166,28 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, repeats: int):
 
     cache = DynamicCache(config=model.config)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, W]
-    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-          past_key_values=cache, use_cache=True)
+    model(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions[:, :-1],
+        past_key_values=cache,
+        use_cache=True,
+    )
     cache.batch_repeat_interleave(repeats)
     return cache
 
 
 @torch.no_grad()
-def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], params: GenerateParams,
-                eos: list[int], greedy: bool = False, repeats: int = 1
-                ) -> tuple[list[Trimmed], list[list[float]], float]:
+def sample_rows(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    keys: list[tuple],
+    params: GenerateParams,
+    eos: list[int],
+    greedy: bool = False,
+    repeats: int = 1,
+) -> tuple[list[Trimmed], list[list[float]], float]:
     """One `generate` call over rows (prompt ids, random-stream key); returns trimmed answers,
     their raw token log-probs and the wall time. With `repeats` > 1, rows come in runs of
     `repeats` sharing one prompt, whose prefill is then computed once."""
@@ -194,13 +207,25 @@ def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], p
     # are transformers' neutral defaults, which it does not warn about in greedy mode; the
     # real ones live in RowSampler.
     config = GenerationConfig(
-        max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1, temperature=1.0, top_p=1.0, top_k=50,
-        repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-        stop_strings=params.stop or None, use_cache=True,
+        max_new_tokens=params.max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=50,
+        repetition_penalty=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        stop_strings=params.stop or None,
+        use_cache=True,
     )
     out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-        logits_processor=LogitsProcessorList([sampler]), tokenizer=tokenizer, **kw,
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        generation_config=config,
+        logits_processor=LogitsProcessorList([sampler]),
+        tokenizer=tokenizer,
+        **kw,
     )
     seconds = time.perf_counter() - t0
     gen = out[:, width:].cpu().tolist()  # [R, new]
@@ -210,8 +235,9 @@ def sample_rows(model, tokenizer, prompts: list[list[int]], keys: list[tuple], p
     return trimmed, lps, seconds
 
 
-def generate_unit(model, tokenizer, unit: list[dict], params: GenerateParams, eos: list[int],
-                  greedy: bool = False) -> pl.DataFrame:
+def generate_unit(
+    model, tokenizer, unit: list[dict], params: GenerateParams, eos: list[int], greedy: bool = False
+) -> pl.DataFrame:
     """All K answers of a unit's questions (dicts with id, split, prompt), empty ones re-sampled."""
     k = 1 if greedy else params.n_samples
     rows = [(q, s) for q in unit for s in range(k)]
@@ -226,8 +252,12 @@ def generate_unit(model, tokenizer, unit: list[dict], params: GenerateParams, eo
         if not empty:
             break
         again, again_lps, secs = sample_rows(
-            model, tokenizer, [prompts[r] for r in empty],
-            [(params.seed, rows[r][0]["id"], rows[r][1], attempt) for r in empty], params, eos,
+            model,
+            tokenizer,
+            [prompts[r] for r in empty],
+            [(params.seed, rows[r][0]["id"], rows[r][1], attempt) for r in empty],
+            params,
+            eos,
         )
         for r, t, lp in zip(empty, again, again_lps):
             trimmed[r], lps[r] = t, lp
@@ -236,9 +266,16 @@ def generate_unit(model, tokenizer, unit: list[dict], params: GenerateParams, eo
     return pl.DataFrame(
         [
             {
-                "question_id": q["id"], "split": q["split"], "sample_index": s, "text": t.text,
-                "token_ids": t.token_ids, "token_logprobs": lp, "n_tokens": len(t.token_ids),
-                "prompt_tokens": len(q["prompt"]), "finish_reason": t.finish_reason, "attempts": a,
+                "question_id": q["id"],
+                "split": q["split"],
+                "sample_index": s,
+                "text": t.text,
+                "token_ids": t.token_ids,
+                "token_logprobs": lp,
+                "n_tokens": len(t.token_ids),
+                "prompt_tokens": len(q["prompt"]),
+                "finish_reason": t.finish_reason,
+                "attempts": a,
                 "seconds": sec,
             }
             for (q, s), t, lp, a, sec in zip(rows, trimmed, lps, attempts, per_row)
@@ -257,9 +294,18 @@ def make_units(tokenizer, questions: pl.DataFrame, batch_size: int, chat_templat
     return [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
 
 
-def generate(model, tokenizer, questions: pl.DataFrame, params: GenerateParams, *, chat_template: bool = False,
-             greedy: bool = False, store: UnitStore | None = None, workers: Workers | None = None,
-             log=None) -> pl.DataFrame | None:
+def generate(
+    model,
+    tokenizer,
+    questions: pl.DataFrame,
+    params: GenerateParams,
+    *,
+    chat_template: bool = False,
+    greedy: bool = False,
+    store: UnitStore | None = None,
+    workers: Workers | None = None,
+    log=None,
+) -> pl.DataFrame | None:
     """Sample `params.n_samples` answers for every question; one row per (question, sample).
 
     `greedy` decodes the single most likely answer instead (the world's own metrics use it).
@@ -271,8 +317,12 @@ def generate(model, tokenizer, questions: pl.DataFrame, params: GenerateParams, 
     if workers.size > 1 and store is None:
         raise ValueError("several processes share their work through a UnitStore: pass store=")
     units = make_units(tokenizer, questions, params.batch_size, chat_template)
-    check_context(model, {q["id"]: len(q["prompt"]) for u in units for q in u}, params.max_new_tokens,
-                  f"generate.max_new_tokens = {params.max_new_tokens}")
+    check_context(
+        model,
+        {q["id"]: len(q["prompt"]) for u in units for q in u},
+        params.max_new_tokens,
+        f"generate.max_new_tokens = {params.max_new_tokens}",
+    )
     eos = eos_ids(model, tokenizer)
     done = store.finished() if store else set()
     todo = [u for u in workers.share(len(units)) if u not in done]

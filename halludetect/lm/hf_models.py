@@ -104,7 +104,9 @@ def quantization_config(preset: ModelPreset):
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
     )
 

@@ -67,7 +67,7 @@ def workers() -> Workers:
     state = PartialState(cpu=not torch.cuda.is_available())
     device = str(state.device)
     if device.startswith("cpu"):
-        # Each process keeps the pinned thread count (numerics.py): a unit computed by any of
+        # Each process keeps the pinned thread count (core/numerics.py): a unit computed by any of
         # them gives the bytes it gives in a one-process run.
         device = "cpu"
     return Workers(state.process_index, state.num_processes, device, state)
@@ -82,8 +82,23 @@ def relaunch(module: str) -> None:
     n = int(os.environ.get("HALLUDETECT_PROCESSES", "1"))
     if n <= 1 or "WORLD_SIZE" in os.environ:  # one process, or already launched
         return
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", module, *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(n),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        module,
+        *sys.argv[1:],
+    ]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, cmd)

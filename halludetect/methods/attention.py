@@ -18,8 +18,16 @@ class AttentionParams(PoolingParams):
 
 
 register(
-    Method("attention", "Attention pooling", AttentionParams,
-           build=lambda net, d, p: net.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=False)),
-    Method("gated_attention", "Gated attention pooling", AttentionParams,
-           build=lambda net, d, p: net.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=True)),
+    Method(
+        "attention",
+        "Attention pooling",
+        AttentionParams,
+        build=lambda net, d, p: net.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=False),
+    ),
+    Method(
+        "gated_attention",
+        "Gated attention pooling",
+        AttentionParams,
+        build=lambda net, d, p: net.AttentionNet(d, p.dim, p.dropout, p.attention_dim, gated=True),
+    ),
 )

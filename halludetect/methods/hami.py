@@ -36,8 +36,15 @@ class HaMISPParams(HaMIParams):
 
 
 register(
-    Method("hami", "HaMI", HaMIParams, analysable=True,
-           build=lambda net, d, p: net.HaMI(d, p.dim, p.dropout, p.k_ratio)),
-    Method("hami_sp", "HaMI (SP)", HaMISPParams, analysable=True, reads_p_sem=True,
-           build=lambda net, d, p: net.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam)),
+    Method(
+        "hami", "HaMI", HaMIParams, analysable=True, build=lambda net, d, p: net.HaMI(d, p.dim, p.dropout, p.k_ratio)
+    ),
+    Method(
+        "hami_sp",
+        "HaMI (SP)",
+        HaMISPParams,
+        analysable=True,
+        reads_p_sem=True,
+        build=lambda net, d, p: net.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam),
+    ),
 )

@@ -21,12 +21,15 @@ class PoolingParams(Section):
 
 
 register(
-    Method("mean", "Mean pooling", PoolingParams,
-           build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "mean")),
-    Method("max", "Max pooling", PoolingParams,
-           build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "max")),
-    Method("raw_mean", "Raw (d) mean", PoolingParams,
-           build=lambda net, d, p: net.RawPoolingNet(d, p.dim, p.dropout, "mean")),
-    Method("raw_max", "Raw (d) max", PoolingParams,
-           build=lambda net, d, p: net.RawPoolingNet(d, p.dim, p.dropout, "max")),
+    Method("mean", "Mean pooling", PoolingParams, build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "mean")),
+    Method("max", "Max pooling", PoolingParams, build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "max")),
+    Method(
+        "raw_mean",
+        "Raw (d) mean",
+        PoolingParams,
+        build=lambda net, d, p: net.RawPoolingNet(d, p.dim, p.dropout, "mean"),
+    ),
+    Method(
+        "raw_max", "Raw (d) max", PoolingParams, build=lambda net, d, p: net.RawPoolingNet(d, p.dim, p.dropout, "max")
+    ),
 )

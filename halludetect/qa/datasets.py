@@ -89,8 +89,9 @@ def _kind(v: Any) -> str:
 
 def control_characters(text: str) -> list[str]:
     """The control characters in `text` (NUL, ESC, ...), named: HDF5 and file names refuse them."""
-    return [unicodedata.name(c, f"U+{ord(c):04X}") if c != "\0" else "NUL" for c in text
-            if unicodedata.category(c) == "Cc"]
+    return [
+        unicodedata.name(c, f"U+{ord(c):04X}") if c != "\0" else "NUL" for c in text if unicodedata.category(c) == "Cc"
+    ]
 
 
 # ------------------------------------------------------------------- the validator
@@ -111,14 +112,16 @@ class QARecord(BaseModel):
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, str | int):
-            raise ValueError(f"{_kind(v)}, not a string or an integer (quote it, or leave it out to derive an "
-                             "id from the question)")
+            raise ValueError(
+                f"{_kind(v)}, not a string or an integer (quote it, or leave it out to derive an id from the question)"
+            )
         v = str(v)
         if not v.strip():
             raise ValueError("empty (give a real id, or leave the field out to derive one from the question)")
         if bad := control_characters(v):
-            raise ValueError(f"{v!r} contains the control character {bad[0]} (HDF5 files and file names cannot "
-                             "hold it: remove it)")
+            raise ValueError(
+                f"{v!r} contains the control character {bad[0]} (HDF5 files and file names cannot hold it: remove it)"
+            )
         return v
 
     @field_validator("question", mode="before")
@@ -138,8 +141,10 @@ class QARecord(BaseModel):
     def _answers(cls, v):
         if isinstance(v, dict):  # SQuAD's own format on the hub: {"text": [...], "answer_start": [...]}
             if "text" not in v:
-                raise ValueError(f"an object without 'text' ({sorted(v)}); give a list of strings or SQuAD's "
-                                 "{'text': [...], 'answer_start': [...]}")
+                raise ValueError(
+                    f"an object without 'text' ({sorted(v)}); give a list of strings or SQuAD's "
+                    "{'text': [...], 'answer_start': [...]}"
+                )
             v = v["text"]
         if isinstance(v, str):
             v = [v]
@@ -147,8 +152,11 @@ class QARecord(BaseModel):
             raise ValueError(f"{_kind(v)}, not a string or a list of strings ([] for an unanswerable question)")
         for i, a in enumerate(v):
             if not isinstance(a, str):
-                fix = "answers must be a flat list of strings" if isinstance(a, list | tuple | dict) else \
-                      "quote it if it is meant as an answer"
+                fix = (
+                    "answers must be a flat list of strings"
+                    if isinstance(a, list | tuple | dict)
+                    else "quote it if it is meant as an answer"
+                )
                 raise ValueError(f"item {i} is {_kind(a)}, not a string ({fix})")
         return _dedupe(v)
 
@@ -185,24 +193,35 @@ class LoadReport:
 def _fail(source: str, problems: list[str]) -> DatasetError:
     shown = problems[:MAX_LISTED]
     more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-    return DatasetError(f"{source}: {len(problems)} problem(s); nothing was written. Fix them and re-run prepare:\n  "
-                        + "\n  ".join(shown) + more)
+    return DatasetError(
+        f"{source}: {len(problems)} problem(s); nothing was written. Fix them and re-run prepare:\n  "
+        + "\n  ".join(shown)
+        + more
+    )
 
 
 def _collision(prev: Located, x: Located) -> str:
     """The message for record `x` whose final id is already that of the different record `prev`."""
     if (prev.raw_id is None) != (x.raw_id is None):
         lone, other = (x, prev) if x.raw_id is None else (prev, x)
-        return (f"{lone.where}: id: none given, so its id is the md5 of its question, '{x.rid}', which is the id "
-                f"of {other.where} (give it an id of its own)")
+        return (
+            f"{lone.where}: id: none given, so its id is the md5 of its question, '{x.rid}', which is the id "
+            f"of {other.where} (give it an id of its own)"
+        )
     if type(prev.raw_id) is not type(x.raw_id):
-        return (f"{x.where}: id: {x.raw_id!r} and {prev.raw_id!r} at {prev.where} both become the id '{x.rid}' "
-                "(give one of them another id)")
+        return (
+            f"{x.where}: id: {x.raw_id!r} and {prev.raw_id!r} at {prev.where} both become the id '{x.rid}' "
+            "(give one of them another id)"
+        )
     if x.raw_id is None:
-        return (f"{x.where}: question: the same question as {prev.where} (both without an id) with other answers "
-                "or context (merge the two records into one, or give them ids)")
-    return (f"{x.where}: id: '{x.rid}' is also the id of {prev.where}, with another question, answers or context "
-            "(ids must be unique: rename one, or remove the repeat)")
+        return (
+            f"{x.where}: question: the same question as {prev.where} (both without an id) with other answers "
+            "or context (merge the two records into one, or give them ids)"
+        )
+    return (
+        f"{x.where}: id: '{x.rid}' is also the id of {prev.where}, with another question, answers or context "
+        "(ids must be unique: rename one, or remove the repeat)"
+    )
 
 
 def validate_records(rows: list[tuple[str, Any]], source: str, report: LoadReport) -> list[Located]:
@@ -218,8 +237,13 @@ def validate_records(rows: list[tuple[str, Any]], source: str, report: LoadRepor
             problems.append((pos, f"{where}: {raw.problem}"))
             continue
         if not isinstance(raw, dict):
-            problems.append((pos, f"{where}: record: {_kind(raw)}, not an object (each record is one JSON object "
-                                  '{"id": ..., "question": ..., "answers": [...]})'))
+            problems.append(
+                (
+                    pos,
+                    f"{where}: record: {_kind(raw)}, not an object (each record is one JSON object "
+                    '{"id": ..., "question": ..., "answers": [...]})',
+                )
+            )
             continue
         try:
             rec = QARecord.model_validate(raw)
@@ -227,8 +251,13 @@ def validate_records(rows: list[tuple[str, Any]], source: str, report: LoadRepor
             for e in err.errors():
                 name = ".".join(str(p) for p in e["loc"]) or "record"
                 if e["type"] == "missing":
-                    problems.append((pos, f"{where}: {name}: missing (the common schema needs question and answers; "
-                                          "id and context are optional)"))
+                    problems.append(
+                        (
+                            pos,
+                            f"{where}: {name}: missing (the common schema needs question and answers; "
+                            "id and context are optional)",
+                        )
+                    )
                 else:
                     problems.append((pos, f"{where}: {name}: {e['msg'].removeprefix('Value error, ')}"))
             continue
@@ -266,25 +295,33 @@ def _json_lines(path: Path) -> list[tuple[str, Any]]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             whole = None  # not one JSON document: read it as JSON Lines below
         if isinstance(whole, list):
-            raise DatasetError(f"{path}:1: the file holds one JSON array; records are read as JSON Lines, one object "
-                               f"per line: convert it (e.g. `jq -c '.[]' {path.name} > {path.stem}.jsonl`) and point "
-                               "the dataset preset's path at the .jsonl")
+            raise DatasetError(
+                f"{path}:1: the file holds one JSON array; records are read as JSON Lines, one object "
+                f"per line: convert it (e.g. `jq -c '.[]' {path.name} > {path.stem}.jsonl`) and point "
+                "the dataset preset's path at the .jsonl"
+            )
     rows = []
     for n, line in enumerate(data.split(b"\n"), 1):
         where = f"{path}:{n}"
         try:
             text = line.decode("utf-8-sig" if n == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            rows.append((where, Unreadable(f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; re-save "
-                                           "the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`)")))
+            rows.append(
+                (
+                    where,
+                    Unreadable(
+                        f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; re-save "
+                        "the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`)"
+                    ),
+                )
+            )
             continue
         if not text.strip():
             continue
         try:
             rows.append((where, json.loads(text)))
         except json.JSONDecodeError as e:
-            rows.append((where, Unreadable(f"not valid JSON ({e.msg} at column {e.colno}; one JSON object per "
-                                           "line)")))
+            rows.append((where, Unreadable(f"not valid JSON ({e.msg} at column {e.colno}; one JSON object per line)")))
     return rows
 
 
@@ -297,8 +334,9 @@ def read_records(path: str | Path) -> list[tuple[str, Any]]:
         try:
             df = pl.read_parquet(path)
         except (pl.exceptions.PolarsError, OSError) as e:
-            raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise DatasetError(
+                f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
         return [(f"{path} row {n}", r) for n, r in enumerate(df.iter_rows(named=True), 1)]
     if path.suffix in (".jsonl", ".json"):
         return _json_lines(path)
@@ -314,7 +352,9 @@ def _hub_rows(preset: DatasetPreset, default_id: str, default_config: str | None
     hf_id = preset.hf_id or default_id
     try:
         return hf_datasets.load_dataset(
-            hf_id, preset.hf_config or default_config, split=preset.hf_split or default_split,
+            hf_id,
+            preset.hf_config or default_config,
+            split=preset.hf_split or default_split,
             revision=preset.revision,
         )
     except Exception as e:  # the hub raises many types; all mean "not reachable/available"
@@ -343,9 +383,18 @@ def _load_trivia_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
         return _load_file(preset, report)
     ds = _hub_rows(preset, "trivia_qa", "rc.nocontext", "validation")
     where = _hub_where(preset, "trivia_qa")
-    rows = [(where(n), {"id": md5_id(r["question"]), "question": r["question"],
-                        "answers": [r["answer"]["value"], *r["answer"]["aliases"]], "context": None})
-            for n, r in enumerate(ds, 1)]
+    rows = [
+        (
+            where(n),
+            {
+                "id": md5_id(r["question"]),
+                "question": r["question"],
+                "answers": [r["answer"]["value"], *r["answer"]["aliases"]],
+                "context": None,
+            },
+        )
+        for n, r in enumerate(ds, 1)
+    ]
     report.read = len(rows)
     return validate_records(rows, "trivia_qa (hub)", report)
 
@@ -356,8 +405,10 @@ def _load_squad(preset: DatasetPreset, report: LoadReport) -> list[Located]:
     else:
         ds = _hub_rows(preset, "squad_v2", None, "validation")
         where = _hub_where(preset, "squad_v2")
-        rows = [(where(n), {"id": r["id"], "question": r["question"], "answers": r["answers"],
-                            "context": r["context"]}) for n, r in enumerate(ds, 1)]
+        rows = [
+            (where(n), {"id": r["id"], "question": r["question"], "answers": r["answers"], "context": r["context"]})
+            for n, r in enumerate(ds, 1)
+        ]
         report.read = len(rows)
         records = validate_records(rows, "squad_v2 (hub)", report)
     kept = []
@@ -375,13 +426,19 @@ def _load_nq(preset: DatasetPreset, report: LoadReport) -> list[Located]:
     else:
         ds = _hub_rows(preset, "nq_open", None, "validation")
         where = _hub_where(preset, "nq_open")
-        rows = [(where(n), {"id": md5_id(r["question"]), "question": r["question"], "answers": r["answer"]})
-                for n, r in enumerate(ds, 1)]
+        rows = [
+            (where(n), {"id": md5_id(r["question"]), "question": r["question"], "answers": r["answer"]})
+            for n, r in enumerate(ds, 1)
+        ]
         report.read = len(rows)
         records = validate_records(rows, "nq_open (hub)", report)
     # NQ-open questions are lower-case fragments without "?"; the peers append it.
-    return [Located(x.where, x.record.model_copy(update={"question": x.record.question + "?", "context": None}),
-                    x.raw_id, x.rid) for x in records]
+    return [
+        Located(
+            x.where, x.record.model_copy(update={"question": x.record.question + "?", "context": None}), x.raw_id, x.rid
+        )
+        for x in records
+    ]
 
 
 def _first(x):
@@ -442,8 +499,9 @@ def normalise(records: list[Located], report: LoadReport) -> list[dict]:
         if not x.record.answers:
             report.drop("no reference answer")
         else:
-            out.append({"id": x.rid, "question": x.record.question, "answers": x.record.answers,
-                        "context": x.record.context})
+            out.append(
+                {"id": x.rid, "question": x.record.question, "answers": x.record.answers, "context": x.record.context}
+            )
     return out
 
 
@@ -487,18 +545,23 @@ def sized_splits(preset: DatasetPreset, name: str, params: PrepareParams, report
         held_out = {r["id"] for r in evaluation}
         train_rows = _load(preset.model_copy(update={"hf_split": preset.train_hf_split}), report)
         train = _ranked([r for r in train_rows if r["id"] not in held_out], params.seed)
-        sources = {"train": (train, f"hub split '{preset.train_hf_split}'"),
-                   "eval": (evaluation, f"hub split '{preset.hf_split or 'the loader default'}'")}
+        sources = {
+            "train": (train, f"hub split '{preset.train_hf_split}'"),
+            "eval": (evaluation, f"hub split '{preset.hf_split or 'the loader default'}'"),
+        }
     else:
         everything = _ranked(_load(preset, report), params.seed)
         train, evaluation = everything[: n.train], everything[n.train :]
         sources = {"train": (train, "the source"), "eval": (evaluation, "the source after the train questions")}
     need = {"train": n.train, "eval": n.val + n.test}
-    short = [f"{k} needs {need[k]}, {where} has {len(rows)}" for k, (rows, where) in sources.items()
-             if len(rows) < need[k]]
+    short = [
+        f"{k} needs {need[k]}, {where} has {len(rows)}" for k, (rows, where) in sources.items() if len(rows) < need[k]
+    ]
     if short:
-        raise DatasetError(f"datasets.{name}.sizes asks for more usable questions than there are ({'; '.join(short)}); "
-                           "lower sizes or point the preset at a larger source")
+        raise DatasetError(
+            f"datasets.{name}.sizes asks for more usable questions than there are ({'; '.join(short)}); "
+            "lower sizes or point the preset at a larger source"
+        )
     out = [{**r, "split": "train"} for r in train[: n.train]]
     out += [{**r, "split": "val"} for r in evaluation[: n.val]]
     out += [{**r, "split": "test"} for r in evaluation[n.val : n.val + n.test]]
@@ -519,8 +582,10 @@ def prepare(preset: DatasetPreset, params: PrepareParams, name: str = "dataset")
     splits = assign_splits([r["id"] for r in rows], params)
     if empty := [s for s in SPLITS if s not in splits]:
         keys = ", ".join(f"prepare.{s} = {getattr(params, s):g}" for s in empty)
-        raise DatasetError(f"{len(rows)} questions leave the {' and '.join(empty)} split empty ({keys}): raise "
-                           "the fraction or use more questions (train, val and test are all needed)")
+        raise DatasetError(
+            f"{len(rows)} questions leave the {' and '.join(empty)} split empty ({keys}): raise "
+            "the fraction or use more questions (train, val and test are all needed)"
+        )
     df = pl.DataFrame([{**r, "split": s} for r, s in zip(rows, splits)], schema=SCHEMA)
     return df.sort("id"), report
 

@@ -30,9 +30,22 @@ from halludetect.qa.responses import response_ids
 from halludetect.report import figures
 
 
-def draw_cell(model: str, dataset: str, grid: GridParams, seeds: list[int], baselines: BaselinesParams, *,
-              eval_dir: Path, scores_dir: Path, judgments: Path, clusters: Path, generations: Path,
-              figures_dir: Path, plots_dir: Path, log: Callable[..., None] = lambda *a: None) -> None:
+def draw_cell(
+    model: str,
+    dataset: str,
+    grid: GridParams,
+    seeds: list[int],
+    baselines: BaselinesParams,
+    *,
+    eval_dir: Path,
+    scores_dir: Path,
+    judgments: Path,
+    clusters: Path,
+    generations: Path,
+    figures_dir: Path,
+    plots_dir: Path,
+    log: Callable[..., None] = lambda *a: None,
+) -> None:
     cell = f"{model} / {dataset}"
     detectors = [*grid.methods, *grid.sp_methods]
     evals = {m: json.loads((Path(eval_dir) / f"{m}.json").read_text()) for m in detectors}
@@ -56,7 +69,8 @@ def draw_cell(model: str, dataset: str, grid: GridParams, seeds: list[int], base
     labels = judged.filter(pl.col("kept")).select(response_ids(judged).alias("rid"), "split", "label")
     for name in grid.baselines:  # the same test responses' scores without hidden states
         s = labels.filter(pl.col("split") == "test").join(
-            baseline_scores(name, generated, clustered, baselines), on="rid", how="inner")
+            baseline_scores(name, generated, clustered, baselines), on="rid", how="inner"
+        )
         s = s.filter(pl.col("score").is_finite())
         y, score = s["label"].to_numpy(), s["score"].to_numpy()
         curves[name] = (y, [score])
@@ -64,8 +78,9 @@ def draw_cell(model: str, dataset: str, grid: GridParams, seeds: list[int], base
 
     # Answer length and P_sem (the variant baselines.p_sem names) by class, per split, over the labelled responses.
     lengths = generated.select(response_ids(generated).alias("rid"), "n_tokens")
-    p_sem = clustered.filter(pl.col("valid")).select(response_ids(clustered).alias("rid"),
-                                                     pl.col(f"p_sem_{baselines.p_sem}").alias("p_sem"))
+    p_sem = clustered.filter(pl.col("valid")).select(
+        response_ids(clustered).alias("rid"), pl.col(f"p_sem_{baselines.p_sem}").alias("p_sem")
+    )
     per_response = labels.join(lengths, on="rid", how="left").join(p_sem, on="rid", how="left")
     response_panels, response_data = {}, {}
     for split in ("train", "test"):
@@ -85,13 +100,25 @@ def draw_cell(model: str, dataset: str, grid: GridParams, seeds: list[int], base
     # One file per figure, each written atomically: analyze writes sensitivity_<method>.png beside them.
     figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"), figs / "auroc_by_layer.png")
     figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), figs / "roc.png")
-    figures.save_png(figures.class_panels(score_panels, f"Test scores (logits) by class, seeds pooled, {cell}",
-                                          {k: "bag logit" for k in score_panels}, counted="responses x seeds"),
-                     figs / "scores.png")
-    figures.save_png(figures.class_panels(
-        response_panels, f"Answer length and P_sem by class, {cell}",
-        {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels}, cols=2,
-        discrete=tuple(k for k in response_panels if k.startswith("answer"))), figs / "responses.png")
+    figures.save_png(
+        figures.class_panels(
+            score_panels,
+            f"Test scores (logits) by class, seeds pooled, {cell}",
+            {k: "bag logit" for k in score_panels},
+            counted="responses x seeds",
+        ),
+        figs / "scores.png",
+    )
+    figures.save_png(
+        figures.class_panels(
+            response_panels,
+            f"Answer length and P_sem by class, {cell}",
+            {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels},
+            cols=2,
+            discrete=tuple(k for k in response_panels if k.startswith("answer")),
+        ),
+        figs / "responses.png",
+    )
     figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / model / f"{dataset}.csv")
     figures.save_csv(figures.roc_data(curves), plots / "roc" / model / f"{dataset}.csv")
     for sub, data in (("scores", score_data), ("responses", response_data)):

@@ -54,8 +54,13 @@ def _grid(n: int, cols: int, size=(4.2, 3.2)) -> tuple[Figure, list]:
 # ----------------------------------------------------------------------------- AUROC by layer
 def auroc_by_layer_data(layers: dict[str, list[dict]]) -> pl.DataFrame:
     """{method: evaluate's `layers` list} -> long frame: layer, series, test_auroc, val_auroc."""
-    return pl.DataFrame([{"layer": r["layer"], "series": m, "test_auroc": r["test_auroc"], "val_auroc": r["val_auroc"]}
-                         for m, rows in layers.items() for r in rows])
+    return pl.DataFrame(
+        [
+            {"layer": r["layer"], "series": m, "test_auroc": r["test_auroc"], "val_auroc": r["val_auroc"]}
+            for m, rows in layers.items()
+            for r in rows
+        ]
+    )
 
 
 def auroc_by_layer(layers: dict[str, list[dict]], best: dict[str, int], title: str) -> Figure:
@@ -73,8 +78,14 @@ def auroc_by_layer(layers: dict[str, list[dict]], best: dict[str, int], title: s
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
-    ax.legend(title="★ best layer on validation", fontsize=8, title_fontsize=8, loc="center left",
-              bbox_to_anchor=(1.01, 0.5), frameon=False)
+    ax.legend(
+        title="★ best layer on validation",
+        fontsize=8,
+        title_fontsize=8,
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+        frameon=False,
+    )
     return fig
 
 
@@ -92,8 +103,9 @@ def mean_roc(y: np.ndarray, scores: list[np.ndarray]) -> np.ndarray:
 
 def roc_data(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]]) -> pl.DataFrame:
     """{method: (y, per-seed scores)} -> long frame: fpr, series, tpr."""
-    return pl.concat([pl.DataFrame({"fpr": FPR_GRID, "series": m, "tpr": mean_roc(y, s)})
-                      for m, (y, s) in curves.items()])
+    return pl.concat(
+        [pl.DataFrame({"fpr": FPR_GRID, "series": m, "tpr": mean_roc(y, s)}) for m, (y, s) in curves.items()]
+    )
 
 
 def roc(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]], aurocs: dict[str, str], title: str) -> Figure:
@@ -102,16 +114,29 @@ def roc(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]], aurocs: dict[str
     for color, (method, (y, scores)) in zip(_palette(len(curves)), curves.items()):
         ax.plot(FPR_GRID, mean_roc(y, scores), lw=1.6, color=color, label=f"{method} ({aurocs.get(method, '')})")
     ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
-    ax.set(xlabel="false-positive rate (correct answers flagged)", ylabel="true-positive rate (hallucinations caught)",
-           title=title, xlim=(0, 1), ylim=(0, 1.01), aspect="equal")
+    ax.set(
+        xlabel="false-positive rate (correct answers flagged)",
+        ylabel="true-positive rate (hallucinations caught)",
+        title=title,
+        xlim=(0, 1),
+        ylim=(0, 1.01),
+        aspect="equal",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5, loc="lower right", title="test AUROC, mean over seeds", title_fontsize=7.5)
     return fig
 
 
 # ----------------------------------------------------------------------------- per class
-def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, xlabel: dict[str, str] | None = None,
-                 cols: int = 3, bins: int = 40, discrete: tuple[str, ...] = (), counted: str = "n") -> Figure:
+def class_panels(
+    panels: dict[str, tuple[np.ndarray, np.ndarray]],
+    title: str,
+    xlabel: dict[str, str] | None = None,
+    cols: int = 3,
+    bins: int = 40,
+    discrete: tuple[str, ...] = (),
+    counted: str = "n",
+) -> Figure:
     """One histogram panel per entry {panel title: (values, labels)}, both classes overlaid, with
     each class's mean as a dashed line (the paper's E_neg and E_pos). `counted` names what the
     legend counts (e.g. responses x seeds where seeds are pooled)."""
@@ -123,8 +148,14 @@ def class_panels(panels: dict[str, tuple[np.ndarray, np.ndarray]], title: str, x
             sel = y == label
             if not sel.any():
                 continue
-            ax.hist(values[sel], bins=edges, density=True, alpha=0.45, color=color,
-                    label=f"{cls}, {counted} {int(sel.sum()):,}, mean {np.mean(values[sel]):.3g}")
+            ax.hist(
+                values[sel],
+                bins=edges,
+                density=True,
+                alpha=0.45,
+                color=color,
+                label=f"{cls}, {counted} {int(sel.sum()):,}, mean {np.mean(values[sel]):.3g}",
+            )
             ax.axvline(np.mean(values[sel]), color=color, ls="--", lw=1.2)
         ax.set(title=name, xlabel=(xlabel or {}).get(name, "value"), ylabel="density")
         ax.legend(fontsize=7)

@@ -46,8 +46,12 @@ class Grid:
     @classmethod
     def of(cls, params) -> Grid:
         g = params.grid
-        return cls(g.models, g.datasets, {m: paper.model_key(params.model(m).path) for m in g.models},
-                   {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets})
+        return cls(
+            g.models,
+            g.datasets,
+            {m: paper.model_key(params.model(m).path) for m in g.models},
+            {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets},
+        )
 
     @property
     def cells(self) -> list[tuple[str, str]]:
@@ -67,13 +71,18 @@ def _published(figures: dict, grid: Grid, m: str, d: str) -> Figure | None:
 
 
 # Row names: a detector's is declared with its method (methods/); the baselines' are the paper's.
-BASELINE_NAMES = {"p_sem": "P_sem", "semantic_entropy": "Semantic entropy", "logprob": "Mean token log-prob",
-                  "length": "Answer length"}
+BASELINE_NAMES = {
+    "p_sem": "P_sem",
+    "semantic_entropy": "Semantic entropy",
+    "logprob": "Mean token log-prob",
+    "length": "Answer length",
+}
 NAMES = {**{name: m.display for name, m in METHODS.items()}, **BASELINE_NAMES}
 
 
-def _stat_cell(entry: dict | None, key: str, published: Figure | None, *, with_ci=False, err="stderr",
-               group="all", layer=True) -> Cell:
+def _stat_cell(
+    entry: dict | None, key: str, published: Figure | None, *, with_ci=False, err="stderr", group="all", layer=True
+) -> Cell:
     if entry is None:
         return Cell(paper=published, group=group)
     stat = entry["test"].get(key)
@@ -84,16 +93,34 @@ def _stat_cell(entry: dict | None, key: str, published: Figure | None, *, with_c
     return Cell(stat["mean"], stat.get(err), ci, note, published, group=group)
 
 
-def method_table(name: str, caption: str, metrics: dict, grid: Grid, rows: list[tuple[str, str | None, bool]],
-                 key: str, published: dict, *, with_ci=False, notes=()) -> Table | None:
+def method_table(
+    name: str,
+    caption: str,
+    metrics: dict,
+    grid: Grid,
+    rows: list[tuple[str, str | None, bool]],
+    key: str,
+    published: dict,
+    *,
+    with_ci=False,
+    notes=(),
+) -> Table | None:
     """Methods as rows (method, ranking group, rule before), grid cells as columns."""
     present = [r for r in rows if any((m, d, r[0]) in metrics for m, d in grid.cells)]
     if not present:
         return None
     out = []
     for method, group, rule in present:
-        cells = [_stat_cell(metrics.get((m, d, method)), key, _published(published.get(method, {}), grid, m, d),
-                            with_ci=with_ci, group=group) for m, d in grid.cells]
+        cells = [
+            _stat_cell(
+                metrics.get((m, d, method)),
+                key,
+                _published(published.get(method, {}), grid, m, d),
+                with_ci=with_ci,
+                group=group,
+            )
+            for m, d in grid.cells
+        ]
         out.append(Row(NAMES.get(method, method), cells, rule))
     return rank(Table(name, caption, "Method", grid.groups(), out, paper.PAPER_TABLES.get(name), list(notes)))
 
@@ -106,25 +133,45 @@ def sd_table(name: str, caption: str, metrics: dict, grid: Grid, key: str, publi
         cells = []
         for m, d in grid.cells:
             stat = (metrics.get((m, d, method)) or {}).get("test", {}).get(key)
-            cells.append(Cell(None if stat is None else stat.get("sd"),
-                              paper=_published(published.get(method, {}), grid, m, d), group=None))
+            cells.append(
+                Cell(
+                    None if stat is None else stat.get("sd"),
+                    paper=_published(published.get(method, {}), grid, m, d),
+                    group=None,
+                )
+            )
         rows.append(Row(NAMES[method], cells, method == "mean"))
     if not rows:
         return None
-    return Table(name, caption, "Method", grid.groups(), rows, paper.PAPER_TABLES[name],
-                 ["standard deviation of one seed's figure over the seeds (the paper's appendix; its main "
-                  "tables' captions call them standard errors)"])
+    return Table(
+        name,
+        caption,
+        "Method",
+        grid.groups(),
+        rows,
+        paper.PAPER_TABLES[name],
+        [
+            "standard deviation of one seed's figure over the seeds (the paper's appendix; its main "
+            "tables' captions call them standard errors)"
+        ],
+    )
 
 
-def throughput_table(name: str, caption: str, metrics: dict, grid: Grid, methods: list[str],
-                     published: dict) -> Table | None:
+def throughput_table(
+    name: str, caption: str, metrics: dict, grid: Grid, methods: list[str], published: dict
+) -> Table | None:
     rows = []
     for method in methods:
         if not any((m, d, method) in metrics for m, d in grid.cells):
             continue
-        variants = [("", None)] if method != "hami_sp" else [
-            (" with sampling and NLI, amortised", "samples_per_s_with_sampling_and_nli"),
-            (" with sampling and NLI, sequential", "sequential_samples_per_s")]
+        variants = (
+            [("", None)]
+            if method != "hami_sp"
+            else [
+                (" with sampling and NLI, amortised", "samples_per_s_with_sampling_and_nli"),
+                (" with sampling and NLI, sequential", "sequential_samples_per_s"),
+            ]
+        )
         for suffix, cost_key in variants:
             cells = []
             for m, d in grid.cells:
@@ -142,9 +189,11 @@ def throughput_table(name: str, caption: str, metrics: dict, grid: Grid, methods
             rows.append(Row(NAMES[method] + suffix, cells, method in ("mean", "attention")))
     if not rows:
         return None
-    notes = ["samples/s of detector inference on the best layer's test responses (preloaded tensors); the "
-             "paper's figures are one A100's. HaMI (SP) adds K - 1 more samples and the NLI calls per response: "
-             "amortised over batched rounds, or paid one response at a time (sequential)"]
+    notes = [
+        "samples/s of detector inference on the best layer's test responses (preloaded tensors); the "
+        "paper's figures are one A100's. HaMI (SP) adds K - 1 more samples and the NLI calls per response: "
+        "amortised over batched rounds, or paid one response at a time (sequential)"
+    ]
     return rank(Table(name, caption, "Method", grid.groups(), rows, paper.PAPER_TABLES.get(name), notes))
 
 
@@ -154,11 +203,27 @@ def p_sem_table(metrics: dict, grid: Grid) -> Table | None:
         return None
     rows = []
     for d in grid.datasets:
-        cells = [_stat_cell(metrics.get((m, d, "p_sem")), "auroc", _published(paper.P_SEM_AUROC, grid, m, d),
-                            with_ci=True, group=None, layer=False) for m in grid.models]
+        cells = [
+            _stat_cell(
+                metrics.get((m, d, "p_sem")),
+                "auroc",
+                _published(paper.P_SEM_AUROC, grid, m, d),
+                with_ci=True,
+                group=None,
+                layer=False,
+            )
+            for m in grid.models
+        ]
         rows.append(Row(d, cells))
-    return Table("p_sem_auroc", "Test AUROC of the semantic probability as a discriminator (1 - P_sem)", "Dataset",
-                 [("", list(grid.models))], rows, paper.PAPER_TABLES["p_sem_auroc"], ["[bootstrap 95% interval]"])
+    return Table(
+        "p_sem_auroc",
+        "Test AUROC of the semantic probability as a discriminator (1 - P_sem)",
+        "Dataset",
+        [("", list(grid.models))],
+        rows,
+        paper.PAPER_TABLES["p_sem_auroc"],
+        ["[bootstrap 95% interval]"],
+    )
 
 
 def label_table(labels: dict, grid: Grid) -> Table | None:
@@ -175,22 +240,37 @@ def label_table(labels: dict, grid: Grid) -> Table | None:
                 continue
             pub = paper.LABELS.get(key, {}).get(split) if key else None
             pos, neg = s["hallucinated"], s["correct"]
-            rows.append(Row(f"{m} / {d} / {split}", [
-                Cell(pos, fmt="int", paper=pub[0] if pub else None, group=None),
-                Cell(neg, fmt="int", paper=pub[1] if pub else None, group=None),
-                Cell(neg / pos if pos else None, fmt=".2f", paper=pub[2] if pub else None, group=None)],
-                split == "train" and bool(rows)))
+            rows.append(
+                Row(
+                    f"{m} / {d} / {split}",
+                    [
+                        Cell(pos, fmt="int", paper=pub[0] if pub else None, group=None),
+                        Cell(neg, fmt="int", paper=pub[1] if pub else None, group=None),
+                        Cell(neg / pos if pos else None, fmt=".2f", paper=pub[2] if pub else None, group=None),
+                    ],
+                    split == "train" and bool(rows),
+                )
+            )
     if not rows:
         return None
-    return Table("label_distribution", "Number of positive (hallucinated) and negative (correct) responses and the "
-                 "class ratio |S_neg| / |S_pos|", "Model / dataset / split",
-                 [("", ["Pos.", "Neg.", "Ratio (neg/pos)"])], rows, paper.PAPER_TABLES["label_distribution"],
-                 ["kept responses after the two-pass judge (metrics/labels)"])
+    return Table(
+        "label_distribution",
+        "Number of positive (hallucinated) and negative (correct) responses and the class ratio |S_neg| / |S_pos|",
+        "Model / dataset / split",
+        [("", ["Pos.", "Neg.", "Ratio (neg/pos)"])],
+        rows,
+        paper.PAPER_TABLES["label_distribution"],
+        ["kept responses after the two-pass judge (metrics/labels)"],
+    )
 
 
-EXPECTED_COLUMNS = [("Semantic prob. E[P_sem]", ["Pos", "Neg"]), ("Sensitivity E[C]", ["Pos", "Neg"]),
-                    ("Joint product E[P_sem C]", ["Pos", "Neg"]), ("Ratios", ["γ", "1/γ"]),
-                    ("Condition", ["|S_neg|/|S_pos|", "holds"])]
+EXPECTED_COLUMNS = [
+    ("Semantic prob. E[P_sem]", ["Pos", "Neg"]),
+    ("Sensitivity E[C]", ["Pos", "Neg"]),
+    ("Joint product E[P_sem C]", ["Pos", "Neg"]),
+    ("Ratios", ["γ", "1/γ"]),
+    ("Condition", ["|S_neg|/|S_pos|", "holds"]),
+]
 
 
 def expected_tables(analysis: dict, grid: Grid) -> list[Table]:
@@ -208,19 +288,31 @@ def expected_tables(analysis: dict, grid: Grid) -> list[Table]:
                         s = a and a["layers"][str(a["best_layer"])].get(split)
                         if not s:
                             continue
-                        rows.append(_expected_row(s["mean"][variant], d if method == "hami_sp" else
-                                                  f"{d} ({NAMES[method]}, λ = {a['lam']:g})",
-                                                  _paper_expected(variant, grid, m, d, split, method)))
+                        rows.append(
+                            _expected_row(
+                                s["mean"][variant],
+                                d if method == "hami_sp" else f"{d} ({NAMES[method]}, λ = {a['lam']:g})",
+                                _paper_expected(variant, grid, m, d, split, method),
+                            )
+                        )
                 if rows:
-                    tables.append(Table(
-                        f"expected_{variant}_{m}_{split}",
-                        f"Empirical expected values for {m} ({split}), sensitivity {what}, at the best layer, mean "
-                        "over seeds", "Dataset", EXPECTED_COLUMNS, rows,
-                        _paper_expected_label(variant, grid.model_keys.get(m), split),
-                        ["pos = hallucinated, neg = correct; gamma = E_neg[P_sem C] / E_pos[P_sem C] of the "
-                         "expectations shown; the scaling widens the margin when |S_neg|/|S_pos| > 1/gamma, a form "
-                         "that applies where both E[P_sem C] > 0 ('holds': seeds where it does / seeds where it "
-                         "applies)"]))
+                    tables.append(
+                        Table(
+                            f"expected_{variant}_{m}_{split}",
+                            f"Empirical expected values for {m} ({split}), sensitivity {what}, at the best layer, mean "
+                            "over seeds",
+                            "Dataset",
+                            EXPECTED_COLUMNS,
+                            rows,
+                            _paper_expected_label(variant, grid.model_keys.get(m), split),
+                            [
+                                "pos = hallucinated, neg = correct; gamma = E_neg[P_sem C] / E_pos[P_sem C] of the "
+                                "expectations shown; the scaling widens the margin when |S_neg|/|S_pos| > 1/gamma, "
+                                "a form that applies where both E[P_sem C] > 0 ('holds': seeds where it does / seeds "
+                                "where it applies)"
+                            ],
+                        )
+                    )
     return tables
 
 
@@ -245,13 +337,21 @@ def _expected_row(e: dict, label: str, pub) -> Row:
 
     holds, applies = e["condition_holds_seeds"]
     verdict = f"{holds}/{applies} seeds" if applies else "n/a: E[P_sem C] <= 0"
-    return Row(label, [
-        c(e["pos"]["p_sem"], pub and pub.p_sem_pos, ".3f"), c(e["neg"]["p_sem"], pub and pub.p_sem_neg, ".3f"),
-        c(e["pos"]["c"], pub and pub.c_pos), c(e["neg"]["c"], pub and pub.c_neg),
-        c(e["pos"]["p_sem_c"], pub and pub.p_sem_c_pos), c(e["neg"]["p_sem_c"], pub and pub.p_sem_c_neg),
-        c(e["gamma"], pub and pub.gamma, ".2f"), c(e["inv_gamma"], pub and pub.inv_gamma, ".2f"),
-        c(e["class_ratio"], None, ".2f"),
-        Cell(text=verdict, group=None)])
+    return Row(
+        label,
+        [
+            c(e["pos"]["p_sem"], pub and pub.p_sem_pos, ".3f"),
+            c(e["neg"]["p_sem"], pub and pub.p_sem_neg, ".3f"),
+            c(e["pos"]["c"], pub and pub.c_pos),
+            c(e["neg"]["c"], pub and pub.c_neg),
+            c(e["pos"]["p_sem_c"], pub and pub.p_sem_c_pos),
+            c(e["neg"]["p_sem_c"], pub and pub.p_sem_c_neg),
+            c(e["gamma"], pub and pub.gamma, ".2f"),
+            c(e["inv_gamma"], pub and pub.inv_gamma, ".2f"),
+            c(e["class_ratio"], None, ".2f"),
+            Cell(text=verdict, group=None),
+        ],
+    )
 
 
 def length_table(metrics: dict, grid: Grid, methods: list[str]) -> Table | None:
@@ -270,13 +370,20 @@ def length_table(metrics: dict, grid: Grid, methods: list[str]) -> Table | None:
                 rows.append(Row(f"{NAMES.get(method, method)}, {bucket} tokens", cells, bucket == "<=5" and bool(rows)))
     if not rows:
         return None
-    return Table("margin_by_length", "Test margin mean(y z) by answer length", "Method, length", grid.groups(), rows,
-                 None, ["answer tokens (the bag length); mean ± standard error over seeds; n = responses in the "
-                        "bucket"])
+    return Table(
+        "margin_by_length",
+        "Test margin mean(y z) by answer length",
+        "Method, length",
+        grid.groups(),
+        rows,
+        None,
+        ["answer tokens (the bag length); mean ± standard error over seeds; n = responses in the bucket"],
+    )
 
 
-def sweep_table(param: str, results: dict[tuple[str, str], dict], grid: Grid, metric: str = "auroc",
-                name: str | None = None) -> Table:
+def sweep_table(
+    param: str, results: dict[tuple[str, str], dict], grid: Grid, metric: str = "auroc", name: str | None = None
+) -> Table:
     """A sweep of one parameter (e.g. `detectors.max.dim`): {(model, dataset): {value: metrics JSON}}.
     Rows are the swept values, columns the grid cells; for the max-pooling D sweep the paper's
     figures (tab:dim_max_*) stand beside ours."""
@@ -295,13 +402,28 @@ def sweep_table(param: str, results: dict[tuple[str, str], dict], grid: Grid, me
     label = None
     if param == "detectors.max.dim":
         label = "tab:dim_max_llama8b, tab:dim_max_mistral12b, tab:dim_max_llama70b"
-    return rank(Table(name or f"sweep_{param.replace('.', '_')}", f"Test {metric.upper()} by {param}", param,
-                      grid.groups(), rows, label, ["mean ± standard error over seeds, best layer on validation"]))
+    return rank(
+        Table(
+            name or f"sweep_{param.replace('.', '_')}",
+            f"Test {metric.upper()} by {param}",
+            param,
+            grid.groups(),
+            rows,
+            label,
+            ["mean ± standard error over seeds, best layer on validation"],
+        )
+    )
 
 
 # -------------------------------------------------------------------- loading, building
-def load_metrics(directory: str | Path, models: list[str], datasets: list[str], methods: list[str],
-                 baselines_dir: str | Path | None = None, baselines: list[str] = ()) -> dict:
+def load_metrics(
+    directory: str | Path,
+    models: list[str],
+    datasets: list[str],
+    methods: list[str],
+    baselines_dir: str | Path | None = None,
+    baselines: list[str] = (),
+) -> dict:
     """Metrics of exactly the grid's cells: a missing file is an error, a stale one is ignored."""
     out, missing = {}, []
     for m in models:
@@ -321,13 +443,15 @@ def load_metrics(directory: str | Path, models: list[str], datasets: list[str], 
                     else:
                         missing.append(f"{path} [{name}]")
     if missing:
-        raise FileNotFoundError(f"metrics missing for {len(missing)} grid cell(s): {missing[:5]}; run evaluate "
-                                "and baselines first")
+        raise FileNotFoundError(
+            f"metrics missing for {len(missing)} grid cell(s): {missing[:5]}; run evaluate and baselines first"
+        )
     return out
 
 
-def load_per_cell(directory: str | Path, models: list[str], datasets: list[str],
-                  methods: list[str] | None = None) -> dict:
+def load_per_cell(
+    directory: str | Path, models: list[str], datasets: list[str], methods: list[str] | None = None
+) -> dict:
     """{(m, d[, method]): JSON} from <dir>/<m>/<d>.json or <dir>/<m>/<d>/<method>.json; all must exist."""
     out, missing = {}, []
     for m in models:
@@ -353,46 +477,114 @@ def load_analysis(eval_dir: str | Path, models: list[str], datasets: list[str], 
 def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis: dict | None = None) -> list[Table]:
     detectors = sorted({k[2] for k, e in metrics.items() if e.get("family") == "detector"})
     baselines = sorted({k[2] for k, e in metrics.items() if e.get("family") == "baseline"})
-    four = [("hami", "instance", False), ("hami_sp", "instance", False), ("mean", "embedding", True),
-            ("max", "embedding", True)]
+    four = [
+        ("hami", "instance", False),
+        ("hami_sp", "instance", False),
+        ("mean", "embedding", True),
+        ("max", "embedding", True),
+    ]
     tables = [
-        method_table("auroc", "Test AUROC, best layer on validation, mean ± standard error over seeds [bootstrap 95% "
-                     "interval, questions resampled]", metrics, grid,
-                     [(m, "all", rule) for m, _, rule in four], "auroc", paper.AUROC, with_ci=True),
-        method_table("raw_vs_extracted", "Test AUROC by the input to the pooling: raw hidden states (d) or the "
-                     "extracted features (D)", metrics, grid,
-                     [("raw_mean", "all", False), ("raw_max", "all", False), ("mean", "all", True),
-                      ("max", "all", False)], "auroc", paper.RAW_VS_EXTRACTED),
-        method_table("pooling_auroc", "Test AUROC of the pooling methods", metrics, grid,
-                     [("attention", "all", False), ("gated_attention", "all", False), ("mean", "all", False),
-                      ("max", "all", False)], "auroc", paper.POOLING_AUROC),
+        method_table(
+            "auroc",
+            "Test AUROC, best layer on validation, mean ± standard error over seeds [bootstrap 95% "
+            "interval, questions resampled]",
+            metrics,
+            grid,
+            [(m, "all", rule) for m, _, rule in four],
+            "auroc",
+            paper.AUROC,
+            with_ci=True,
+        ),
+        method_table(
+            "raw_vs_extracted",
+            "Test AUROC by the input to the pooling: raw hidden states (d) or the extracted features (D)",
+            metrics,
+            grid,
+            [("raw_mean", "all", False), ("raw_max", "all", False), ("mean", "all", True), ("max", "all", False)],
+            "auroc",
+            paper.RAW_VS_EXTRACTED,
+        ),
+        method_table(
+            "pooling_auroc",
+            "Test AUROC of the pooling methods",
+            metrics,
+            grid,
+            [
+                ("attention", "all", False),
+                ("gated_attention", "all", False),
+                ("mean", "all", False),
+                ("max", "all", False),
+            ],
+            "auroc",
+            paper.POOLING_AUROC,
+        ),
         p_sem_table(metrics, grid),
-        throughput_table("throughput", "Inference throughput (samples/s)", metrics, grid,
-                         ["hami", "hami_sp", "mean", "max"], paper.THROUGHPUT),
-        throughput_table("pooling_speed", "Inference throughput of the poolings (samples/s)", metrics, grid,
-                         ["attention", "gated_attention", "mean", "max"], paper.POOLING_SPEED),
-        method_table("margin", "Test margin mean(y z) in logit space, mean ± standard error over seeds", metrics, grid,
-                     four, "margin", paper.MARGIN,
-                     notes=["ranked within each family: instance-based (HaMI) and embedding-based logits are on "
-                            "different scales"]),
+        throughput_table(
+            "throughput",
+            "Inference throughput (samples/s)",
+            metrics,
+            grid,
+            ["hami", "hami_sp", "mean", "max"],
+            paper.THROUGHPUT,
+        ),
+        throughput_table(
+            "pooling_speed",
+            "Inference throughput of the poolings (samples/s)",
+            metrics,
+            grid,
+            ["attention", "gated_attention", "mean", "max"],
+            paper.POOLING_SPEED,
+        ),
+        method_table(
+            "margin",
+            "Test margin mean(y z) in logit space, mean ± standard error over seeds",
+            metrics,
+            grid,
+            four,
+            "margin",
+            paper.MARGIN,
+            notes=[
+                "ranked within each family: instance-based (HaMI) and embedding-based logits are on different scales"
+            ],
+        ),
         sd_table("sd_auroc", "Standard deviation of the test AUROC over seeds", metrics, grid, "auroc", paper.SD_AUROC),
-        sd_table("sd_margin", "Standard deviation of the test margin over seeds", metrics, grid, "margin",
-                 paper.SD_MARGIN),
+        sd_table(
+            "sd_margin", "Standard deviation of the test margin over seeds", metrics, grid, "margin", paper.SD_MARGIN
+        ),
         label_table(labels or {}, grid),
         *expected_tables(analysis or {}, grid),
-        method_table("detection_auroc", "Test AUROC of every detector and baseline, mean ± standard error over seeds "
-                     "[bootstrap 95% interval]", metrics,
-                     grid, [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
-                     "auroc", {}, with_ci=True),
-        method_table("detection_prr", "Test PRR (lm-polygraph's normalised prediction-rejection ratio, up to 100% "
-                     "rejected), mean ± standard error over seeds", metrics, grid,
-                     [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
-                     "prr", {}),
-        _lower_is_better(method_table(
-            "detection_fpr95", "Test FPR at 95% TPR (correct answers flagged when 95% of hallucinations are caught), "
-            "mean ± standard error over seeds",
-            metrics, grid, [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
-            "fpr_at_95_tpr", {})),
+        method_table(
+            "detection_auroc",
+            "Test AUROC of every detector and baseline, mean ± standard error over seeds [bootstrap 95% interval]",
+            metrics,
+            grid,
+            [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+            "auroc",
+            {},
+            with_ci=True,
+        ),
+        method_table(
+            "detection_prr",
+            "Test PRR (lm-polygraph's normalised prediction-rejection ratio, up to 100% "
+            "rejected), mean ± standard error over seeds",
+            metrics,
+            grid,
+            [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+            "prr",
+            {},
+        ),
+        _lower_is_better(
+            method_table(
+                "detection_fpr95",
+                "Test FPR at 95% TPR (correct answers flagged when 95% of hallucinations are caught), "
+                "mean ± standard error over seeds",
+                metrics,
+                grid,
+                [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+                "fpr_at_95_tpr",
+                {},
+            )
+        ),
         length_table(metrics, grid, detectors),
     ]
     return [t for t in tables if t is not None]
@@ -421,8 +613,12 @@ def summary(metrics: dict, analysis: dict | None = None) -> dict:
     for (m, d, method), a in sorted((analysis or {}).items()):
         best = a["layers"][str(a["best_layer"])]
         out[f"{m}/{d}/{method}"]["analysis"] = {
-            split: {"gamma": s["mean"]["c_int"]["gamma"], "inv_gamma": s["mean"]["c_int"]["inv_gamma"],
-                    "class_ratio": s["mean"]["c_int"]["class_ratio"],
-                    "condition_holds_seeds": s["mean"]["c_int"]["condition_holds_seeds"]}
-            for split, s in best.items()}
+            split: {
+                "gamma": s["mean"]["c_int"]["gamma"],
+                "inv_gamma": s["mean"]["c_int"]["inv_gamma"],
+                "class_ratio": s["mean"]["c_int"]["class_ratio"],
+                "condition_holds_seeds": s["mean"]["c_int"]["condition_holds_seeds"],
+            }
+            for split, s in best.items()
+        }
     return out

@@ -70,21 +70,27 @@ def parse_row(rec, row: int, where: str, *, generate: bool, source: str) -> Answ
     answer, token_ids = rec.get("answer"), rec.get("answer_token_ids")
     if generate:
         if answer is not None or token_ids is not None:
-            fail("--generate samples the answers: the input must not have 'answer' or 'answer_token_ids' "
-                 "(drop them, or score the answers without --generate)")
+            fail(
+                "--generate samples the answers: the input must not have 'answer' or 'answer_token_ids' "
+                "(drop them, or score the answers without --generate)"
+            )
     else:
         if not isinstance(answer, str):
-            fail("'answer' must be a string" + ("" if "answer" in rec else
-                                                " (missing; to sample answers to questions alone, pass --generate)"))
-        if token_ids is not None and (not isinstance(token_ids, list) or
-                                      not all(_is_int(t) and t >= 0 for t in token_ids)):
+            fail(
+                "'answer' must be a string"
+                + ("" if "answer" in rec else " (missing; to sample answers to questions alone, pass --generate)")
+            )
+        if token_ids is not None and (
+            not isinstance(token_ids, list) or not all(_is_int(t) and t >= 0 for t in token_ids)
+        ):
             fail("'answer_token_ids' must be a list of non-negative integers")
     rid = rec.get("id")
     if rid is not None and not (isinstance(rid, str) or _is_int(rid)):
         fail(f"'id' must be a string or an integer, got {type(rid).__name__}")
     p_sem = rec.get("p_sem")
-    if p_sem is not None and (isinstance(p_sem, bool) or not isinstance(p_sem, int | float)
-                              or not math.isfinite(p_sem) or not 0 <= p_sem <= 1):
+    if p_sem is not None and (
+        isinstance(p_sem, bool) or not isinstance(p_sem, int | float) or not math.isfinite(p_sem) or not 0 <= p_sem <= 1
+    ):
         fail(f"'p_sem' must be a number in [0, 1] or null, got {p_sem!r}")
     return AnswerRow(row, where, rid, q, answer, token_ids, None if p_sem is None else float(p_sem))
 
@@ -105,11 +111,15 @@ class RowCheck:
             self.id_type, self.first_where = kind, r.where
         elif kind is not self.id_type:
             name = lambda t: t.__name__ if t else "missing"  # noqa: E731
-            raise InputError(f"{self.source}, {r.where}: 'id' is {name(kind)} here but {name(self.id_type)} at "
-                             f"{self.first_where}: give every row an id of one type, or none")
+            raise InputError(
+                f"{self.source}, {r.where}: 'id' is {name(kind)} here but {name(self.id_type)} at "
+                f"{self.first_where}: give every row an id of one type, or none"
+            )
         if self.vocab_size is not None and r.token_ids and max(r.token_ids) >= self.vocab_size:
-            raise InputError(f"{self.source}, {r.where}: answer_token_ids {max(r.token_ids)} is outside the model's "
-                             f"vocabulary of {self.vocab_size}: token ids of another model?")
+            raise InputError(
+                f"{self.source}, {r.where}: answer_token_ids {max(r.token_ids)} is outside the model's "
+                f"vocabulary of {self.vocab_size}: token ids of another model?"
+            )
         self.has_p_sem |= r.p_sem is not None
         self.n_rows += 1
 
@@ -191,8 +201,13 @@ def output_schema(id_type: type | None, generate: bool, per_seed: bool) -> dict:
         schema["id"] = pl.String if id_type is str else pl.Int64
     if generate:
         schema |= {"answer": pl.String, "answer_token_ids": pl.List(pl.Int64), "finish_reason": pl.String}
-    schema |= {"n_tokens": pl.Int32, "score": pl.Float64, "probability": pl.Float64, "flag": pl.Boolean,
-               "reason": pl.String}
+    schema |= {
+        "n_tokens": pl.Int32,
+        "score": pl.Float64,
+        "probability": pl.Float64,
+        "flag": pl.Boolean,
+        "reason": pl.String,
+    }
     if per_seed:
         schema["seed_scores"] = pl.List(pl.Float64)
     return schema

@@ -102,8 +102,15 @@ def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
     model = LogisticRegression(C=np.inf).fit(z[:, None], y)
     a, b = float(model.coef_[0, 0]), float(model.intercept_[0])
     p = 1 / (1 + np.exp(-(a * z + b)))
-    return {"method": "platt", "a": a, "b": b, "fitted_on": "val", "n": int(len(y)),
-            "val_log_loss": float(log_loss(y, p)), "val_brier": float(np.mean((p - y) ** 2))}
+    return {
+        "method": "platt",
+        "a": a,
+        "b": b,
+        "fitted_on": "val",
+        "n": int(len(y)),
+        "val_log_loss": float(log_loss(y, p)),
+        "val_brier": float(np.mean((p - y) ** 2)),
+    }
 
 
 # ---------------------------------------------------------------------------- the bundle
@@ -170,8 +177,9 @@ class Bundle:
         except ValueError:
             pass
         if choice not in stored:
-            raise BundleError(f"unknown threshold '{choice}': this bundle has {', '.join(sorted(stored))}, "
-                              "or give a logit value")
+            raise BundleError(
+                f"unknown threshold '{choice}': this bundle has {', '.join(sorted(stored))}, or give a logit value"
+            )
         return str(choice), float(stored[choice]["threshold"])
 
 
@@ -179,14 +187,28 @@ def save_bundle(path: str | Path, detectors: dict[int, dict[str, torch.Tensor]],
     """Write a bundle atomically: each seed's state dict under `seed_<S>.`, `meta` as one JSON entry."""
     from safetensors.torch import save_file
 
-    tensors = {f"seed_{seed}.{k}": v.detach().cpu().contiguous() for seed, sd in detectors.items()
-               for k, v in sd.items()}
+    tensors = {
+        f"seed_{seed}.{k}": v.detach().cpu().contiguous() for seed, sd in detectors.items() for k, v in sd.items()
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
 
 
-REQUIRED = ("method", "params", "d", "layer", "n_layers", "base_model", "inputs", "seeds", "combine",
-            "thresholds", "default_threshold", "calibration", "evaluation")
+REQUIRED = (
+    "method",
+    "params",
+    "d",
+    "layer",
+    "n_layers",
+    "base_model",
+    "inputs",
+    "seeds",
+    "combine",
+    "thresholds",
+    "default_threshold",
+    "calibration",
+    "evaluation",
+)
 
 
 def load_bundle(path: str | Path) -> Bundle:
@@ -195,8 +217,9 @@ def load_bundle(path: str | Path) -> Bundle:
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such bundle (the export stage writes data/bundles/<model>/<dataset>/"
-                                "<method>.safetensors)")
+        raise FileNotFoundError(
+            f"{path}: no such bundle (the export stage writes data/bundles/<model>/<dataset>/<method>.safetensors)"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(META_KEY)
@@ -204,12 +227,16 @@ def load_bundle(path: str | Path) -> Bundle:
     except (SafetensorError, OSError) as e:
         raise BundleError(f"{path}: not a readable safetensors file ({e})") from None
     if raw is None:
-        raise BundleError(f"{path}: a safetensors file without bundle metadata (a single detector file? "
-                          "bundles come from the export stage)")
+        raise BundleError(
+            f"{path}: a safetensors file without bundle metadata (a single detector file? "
+            "bundles come from the export stage)"
+        )
     meta = json.loads(raw)
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise BundleError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
-                          f"halludetect reads {FORMAT!r} version {FORMAT_VERSION}")
+        raise BundleError(
+            f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
+            f"halludetect reads {FORMAT!r} version {FORMAT_VERSION}"
+        )
     missing = [k for k in REQUIRED if k not in meta]
     if missing:
         raise BundleError(f"{path}: bundle metadata lacks {missing}: re-export it")
@@ -219,13 +246,15 @@ def load_bundle(path: str | Path) -> Bundle:
     method_params = params_for(meta["method"], meta["params"])
     for seed in meta["seeds"]:
         prefix = f"seed_{seed}."
-        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         model = build_detector(meta["method"], int(meta["d"]), method_params)
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
-            raise BundleError(f"{path}: seed {seed}'s weights do not fit a '{meta['method']}' detector "
-                              f"({str(e).splitlines()[0]}): re-export it") from None
+            raise BundleError(
+                f"{path}: seed {seed}'s weights do not fit a '{meta['method']}' detector "
+                f"({str(e).splitlines()[0]}): re-export it"
+            ) from None
         detectors[int(seed)] = model.eval()
     return Bundle(meta=meta, detectors=detectors, path=path, sha256=file_sha256(path))
 
@@ -237,8 +266,10 @@ def ensemble_scores(scores: pl.DataFrame, split: str, seeds: list[int], source: 
     part = scores.filter(pl.col("split") == split)
     have = sorted(part["seed"].unique().to_list())
     if have != sorted(seeds):
-        raise DataError(f"{source}: the {split} scores hold seeds {have}, the evaluation averaged {sorted(seeds)}: "
-                        "re-run train and evaluate")
+        raise DataError(
+            f"{source}: the {split} scores hold seeds {have}, the evaluation averaged {sorted(seeds)}: "
+            "re-run train and evaluate"
+        )
     wide = part.pivot(on="seed", index=["response_id", "label"], values="score", aggregate_function=None)
     cols = [str(s) for s in seeds]
     if wide[cols].null_count().sum_horizontal().item():
@@ -257,13 +288,25 @@ def check_scores_match_metrics(scores: pl.DataFrame, metrics: dict, layer: int, 
     for _, part in scores.filter(pl.col("split") == "val").group_by("seed"):
         per_seed.append(auroc(part["label"].to_numpy(), part["score"].to_numpy()))
     if abs(float(np.mean(per_seed)) - row["val_auroc"]) > 1e-4:
-        raise DataError(f"{source}: validation AUROC {np.mean(per_seed):.6f} from the scores, "
-                        f"{row['val_auroc']:.6f} in the metrics: they come from different runs; re-run evaluate")
+        raise DataError(
+            f"{source}: validation AUROC {np.mean(per_seed):.6f} from the scores, "
+            f"{row['val_auroc']:.6f} in the metrics: they come from different runs; re-run evaluate"
+        )
 
 
-def export_bundle(out: str | Path, *, metrics: dict, detectors_dir: str | Path, scores_dir: str | Path,
-                  manifest: dict, positions: str, states_dtype: str, prompt_template: str,
-                  fpr_targets: list[float], default_threshold: str) -> dict:
+def export_bundle(
+    out: str | Path,
+    *,
+    metrics: dict,
+    detectors_dir: str | Path,
+    scores_dir: str | Path,
+    manifest: dict,
+    positions: str,
+    states_dtype: str,
+    prompt_template: str,
+    fpr_targets: list[float],
+    default_threshold: str,
+) -> dict:
     """The bundle of an evaluated method's best layer, from the DAG's outputs:
     detectors `<detectors_dir>/layer_LL/seed_S.safetensors`, scores `<scores_dir>/layer_LL.parquet`
     (val and test rows per seed), the evaluation metrics and the model manifest. Returns its metadata."""
@@ -276,15 +319,19 @@ def export_bundle(out: str | Path, *, metrics: dict, detectors_dir: str | Path, 
             raise FileNotFoundError(f"{f} is missing: the evaluation used seed {seed} at layer {layer}; re-run train")
         model, meta = load_detector(f)
         if meta["method"] != metrics["method"] or int(meta["layer"]) != layer:
-            raise DataError(f"{f} holds a '{meta['method']}' detector of layer {meta['layer']}, not "
-                            f"'{metrics['method']}' of layer {layer}: re-run train")
+            raise DataError(
+                f"{f} holds a '{meta['method']}' detector of layer {meta['layer']}, not "
+                f"'{metrics['method']}' of layer {layer}: re-run train"
+            )
         if params is not None and (meta["params"] != params or int(meta["d"]) != d):
             raise DataError(f"{f}: trained with other params than seed {seeds[0]}'s: re-run train")
         params, d = meta["params"], int(meta["d"])
         weights[seed] = model.state_dict()
     if d != int(manifest["hidden_size"]):
-        raise DataError(f"detectors of d={d} for a model of hidden size {manifest['hidden_size']}: "
-                        "the manifest and the detectors come from different models")
+        raise DataError(
+            f"detectors of d={d} for a model of hidden size {manifest['hidden_size']}: "
+            "the manifest and the detectors come from different models"
+        )
     scores_path = Path(scores_dir) / f"layer_{layer}.parquet"
     scores = pl.read_parquet(scores_path)
     check_scores_match_metrics(scores, metrics, layer, str(scores_path))
@@ -295,26 +342,42 @@ def export_bundle(out: str | Path, *, metrics: dict, detectors_dir: str | Path, 
         raise DataError(f"export.threshold '{default_threshold}' is none of {sorted(thresholds)}")
     preset = manifest["preset"]
     meta = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "method": metrics["method"], "params": params, "d": d, "layer": layer,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "method": metrics["method"],
+        "params": params,
+        "d": d,
+        "layer": layer,
         "n_layers": int(manifest["num_hidden_layers"]),
         "base_model": {
-            "name": manifest["name"], "path": preset["path"], "revision": preset.get("revision"),
-            "resolved_revision": manifest.get("resolved_revision"), "files": manifest.get("files"),
-            "hidden_size": int(manifest["hidden_size"]), "num_hidden_layers": int(manifest["num_hidden_layers"]),
+            "name": manifest["name"],
+            "path": preset["path"],
+            "revision": preset.get("revision"),
+            "resolved_revision": manifest.get("resolved_revision"),
+            "files": manifest.get("files"),
+            "hidden_size": int(manifest["hidden_size"]),
+            "num_hidden_layers": int(manifest["num_hidden_layers"]),
             "preset": preset,
         },
-        "inputs": {"positions": positions, "prompt_template": prompt_template,
-                   "prompt_hash": template_hash(prompt_template), "chat_template": bool(preset["chat_template"]),
-                   "states_dtype": states_dtype},
-        "seeds": seeds, "combine": COMBINE,
-        "thresholds": thresholds, "default_threshold": default_threshold,
+        "inputs": {
+            "positions": positions,
+            "prompt_template": prompt_template,
+            "prompt_hash": template_hash(prompt_template),
+            "chat_template": bool(preset["chat_template"]),
+            "states_dtype": states_dtype,
+        },
+        "seeds": seeds,
+        "combine": COMBINE,
+        "thresholds": thresholds,
+        "default_threshold": default_threshold,
         "calibration": fit_platt(y_val, z_val),
         "evaluation": {
-            "dataset": metrics.get("dataset"), "test_auroc_dag": metrics["test"]["auroc"],
+            "dataset": metrics.get("dataset"),
+            "test_auroc_dag": metrics["test"]["auroc"],
             "val_auroc_ensemble": float(auroc(y_val, z_val)),
             "test_auroc_ensemble": float(auroc(y_test, z_test)),
-            "n_val": int(len(y_val)), "n_test": int(len(y_test)),
+            "n_val": int(len(y_val)),
+            "n_test": int(len(y_test)),
             "layer_selection": metrics.get("layer_selection", "highest mean validation AUROC over seeds"),
         },
     }

@@ -76,8 +76,14 @@ class ModelMismatch(UserError, ValueError):
 
 
 # ------------------------------------------------------------------ which model, and is it the right one
-def model_preset(bundle: Bundle, model: str | ModelPreset | None = None, *, revision: str | None = None,
-                 dtype: str | None = None, device_map: str | None = None) -> ModelPreset:
+def model_preset(
+    bundle: Bundle,
+    model: str | ModelPreset | None = None,
+    *,
+    revision: str | None = None,
+    dtype: str | None = None,
+    device_map: str | None = None,
+) -> ModelPreset:
     """The preset to load: the bundle's own, or its loading options with another path (a local
     copy, say), revision, dtype or placement."""
     if isinstance(model, ModelPreset):
@@ -114,8 +120,10 @@ def model_identity(preset: ModelPreset) -> dict:
     if is_local(preset):
         path = Path(preset.path).expanduser()
         if not path.is_dir():
-            raise ModelMismatch(f"model directory {path} does not exist (a bundle names a local model as the DAG "
-                                "did, relative to the repository: run from there, or pass --model DIR)")
+            raise ModelMismatch(
+                f"model directory {path} does not exist (a bundle names a local model as the DAG "
+                "did, relative to the repository: run from there, or pass --model DIR)"
+            )
         return {"path": str(path), "local": True, "files": dir_fingerprint(path), "commit": local_commit(path)}
     return {"path": preset.path, "local": False, "files": None, "commit": resolve_hub_revision(preset)}
 
@@ -129,8 +137,12 @@ def loaded_identity(model) -> dict:
     path = Path(src).expanduser()
     if src and path.is_dir():
         return {"path": src, "local": True, "files": dir_fingerprint(path), "commit": local_commit(path)}
-    return {"path": src or "(unknown)", "local": False, "files": None,
-            "commit": getattr(model.config, "_commit_hash", None)}
+    return {
+        "path": src or "(unknown)",
+        "local": False,
+        "files": None,
+        "commit": getattr(model.config, "_commit_hash", None),
+    }
 
 
 def describe_trained(base: dict) -> str:
@@ -147,34 +159,46 @@ def check_model(bundle: Bundle, model: ModelPreset | object, positions: str | No
     base, where = bundle.meta["base_model"], bundle.path or "the bundle"
     trained = describe_trained(base)
     if positions is not None and positions != bundle.positions:
-        raise ModelMismatch(f"{where} was trained on '{bundle.positions}' token positions; '{positions}' was asked "
-                            "for. A detector only reads the states it was trained on: drop the option, or export "
-                            "a bundle from a dump with that convention")
+        raise ModelMismatch(
+            f"{where} was trained on '{bundle.positions}' token positions; '{positions}' was asked "
+            "for. A detector only reads the states it was trained on: drop the option, or export "
+            "a bundle from a dump with that convention"
+        )
     if isinstance(model, ModelPreset) and not is_local(model):
         if base.get("files"):
-            raise ModelMismatch(f"{where} was trained on {trained}; the model given is the hub model "
-                                f"{model.path}: pass the local directory it was trained on (--model DIR)")
+            raise ModelMismatch(
+                f"{where} was trained on {trained}; the model given is the hub model "
+                f"{model.path}: pass the local directory it was trained on (--model DIR)"
+            )
         if model.path != base["path"]:
             raise ModelMismatch(f"{where} was trained on {trained}; the model given is {model.path}")
     identity = model_identity(model) if isinstance(model, ModelPreset) else loaded_identity(model)
     if base.get("files"):
         if not identity["local"]:
-            raise ModelMismatch(f"{where} was trained on {trained}; the model given was loaded from "
-                                f"{identity['path']}, not from that directory")
+            raise ModelMismatch(
+                f"{where} was trained on {trained}; the model given was loaded from "
+                f"{identity['path']}, not from that directory"
+            )
         ours, theirs = identity["files"], base["files"]
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
-            raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, has other "
-                                f"files: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} differ")
+            raise ModelMismatch(
+                f"{where} was trained on {trained}; the model given, {identity['path']}, has other "
+                f"files: {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} differ"
+            )
         return identity
     if identity["commit"] is None:
-        raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, does not say "
-                            "which commit it holds. Download it with `huggingface-cli download "
-                            f"{base['path']} --revision {base.get('resolved_revision')} --local-dir DIR` (which "
-                            "records the commit), or pass the hub id with the Hugging Face cache filled")
+        raise ModelMismatch(
+            f"{where} was trained on {trained}; the model given, {identity['path']}, does not say "
+            "which commit it holds. Download it with `huggingface-cli download "
+            f"{base['path']} --revision {base.get('resolved_revision')} --local-dir DIR` (which "
+            "records the commit), or pass the hub id with the Hugging Face cache filled"
+        )
     if identity["commit"] != base.get("resolved_revision"):
-        raise ModelMismatch(f"{where} was trained on {trained}; the model given, {identity['path']}, is commit "
-                            f"{identity['commit']}: pass --revision {base.get('resolved_revision')}")
+        raise ModelMismatch(
+            f"{where} was trained on {trained}; the model given, {identity['path']}, is commit "
+            f"{identity['commit']}: pass --revision {base.get('resolved_revision')}"
+        )
     return identity
 
 
@@ -184,8 +208,10 @@ def check_config(bundle: Bundle, config) -> None:
     got = (n_layers(config), int(cfg.hidden_size))
     want = (int(base["num_hidden_layers"]), int(base["hidden_size"]))
     if got != want:
-        raise ModelMismatch(f"{bundle.path or 'the bundle'} was trained on {describe_trained(base)} with {want[0]} "
-                            f"layers of width {want[1]}; the model given has {got[0]} of width {got[1]}")
+        raise ModelMismatch(
+            f"{bundle.path or 'the bundle'} was trained on {describe_trained(base)} with {want[0]} "
+            f"layers of width {want[1]}; the model given has {got[0]} of width {got[1]}"
+        )
 
 
 # ------------------------------------------------------------------------------ the scorer
@@ -197,21 +223,42 @@ class Scorer:
     on first use, after every check (`load()`); without `generate` only blocks 1..layer are.
     """
 
-    def __init__(self, bundle: Bundle | str | Path, model=None, *, tokenizer=None, revision: str | None = None,
-                 dtype: str | None = None, device: str = "auto", device_map: str | None = None,
-                 positions: str | None = None, generate: GenerateParams | None = None, greedy: bool = False,
-                 threshold: str | float | None = None, batch_size: int = 32, per_seed: bool = False, log=print):
+    def __init__(
+        self,
+        bundle: Bundle | str | Path,
+        model=None,
+        *,
+        tokenizer=None,
+        revision: str | None = None,
+        dtype: str | None = None,
+        device: str = "auto",
+        device_map: str | None = None,
+        positions: str | None = None,
+        generate: GenerateParams | None = None,
+        greedy: bool = False,
+        threshold: str | float | None = None,
+        batch_size: int = 32,
+        per_seed: bool = False,
+        log=print,
+    ):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         b = self.bundle
         inputs = b.meta["inputs"]
         if template_hash(inputs["prompt_template"]) != inputs["prompt_hash"]:
             raise BundleError(f"{b.path}: its prompt template does not match its recorded hash: a damaged bundle")
         if generate is not None and b.reads_p_sem:
-            raise UserError(f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
-                            "and their clustering); --generate samples one answer: score answers with a p_sem "
-                            "column instead")
-        self.generate, self.greedy, self.batch_size, self.per_seed, self.log = \
-            generate, greedy, batch_size, per_seed, log
+            raise UserError(
+                f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
+                "and their clustering); --generate samples one answer: score answers with a p_sem "
+                "column instead"
+            )
+        self.generate, self.greedy, self.batch_size, self.per_seed, self.log = (
+            generate,
+            greedy,
+            batch_size,
+            per_seed,
+            log,
+        )
         self.device = device if device_map else resolve_device(device)
         self.threshold_name, self.threshold = b.threshold(threshold)
         self.states_dtype = DTYPES[inputs["states_dtype"]]
@@ -226,8 +273,10 @@ class Scorer:
             self.preset = model_preset(b, model, revision=revision, dtype=dtype, device_map=device_map)
             trained_dtype = b.meta["base_model"]["preset"].get("dtype")
             if self.preset.dtype != trained_dtype:
-                log(f"the detector was trained on states of the model in {trained_dtype}; running it in "
-                    f"{self.preset.dtype} gives slightly different states (and scores)")
+                log(
+                    f"the detector was trained on states of the model in {trained_dtype}; running it in "
+                    f"{self.preset.dtype} gives slightly different states (and scores)"
+                )
             self.model, self.tokenizer = None, tokenizer
             self.identity = check_model(b, self.preset, positions)  # hashes a local model's files; loads nothing
             config = load_config(self.preset)
@@ -286,8 +335,19 @@ class Scorer:
         """One result per row, in order (columns: answer_files.output_schema)."""
         if self.model is None:
             self.load()
-        out = [{"row": r.row, "id": r.id, "n_tokens": 0, "score": None, "probability": None, "flag": None,
-                "reason": None, "seed_scores": None} for r in rows]
+        out = [
+            {
+                "row": r.row,
+                "id": r.id,
+                "n_tokens": 0,
+                "score": None,
+                "probability": None,
+                "flag": None,
+                "reason": None,
+                "seed_scores": None,
+            }
+            for r in rows
+        ]
         if self.generate is not None:
             self._score_sampled(rows, out)
         else:
@@ -299,8 +359,12 @@ class Scorer:
                 if not answer:
                     self._skip(out[i], r, "empty_answer")
                 elif self.context is not None and total > self.context:
-                    self._skip(out[i], r, "too_long", f"{total} tokens (prompt + answer) do not fit the model's "
-                                                      f"context of {self.context}")
+                    self._skip(
+                        out[i],
+                        r,
+                        "too_long",
+                        f"{total} tokens (prompt + answer) do not fit the model's context of {self.context}",
+                    )
                 elif self.bundle.reads_p_sem and r.p_sem is None:
                     self._skip(out[i], r, "no_p_sem", f"'{self.bundle.method}' reads P_sem and the row has none")
                 else:
@@ -337,20 +401,38 @@ class Scorer:
             out[i] |= {"answer": None, "answer_token_ids": None, "finish_reason": None}
             prompt = self._prompt(r.question)
             if self.context is not None and len(prompt) + p.max_new_tokens > self.context:
-                self._skip(out[i], r, "too_long", f"{len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} "
-                                                  f"do not fit the model's context of {self.context}")
+                self._skip(
+                    out[i],
+                    r,
+                    "too_long",
+                    f"{len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} "
+                    f"do not fit the model's context of {self.context}",
+                )
             else:
                 todo.append((i, prompt))
         for a in range(0, len(todo), self.batch_size):
             batch = todo[a : a + self.batch_size]
             keys = [(p.seed, str(rows[i].row if rows[i].id is None else rows[i].id), 0, 0) for i, _ in batch]
-            sampled = sample_with_states(self.model, self.tokenizer, [pr for _, pr in batch], keys, p, eos,
-                                         layer=b.layer, positions=b.positions, states_dtype=self.states_dtype,
-                                         greedy=self.greedy)
+            sampled = sample_with_states(
+                self.model,
+                self.tokenizer,
+                [pr for _, pr in batch],
+                keys,
+                p,
+                eos,
+                layer=b.layer,
+                positions=b.positions,
+                states_dtype=self.states_dtype,
+                greedy=self.greedy,
+            )
             done, bags = [], []
             for (i, _), s in zip(batch, sampled):
-                out[i] |= {"answer": s.answer.text, "answer_token_ids": s.answer.token_ids,
-                           "finish_reason": s.answer.finish_reason, "n_tokens": len(s.answer.token_ids)}
+                out[i] |= {
+                    "answer": s.answer.text,
+                    "answer_token_ids": s.answer.token_ids,
+                    "finish_reason": s.answer.finish_reason,
+                    "n_tokens": len(s.answer.token_ids),
+                }
                 if s.states is None:
                     self._skip(out[i], rows[i], "empty_answer")
                 else:
@@ -359,8 +441,9 @@ class Scorer:
             if done:
                 self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out)
 
-    def _finish(self, index: list[int], tokens: torch.Tensor, lengths: list[int], rows: list[AnswerRow],
-                out: list[dict]) -> None:
+    def _finish(
+        self, index: list[int], tokens: torch.Tensor, lengths: list[int], rows: list[AnswerRow], out: list[dict]
+    ) -> None:
         b = self.bundle
         p_sem = None
         if b.reads_p_sem:
@@ -370,19 +453,28 @@ class Scorer:
         z = logits.mean(0)  # [B] the ensemble's logit
         prob = b.probability(z)
         for k, i in enumerate(index):
-            out[i] |= {"score": float(z[k]), "probability": float(prob[k]), "flag": bool(z[k] >= self.threshold),
-                       "seed_scores": logits[:, k].tolist()}
+            out[i] |= {
+                "score": float(z[k]),
+                "probability": float(prob[k]),
+                "flag": bool(z[k] >= self.threshold),
+                "seed_scores": logits[:, k].tolist(),
+            }
 
     def fingerprint(self, **options) -> dict:
         """What a part's results depend on: any change discards parts kept from an earlier run."""
         model = self.identity["files"] or self.identity["commit"]
         return {
-            "bundle": self.bundle.sha256, "model": model, "threshold": [self.threshold_name, self.threshold],
-            "batch_size": self.batch_size, "per_seed": self.per_seed, "device": str(self.device),
+            "bundle": self.bundle.sha256,
+            "model": model,
+            "threshold": [self.threshold_name, self.threshold],
+            "batch_size": self.batch_size,
+            "per_seed": self.per_seed,
+            "device": str(self.device),
             "dtype": None if self.preset is None else self.preset.dtype,
             "generate": None if self.generate is None else {**self.generate.model_dump(), "greedy": self.greedy},
             # every file scoring runs (its import closure): an edit to any of them discards the parts
-            "code": code_digest(__name__), **options,
+            "code": code_digest(__name__),
+            **options,
         }
 
 
@@ -411,8 +503,17 @@ def parts_dir(output: str | Path) -> Path:
     return out.parent / f".{out.name}.parts"
 
 
-def score_file(bundle: Bundle | str | Path, input_path: str | Path, output_path: str | Path, model=None, *,
-               rows_per_part: int = 1024, progress: bool = True, log=print, **kw) -> dict:
+def score_file(
+    bundle: Bundle | str | Path,
+    input_path: str | Path,
+    output_path: str | Path,
+    model=None,
+    *,
+    rows_per_part: int = 1024,
+    progress: bool = True,
+    log=print,
+    **kw,
+) -> dict:
     """Score a JSONL or Parquet file into a Parquet or JSONL file, streamed and resumable.
 
     Finished parts of `rows_per_part` rows go to `.<output name>.parts/` next to the output as
@@ -426,12 +527,15 @@ def score_file(bundle: Bundle | str | Path, input_path: str | Path, output_path:
     generate = scorer.generate is not None
     src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights
     if scorer.bundle.reads_p_sem and not src.has_p_sem:
-        raise UserError(f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
-                        f"P_sem: {input_path} has no p_sem values (add a p_sem column)")
+        raise UserError(
+            f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
+            f"P_sem: {input_path} has no p_sem values (add a p_sem column)"
+        )
     schema = output_schema(src.id_type, generate, scorer.per_seed)
     n_parts = -(-src.n_rows // rows_per_part)
-    store = UnitStore(parts_dir(output_path), scorer.fingerprint(input=file_sha256(input_path),
-                                                                  rows_per_part=rows_per_part))
+    store = UnitStore(
+        parts_dir(output_path), scorer.fingerprint(input=file_sha256(input_path), rows_per_part=rows_per_part)
+    )
     kept = store.prepare()
     done = store.finished()
     if kept:
@@ -456,13 +560,23 @@ def score_file(bundle: Bundle | str | Path, input_path: str | Path, output_path:
     seconds = time.perf_counter() - t0
     not_scored = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("reason:")}
     summary = {
-        "input": str(input_path), "output": str(output_path), "bundle": str(scorer.bundle.path),
-        "method": scorer.bundle.method, "layer": scorer.bundle.layer, "model": scorer.identity["path"],
-        "rows": src.n_rows, "scored": src.n_rows - sum(not_scored.values()), "flagged": counts["flagged"],
-        "not_scored": not_scored, "threshold": {"name": scorer.threshold_name, "value": scorer.threshold},
-        "parts_kept_from_earlier_run": kept, "seconds": round(seconds, 3),
+        "input": str(input_path),
+        "output": str(output_path),
+        "bundle": str(scorer.bundle.path),
+        "method": scorer.bundle.method,
+        "layer": scorer.bundle.layer,
+        "model": scorer.identity["path"],
+        "rows": src.n_rows,
+        "scored": src.n_rows - sum(not_scored.values()),
+        "flagged": counts["flagged"],
+        "not_scored": not_scored,
+        "threshold": {"name": scorer.threshold_name, "value": scorer.threshold},
+        "parts_kept_from_earlier_run": kept,
+        "seconds": round(seconds, 3),
         "rows_per_s": round((src.n_rows - kept_rows) / seconds, 2) if seconds > 0 else None,
     }
-    log(f"scored {summary['scored']} of {src.n_rows} rows ({summary['flagged']} flagged at {scorer.threshold_name} = "
-        f"{scorer.threshold:.4g}); not scored: {not_scored or 'none'}")
+    log(
+        f"scored {summary['scored']} of {src.n_rows} rows ({summary['flagged']} flagged at {scorer.threshold_name} = "
+        f"{scorer.threshold:.4g}); not scored: {not_scored or 'none'}"
+    )
     return summary

@@ -45,11 +45,16 @@ def completion(text: str | None, body: dict, n: int) -> dict:
     prompt = " ".join(m.get("content") or "" for m in body.get("messages", []))
     completion_tokens = len((text or "").split())
     return {
-        "id": f"chatcmpl-{n}", "object": "chat.completion", "created": 0, "model": body.get("model", "fake"),
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": text}}],
-        "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt.split()) + completion_tokens},
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", "fake"),
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+        "usage": {
+            "prompt_tokens": len(prompt.split()),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt.split()) + completion_tokens,
+        },
     }
 
 
@@ -99,8 +104,12 @@ class FakeOpenAI:
 
             def _send(self, status: int, body: str, headers: dict | None = None, trickle: float = 0.0) -> None:
                 data = body.encode()
-                head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json",
-                        f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+                head = [
+                    f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+                    "Content-Type: application/json",
+                    f"Content-Length: {len(data)}",
+                    *(f"{k}: {v}" for k, v in (headers or {}).items()),
+                ]
                 head_bytes = ("\r\n".join(head) + "\r\n\r\n").encode()
                 try:
                     if not trickle:  # status line, headers and body in one write, as servers do
@@ -120,8 +129,17 @@ class FakeOpenAI:
                         bodies = {json.dumps(b, sort_keys=True) for b in srv.requests}
                         self._send(200, json.dumps({"requests": len(srv.requests), "distinct": len(bodies)}))
                 elif self.path.rstrip("/").endswith("/models"):
-                    self._send(200, json.dumps({"object": "list", "data": [
-                        {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in srv.models]}))
+                    self._send(
+                        200,
+                        json.dumps(
+                            {
+                                "object": "list",
+                                "data": [
+                                    {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in srv.models
+                                ],
+                            }
+                        ),
+                    )
                 else:
                     self._send(404, json.dumps({"error": {"message": "not found", "type": "invalid_request_error"}}))
 
@@ -134,17 +152,25 @@ class FakeOpenAI:
                 if not self.path.rstrip("/").endswith("/chat/completions"):
                     return self._send(404, json.dumps({"error": {"message": f"no route {self.path}"}}))
                 if srv.models and body.get("model") not in srv.models:
-                    return self._send(404, json.dumps({"error": {
-                        "message": f"The model `{body.get('model')}` does not exist", "type": "invalid_request_error",
-                        "code": "model_not_found"}}))
+                    return self._send(
+                        404,
+                        json.dumps(
+                            {
+                                "error": {
+                                    "message": f"The model `{body.get('model')}` does not exist",
+                                    "type": "invalid_request_error",
+                                    "code": "model_not_found",
+                                }
+                            }
+                        ),
+                    )
                 out = srv.responder(body, n)
                 if isinstance(out, Fault):
                     time.sleep(srv.latency + out.delay)
                     err = json.dumps({"error": {"message": f"injected {out.status}", "type": "server_error"}})
                     if out.status == 200 and out.body is None:  # a good reply, delivered slowly
                         err = json.dumps(completion("yes", body, n))
-                    return self._send(out.status, out.body if out.body is not None else err, out.headers,
-                                      out.trickle)
+                    return self._send(out.status, out.body if out.body is not None else err, out.headers, out.trickle)
                 time.sleep(srv.latency)
                 self._send(200, json.dumps(completion(out, body, n)))
 

@@ -18,14 +18,27 @@ def build_world(params: WorldParams, out_dir: Path, log=print) -> dict:
         raise ValueError("world.exposures are all 0: the corpus would be empty")
     tokenizer = train_tokenizer(docs, params.vocab_size)
     model, report = train_model(
-        docs, tokenizer, hidden_size=params.hidden_size, n_layers=params.n_layers, n_heads=params.n_heads,
-        intermediate_size=params.intermediate_size, epochs=params.epochs, batch_size=params.batch_size,
-        lr=params.lr, seed=params.seed, log=log,
+        docs,
+        tokenizer,
+        hidden_size=params.hidden_size,
+        n_layers=params.n_layers,
+        n_heads=params.n_heads,
+        intermediate_size=params.intermediate_size,
+        epochs=params.epochs,
+        batch_size=params.batch_size,
+        lr=params.lr,
+        seed=params.seed,
+        log=log,
     )
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp / "model", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         write_jsonl(tmp / "qa.jsonl", qa_rows(people))
-    return {"parameters": report.n_params, "train_seconds": round(report.seconds, 1),
-            "final_loss": report.final_loss, "corpus_documents": report.n_docs,
-            "corpus_tokens": report.n_tokens, "epochs": report.epochs}
+    return {
+        "parameters": report.n_params,
+        "train_seconds": round(report.seconds, 1),
+        "final_loss": report.final_loss,
+        "corpus_documents": report.n_docs,
+        "corpus_tokens": report.n_tokens,
+        "epochs": report.epochs,
+    }

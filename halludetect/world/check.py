@@ -25,8 +25,9 @@ def evaluate_world(world_dir: Path, params: GenerateParams) -> dict:
     preset = ModelPreset(path=str(world_dir / "model"), dtype="float32")
     model, tokenizer = load_model(preset, "cpu"), load_tokenizer(preset)
     rows = read_jsonl(world_dir / "qa.jsonl")
-    questions = pl.DataFrame({"id": [r["id"] for r in rows], "question": [r["question"] for r in rows],
-                              "split": ["all"] * len(rows)})
+    questions = pl.DataFrame(
+        {"id": [r["id"] for r in rows], "question": [r["question"] for r in rows], "split": ["all"] * len(rows)}
+    )
     greedy = generate(model, tokenizer, questions, params.model_copy(update={"n_samples": 1}), greedy=True)
     correct = np.array([contains(t, r["answers"][0]) for t, r in zip(greedy["text"], rows)])
     exposure = np.array([r["exposure"] for r in rows])

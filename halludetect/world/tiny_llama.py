@@ -76,8 +76,7 @@ def train_model(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     encoded = [
-        [tokenizer.bos_token_id, *tokenizer.encode(d, add_special_tokens=False), tokenizer.eos_token_id]
-        for d in docs
+        [tokenizer.bos_token_id, *tokenizer.encode(d, add_special_tokens=False), tokenizer.eos_token_id] for d in docs
     ]
     max_len = max(map(len, encoded))
     config = LlamaConfig(

@@ -1,4 +1,8 @@
-"""Capture, the teacher-forced dump and the per-layer HDF5 files, on a tiny local Llama."""
+"""Capture and the dump (halludetect/activations/capture.py) on a tiny local Llama: the hooks return
+what `output_hidden_states` does and leave nothing behind; the teacher-forced dump writes each answer's
+bag as an unbatched forward pass computes it (and as the sampling pass saw it), in byte-stable layer
+files, the same bytes sharded over processes or with the model placed by `device_map`, and nothing
+at all when it is interrupted."""
 
 import hashlib
 
@@ -6,26 +10,28 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from support import sha
 
-from halludetect.activations.bags import pad_bags
 from halludetect.activations.capture import bag_slice, capture, dump
 from halludetect.activations.layer_format import layer_files
-from halludetect.activations.layer_reader import LayerReader, read_layer
-from halludetect.activations.layer_writer import LayerWriter, merge_parts
+from halludetect.activations.layer_reader import read_layer
+from halludetect.activations.layer_writer import merge_parts
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.core.atomic_io import atomic_path
 from halludetect.lm.generation import generate, trim_answer
-from halludetect.lm.hf_models import ModelError, check_layers, load_config, load_model
+from halludetect.lm.hf_models import load_model
 from halludetect.lm.model_inputs import encode_prompt
 from halludetect.lm.parallel import Workers
 
 
 def questions(n=4):
-    return pl.DataFrame({
-        "id": [f"q{i}" for i in range(n)],
-        "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
-        "split": ["train", "val", "test", "test"][:n],
-    })
+    return pl.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(n)],
+            "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
+            "split": ["train", "val", "test", "test"][:n],
+        }
+    )
 
 
 def test_bag_slices():
@@ -55,21 +61,6 @@ def test_capture_equals_output_hidden_states_and_removes_hooks(tiny):
     assert hooks() == before  # removed on error too
 
 
-def test_layer_check_before_weights(tiny_model_dir):
-    config = load_config(ModelPreset(path=str(tiny_model_dir)))
-    assert check_layers("all", config) == [0, 1, 2, 3]
-    with pytest.raises(ModelError, match=r"\[7\] out of range: this model has layers 0..3"):
-        check_layers([1, 7], config)
-
-
-def test_missing_model_and_4bit_without_cuda(tmp_path):
-    with pytest.raises(ModelError, match="does not exist"):
-        load_config(ModelPreset(path=str(tmp_path / "nope")))
-    if not torch.cuda.is_available():
-        with pytest.raises(ModelError, match="needs a CUDA GPU"):
-            load_model(ModelPreset(path=str(tmp_path), quantization={"bits": 4}))
-
-
 @pytest.mark.parametrize("positions", ["predicting", "generated"])
 def test_dump_equals_unbatched_forward(tiny, tmp_path, positions):
     model, tok = tiny
@@ -78,8 +69,19 @@ def test_dump_equals_unbatched_forward(tiny, tmp_path, positions):
     gens = gens.filter(pl.col("n_tokens") > 0)
     out = tmp_path / positions
     out.mkdir()
-    dump(model, tok, qs, gens, out, [0, 2, 3], positions=positions, dtype="float32", batch_size=3,
-         attrs={"model": "tiny"}, log=lambda *_: None)
+    dump(
+        model,
+        tok,
+        qs,
+        gens,
+        out,
+        [0, 2, 3],
+        positions=positions,
+        dtype="float32",
+        batch_size=3,
+        attrs={"model": "tiny"},
+        log=lambda *_: None,
+    )
     files = layer_files(out)
     assert list(files) == [0, 2, 3]
     layer = read_layer(files[2])
@@ -103,14 +105,21 @@ def test_hdf5_bytes_are_deterministic(tiny, tmp_path):
     digests = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        dump(model, tok, qs, gens, tmp_path / name, [1], positions="predicting", dtype="float16", batch_size=2,
-             attrs={"model": "tiny"}, log=lambda *_: None)
+        dump(
+            model,
+            tok,
+            qs,
+            gens,
+            tmp_path / name,
+            [1],
+            positions="predicting",
+            dtype="float16",
+            batch_size=2,
+            attrs={"model": "tiny"},
+            log=lambda *_: None,
+        )
         digests.append(hashlib.sha256((tmp_path / name / "layer_1.h5").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
-
-
-def sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("positions", ["predicting", "generated"])
@@ -124,16 +133,40 @@ def test_sampling_time_states_equal_teacher_forced_states(tiny, tmp_path, positi
     ids = torch.full((3, width), tok.pad_token_id)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, output_hidden_states=True,
-                             return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=6,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+        )
     answers = [trim_answer(tok, row.tolist(), [], 6).token_ids for row in out.sequences[:, width:]]
     assert all(answers)
-    gens = pl.DataFrame({"question_id": qs["id"], "sample_index": [0, 0, 0], "token_ids": answers,
-                         "n_tokens": [len(a) for a in answers]})
-    dump(model, tok, qs, gens, tmp_path, [0, 2, 3], positions=positions, dtype="float32", batch_size=2,
-         attrs={}, log=lambda *_: None)
+    gens = pl.DataFrame(
+        {
+            "question_id": qs["id"],
+            "sample_index": [0, 0, 0],
+            "token_ids": answers,
+            "n_tokens": [len(a) for a in answers],
+        }
+    )
+    dump(
+        model,
+        tok,
+        qs,
+        gens,
+        tmp_path,
+        [0, 2, 3],
+        positions=positions,
+        dtype="float32",
+        batch_size=2,
+        attrs={},
+        log=lambda *_: None,
+    )
     steps = out.hidden_states  # steps[t][layer]: [rows, seq, d]; step t's last position predicts token t
     for layer in (0, 2, 3):
         got = read_layer(tmp_path / f"layer_{layer}.h5")
@@ -145,49 +178,6 @@ def test_sampling_time_states_equal_teacher_forced_states(tiny, tmp_path, positi
                 want = [steps[t + 1][layer][i, -1] for t in range(min(len(a), len(steps) - 1))]
                 bag = bag[: len(want)]
             np.testing.assert_allclose(bag, torch.stack(want).numpy(), atol=1e-4)
-
-
-def random_bags(rng, n=40, d=64):
-    lengths = rng.integers(1, 700, n)
-    return rng.standard_normal((int(lengths.sum()), d)).astype(np.float32), lengths
-
-
-def test_layer_file_bytes_do_not_depend_on_how_bags_were_appended(tmp_path):
-    states, lengths = random_bags(np.random.default_rng(0))  # ~14k rows: more than one HDF5 chunk
-    ids = [f"q/{i}" for i in range(len(lengths))]
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    for name, step in (("one", len(lengths)), ("many", 3), ("each", 1)):
-        w = LayerWriter(tmp_path / f"{name}.h5", 64, "float16", {"b": 1, "a": "x"})
-        for a in range(0, len(lengths), step):
-            b = min(a + step, len(lengths))
-            w.append(states[offsets[a] : offsets[b]], lengths[a:b], ids[a:b])
-        w.close()
-    assert sha(tmp_path / "one.h5") == sha(tmp_path / "many.h5") == sha(tmp_path / "each.h5")
-    layer = read_layer(tmp_path / "one.h5")
-    np.testing.assert_array_equal(layer.offsets, offsets)
-    np.testing.assert_allclose(layer.states, states.astype(np.float16).astype(np.float32))
-
-
-def test_layer_reader_streams_padded_batches(tmp_path):
-    states, lengths = random_bags(np.random.default_rng(1), n=11, d=8)
-    w = LayerWriter(tmp_path / "l.h5", 8, "float32", {})
-    w.append(states, lengths, [f"q/{i}" for i in range(11)])
-    w.close()
-    full = read_layer(tmp_path / "l.h5")
-    with LayerReader(tmp_path / "l.h5") as reader:
-        assert len(reader) == 11 and reader.response_ids == full.response_ids
-        seen = []
-        for index, x, mask in reader.batches(4):
-            want_x, want_mask = pad_bags(full.states, full.offsets, index)
-            torch.testing.assert_close(x, want_x)
-            assert torch.equal(mask, want_mask) and x.shape[1] == lengths[index].max()
-            seen += index.tolist()
-        assert seen == list(range(11))
-        for scattered in ([10, 0, 5], [3, 4, 2]):  # far apart (one read per bag) and nearby (one read)
-            x, mask = reader.bags(np.array(scattered))
-            want_x, want_mask = pad_bags(full.states, full.offsets, np.array(scattered))
-            torch.testing.assert_close(x, want_x)
-            assert torch.equal(mask, want_mask)
 
 
 def test_dump_shards_merge_to_the_one_process_bytes(tiny, tmp_path):
@@ -221,8 +211,19 @@ def test_interrupted_dump_leaves_no_output(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(model, "forward", dies)
     with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "acts", is_dir=True) as tmp:
-        dump(model, tok, qs, gens.filter(pl.col("n_tokens") > 0), tmp, [1], positions="predicting",
-             dtype="float16", batch_size=2, attrs={}, log=lambda *_: None)
+        dump(
+            model,
+            tok,
+            qs,
+            gens.filter(pl.col("n_tokens") > 0),
+            tmp,
+            [1],
+            positions="predicting",
+            dtype="float16",
+            batch_size=2,
+            attrs={},
+            log=lambda *_: None,
+        )
     assert list(tmp_path.iterdir()) == []  # no output, no temporary left behind
 
 
@@ -238,7 +239,18 @@ def test_device_map_preset_generates_and_dumps_like_the_plain_model(tiny, tiny_m
     gens = gens.filter(pl.col("n_tokens") > 0)
     for name, m in (("plain", model), ("placed", placed)):
         (tmp_path / name).mkdir()
-        dump(m, tok, qs, gens, tmp_path / name, [0, 3], positions="predicting", dtype="float16", batch_size=4,
-             attrs={}, log=lambda *_: None)
+        dump(
+            m,
+            tok,
+            qs,
+            gens,
+            tmp_path / name,
+            [0, 3],
+            positions="predicting",
+            dtype="float16",
+            batch_size=4,
+            attrs={},
+            log=lambda *_: None,
+        )
     for f in ("layer_0.h5", "layer_3.h5"):
         assert sha(tmp_path / "plain" / f) == sha(tmp_path / "placed" / f)

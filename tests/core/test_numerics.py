@@ -7,19 +7,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_training import synthetic
+from support import ROOT, synthetic
 
 from halludetect.core import numerics
 from halludetect.detectors.data import split_data
 from halludetect.detectors.training import train_seeds
 from halludetect.methods.pooling import PoolingParams
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny world trained for one epoch, as the world stage trains it (stages/__init__ pins the
 # numerics first), printing a digest of the weights.
@@ -39,8 +36,9 @@ print(h.hexdigest())
 
 def world_digest(**env: str) -> str:
     clean = {k: v for k, v in os.environ.items() if k not in numerics.PINNED}
-    out = subprocess.run([sys.executable, "-c", WORLD], cwd=ROOT, env={**clean, **env}, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", WORLD], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, check=True
+    )
     return out.stdout.strip()
 
 
@@ -66,8 +64,20 @@ def test_seeds_give_the_same_bytes_however_many_workers_train_them():
     layer, labels = synthetic()
     data = {s: split_data(layer, labels, s) for s in ("train", "val", "test")}
     params = PoolingParams(dim=16, dropout=0.2, lr=1e-2, weight_decay=0.0)
-    runs = [train_seeds("max", params, data["train"], data["val"], {"test": data["test"]}, [0, 1, 2], epochs=4,
-                        batch_size=32, workers=w) for w in (1, 2, 3)]
+    runs = [
+        train_seeds(
+            "max",
+            params,
+            data["train"],
+            data["val"],
+            {"test": data["test"]},
+            [0, 1, 2],
+            epochs=4,
+            batch_size=32,
+            workers=w,
+        )
+        for w in (1, 2, 3)
+    ]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert a.seed == b.seed and a.result.best_epoch == b.result.best_epoch

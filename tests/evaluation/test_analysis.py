@@ -1,5 +1,6 @@
-"""The analyze stage on a small synthetic cell: trained HaMI (SP) detectors, the per-response
-sensitivities, class expectations averaged over seeds, the distribution data, and its errors."""
+"""The analyze stage (halludetect/evaluation/analysis.py) on a small synthetic cell: trained HaMI (SP)
+detectors, the per-response sensitivities, class expectations averaged over seeds, the distribution
+data, and its errors."""
 
 import json
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-from test_evaluation import write_layers
+from support import ROOT, write_layers
 
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import read_layer
@@ -19,7 +20,6 @@ from halludetect.detectors.training import train_layer
 from halludetect.evaluation.analysis import analyze_split, mean_over_seeds
 from halludetect.methods.hami import HaMISPParams
 
-ROOT = Path(__file__).resolve().parents[1]
 D = 8
 SEEDS = (0, 1)
 
@@ -29,9 +29,12 @@ def clusters_for(labels: pl.DataFrame) -> pl.DataFrame:
     rng = np.random.default_rng(3)
     p = np.clip(np.where(labels["label"].to_numpy() == 1, 0.4, 0.9) + 0.1 * rng.normal(size=labels.height), 0.05, 1)
     return labels.select("question_id", "sample_index", "split").with_columns(
-        pl.lit(True).alias("valid"), pl.Series("p_sem_mean", p), pl.lit(0.5).alias("p_sem_sum"),
-        pl.lit(0.5).alias("p_sem_count"), *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum",
-                                                                                                 "discrete")))
+        pl.lit(True).alias("valid"),
+        pl.Series("p_sem_mean", p),
+        pl.lit(0.5).alias("p_sem_sum"),
+        pl.lit(0.5).alias("p_sem_count"),
+        *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum", "discrete")),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +46,27 @@ def cell(tmp_path_factory):
     clusters = clusters_for(labels)
     labels.write_parquet(root / "judgments.parquet")
     clusters.write_parquet(root / "clusters.parquet")
-    p_sem = dict(zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()],
-                     clusters["p_sem_mean"]))
+    p_sem = dict(
+        zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()], clusters["p_sem_mean"])
+    )
     params = HaMISPParams(dim=16, lr=1e-2)
     for index in (0, 1):  # as the per-layer train stage lays them out: layer_<L>/seed_<S>.safetensors
         layer = read_layer(acts / layer_filename(index), dtype=None, expect_layer=index)
         data = {s: split_data(layer, labels, s, p_sem=p_sem) for s in ("train", "val", "test")}
-        train_layer("hami_sp", params, data, list(SEEDS), layer=index, epochs=4, batch_size=32, device="cpu",
-                    out_dir=dets / f"layer_{index}", scores_path=root / "scores" / f"layer_{index}.parquet",
-                    metrics_path=root / "layers" / f"layer_{index}.json", log=lambda *_: None)
+        train_layer(
+            "hami_sp",
+            params,
+            data,
+            list(SEEDS),
+            layer=index,
+            epochs=4,
+            batch_size=32,
+            device="cpu",
+            out_dir=dets / f"layer_{index}",
+            scores_path=root / "scores" / f"layer_{index}.parquet",
+            metrics_path=root / "layers" / f"layer_{index}.json",
+            log=lambda *_: None,
+        )
     (root / "eval.json").write_text(json.dumps({"best_layer": 1}))
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["train"]["seeds"] = list(SEEDS)
@@ -62,12 +77,34 @@ def cell(tmp_path_factory):
 
 def run_stage(root: Path, method="hami_sp", params="params.yaml", out="out"):
     out = root / out
-    args = ["--params", str(root / params), "--model", "m", "--dataset", "d", "--method", method,
-            "--evaluation", str(root / "eval.json"), "--activations", str(root / "acts"),
-            "--judgments", str(root / "judgments.parquet"), "--clusters", str(root / "clusters.parquet"),
-            "--detectors", str(root / "dets" / method), "--out", str(out / "analysis.json"),
-            "--responses", str(out / "responses.parquet"), "--plots", str(out / "plots"),
-            "--figure", str(out / "sensitivity.png")]
+    args = [
+        "--params",
+        str(root / params),
+        "--model",
+        "m",
+        "--dataset",
+        "d",
+        "--method",
+        method,
+        "--evaluation",
+        str(root / "eval.json"),
+        "--activations",
+        str(root / "acts"),
+        "--judgments",
+        str(root / "judgments.parquet"),
+        "--clusters",
+        str(root / "clusters.parquet"),
+        "--detectors",
+        str(root / "dets" / method),
+        "--out",
+        str(out / "analysis.json"),
+        "--responses",
+        str(out / "responses.parquet"),
+        "--plots",
+        str(out / "plots"),
+        "--figure",
+        str(out / "sensitivity.png"),
+    ]
     res = subprocess.run([sys.executable, "-m", "stages.analyze", *args], cwd=ROOT, capture_output=True, text=True)
     return res, out
 
@@ -85,15 +122,17 @@ def test_analyze_stage_writes_every_layer_split_and_seed(cell):
         assert seed["path_check"]["max_abs_c_int_minus_exact"] < 1e-2  # 200 steps
         assert seed["margin"]["change_from_c_int"] == pytest.approx(seed["margin"]["change"], abs=1e-3)
     mean = test["mean"]["c_int"]
-    assert mean["neg"]["p_sem_c"] == pytest.approx(np.mean([s["c_int"]["neg"]["p_sem_c"]
-                                                            for s in test["per_seed"].values()]))
+    assert mean["neg"]["p_sem_c"] == pytest.approx(
+        np.mean([s["c_int"]["neg"]["p_sem_c"] for s in test["per_seed"].values()])
+    )
     assert mean["gamma"] == pytest.approx(mean["neg"]["p_sem_c"] / mean["pos"]["p_sem_c"])
     rows = pl.read_parquet(out / "responses.parquet")
     assert rows.height == 2 * 2 * (60 + 60)  # layers x seeds x (train + test responses)
     assert set(rows["split"]) == {"train", "test"} and set(rows["layer"]) == {0, 1}
     plots = sorted(p.name for p in (out / "plots").iterdir())
-    assert plots == sorted(f"{s}_{q}.csv" for s in ("train", "test") for q in ("c0", "c_int", "p_sem_c0",
-                                                                              "p_sem_c_int"))
+    assert plots == sorted(
+        f"{s}_{q}.csv" for s in ("train", "test") for q in ("c0", "c_int", "p_sem_c0", "p_sem_c_int")
+    )
     assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
     hist = pl.read_csv(out / "plots" / "test_c_int.csv")
     assert hist.columns == ["value", "series", "density"] and hist.height == 2 * 10
@@ -117,8 +156,9 @@ def test_mean_over_seeds_counts_the_condition(cell):
     from halludetect.detectors.build import load_detector
 
     labels = pl.read_parquet(root / "judgments.parquet")
-    data = split_data(read_layer(root / "acts" / layer_filename(1), dtype=None, expect_layer=1), labels, "test",
-                      p_sem=p_sem)
+    data = split_data(
+        read_layer(root / "acts" / layer_filename(1), dtype=None, expect_layer=1), labels, "test", p_sem=p_sem
+    )
     models = {s: load_detector(root / "dets" / "hami_sp" / "layer_1" / f"seed_{s}.safetensors")[0] for s in SEEDS}
     rows, summary = analyze_split(models, data, lam=1.0, steps=50, batch_size=7)  # batches of 7 bags
     whole, again = analyze_split(models, data, lam=1.0, steps=50)

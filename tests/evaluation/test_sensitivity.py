@@ -1,5 +1,6 @@
-"""The paper's sensitivity analysis of HaMI: C_B against its closed form, the path integral
-against the exact difference, gamma and the margin condition on hand-built cases."""
+"""The paper's sensitivity analysis of HaMI (halludetect/evaluation/sensitivity.py): C_B against its
+closed form, the path integral against the exact difference, gamma and the margin condition on
+hand-built cases."""
 
 import numpy as np
 import pytest

@@ -1,8 +1,10 @@
-"""The `openai` judge and NLI backends against a real local HTTP server, and the `hf` NLI backend.
+"""The OpenAI-compatible chat client (halludetect/labels/chat_client.py) against a real local HTTP server.
 
 The server (`halludetect.testing.fake_openai`) speaks the chat-completions API on 127.0.0.1 and is
 scripted per test; the real `openai` client talks to it, so retries, Retry-After, timeouts,
-malformed bodies, the call cache and strict parsing are all exercised over real HTTP.
+malformed bodies, the call cache, usage and cost, and a SIGINT that loses no paid reply are all
+exercised over real HTTP. The hostile cases: the key redacted from every error, a per-request
+deadline that cuts off a trickling server, a Retry-After beyond the patience.
 """
 
 from __future__ import annotations
@@ -16,26 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-import polars as pl
 import pytest
 import yaml
+from support import KEY, SECRET, _stage_inputs, label_inputs, stage, yes_no
+from support import ROOT as REPO
 
 from halludetect.config import ChatParams, ParamsError, Price, parse_params
 from halludetect.labels.call_cache import CallCache
 from halludetect.labels.chat_client import ApiError, ChatRunner
-from halludetect.labels.judges import get_judge, two_pass
-from halludetect.labels.nli import cluster_responses, get_nli
-from halludetect.labels.text import RELATIONS, YES_NO, parse_choice
+from halludetect.labels.judges import get_judge
 from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder
-
-KEY = "HD_TEST_API_KEY"
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _env(tmp_path, monkeypatch):
-    monkeypatch.setenv("HALLUDETECT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(KEY, "sk-test-not-a-real-key")
 
 
 def runner(srv, **kw) -> ChatRunner:
@@ -43,27 +35,7 @@ def runner(srv, **kw) -> ChatRunner:
     return ChatRunner(ChatParams(**params), where="judge.openai")
 
 
-yes_no = lambda t: parse_choice(t, YES_NO)
 always_yes = lambda body, n: "yes"
-
-
-# ------------------------------------------------------------------------------ parsing
-@pytest.mark.parametrize("reply, want", [
-    ("yes", "yes"), ("No", "no"), ("YES.", "yes"), ("**No**", "no"), ("Yes, the answer is correct.", "yes"),
-    ("no - it was Lyon", "no"), ("The answer is no.", None), ("Yes... actually no", None), ("maybe", None),
-    ("", None), (None, None), ("yesterday", None),
-])
-def test_yes_no_replies_parse_strictly(reply, want):
-    assert parse_choice(reply, YES_NO) == want
-
-
-@pytest.mark.parametrize("reply, want", [
-    ("entailment", "entailment"), ("Entailment.", "entailment"), ("NEUTRAL", "neutral"),
-    ("contradiction: they differ", "contradiction"), ("Answer A does not entail answer B", None),
-    ("entailment,contradiction, or neutral", None), ("Entails", "entailment"),
-])
-def test_relation_replies_parse_strictly(reply, want):
-    assert parse_choice(reply, RELATIONS) == want
 
 
 # ------------------------------------------------------------------------ bad input
@@ -104,8 +76,12 @@ def test_rejected_model_name_fails_after_one_request():
 
 # ------------------------------------------------------------------- fault injection
 def test_retries_429_with_retry_after_500_and_malformed_bodies():
-    faults = {0: Fault(429, {"Retry-After": "0.4"}), 1: Fault(500), 2: Fault(200, body="{not json"),
-              3: Fault(200, body=json.dumps({"id": "x", "object": "chat.completion", "choices": []}))}
+    faults = {
+        0: Fault(429, {"Retry-After": "0.4"}),
+        1: Fault(500),
+        2: Fault(200, body="{not json"),
+        3: Fault(200, body=json.dumps({"id": "x", "object": "chat.completion", "choices": []})),
+    }
     with FakeOpenAI(lambda body, n: faults.get(n, "Yes.")) as srv:
         r = runner(srv, concurrency=1)
         t0 = time.perf_counter()
@@ -142,50 +118,7 @@ def test_slow_replies_time_out_then_fail_clearly():
             runner(srv, timeout=0.3, max_retries=1).run(["slow"], yes_no)
 
 
-def test_unparseable_replies_are_asked_again_then_counted_invalid_never_labels():
-    def respond(body, n):
-        prompt = body["messages"][0]["content"]
-        if "Mary" in prompt:
-            return "I cannot tell."  # never parseable
-        if "Smith, John" in prompt and not srv.requests[:n].count(body):
-            return "The proposed answer is plausible."  # first ask only
-        return rule_responder({"Who?": ["John Smith"]})(body, n)
-
-    questions = pl.DataFrame({"id": ["q1"], "question": ["Who?"], "answers": [["John Smith"]]})
-    gens = pl.DataFrame({"question_id": ["q1"] * 3, "sample_index": [0, 1, 2], "split": ["test"] * 3,
-                         "text": ["It was John Smith.", "Mary Jones.", "Smith, John"]})
-    with FakeOpenAI(respond) as srv:
-        judge = get_judge("openai", model="m", base_url=srv.url, api_key_env=KEY, parse_retries=2)
-        df = two_pass(judge, questions, gens)
-    got = {r["sample_index"]: r for r in df.to_dicts()}
-    assert got[0]["label"] == 0 and got[0]["reason"] == "correct"
-    assert got[1]["pass1_verdict"] == "invalid" and got[1]["label"] is None and not got[1]["kept"]
-    assert got[1]["pass1_raw"] == "I cannot tell."
-    assert got[2]["pass1_verdict"] == "no"  # "Smith, John" is not contiguous "John Smith" ...
-    assert got[2]["pass2_verdict"] == "yes" and got[2]["reason"] == "inconsistent"  # ... asked twice in pass 2
-    assert judge.usage.invalid == 1 and judge.usage.unparseable == 3 + 2  # Mary 3 times, Smith once per pass
-
-
-def test_openai_judge_matches_the_offline_judge_and_pass_2_has_no_references():
-    questions = pl.DataFrame({"id": ["q1", "q2"], "question": ["Who?", "Where?"],
-                              "answers": [["John Smith", "J. Smith"], ["Paris"]]})
-    gens = pl.DataFrame({"question_id": ["q1", "q1", "q1", "q2"], "sample_index": [0, 1, 2, 0],
-                         "split": ["val", "val", "val", "test"],
-                         "text": ["It was John Smith.", "Smith.", "Mary Jones.", "Paris."]})
-    offline = two_pass(get_judge("match"), questions, gens)
-    with FakeOpenAI(rule_responder({"Who?": ["John Smith", "J. Smith"], "Where?": ["Paris"]})) as srv:
-        judge = get_judge("openai", model="m", base_url=srv.url, api_key_env=KEY)
-        online = two_pass(judge, questions, gens)
-        prompts = [b["messages"][0]["content"] for b in srv.requests]
-    cols = ["question_id", "sample_index", "pass1_verdict", "pass2_verdict", "label", "kept", "reason"]
-    assert online.select(cols).equals(offline.select(cols))
-    pass1, pass2 = prompts[:4], prompts[4:]
-    assert len(pass2) == 2  # only the answers wrong in pass 1 go to pass 2
-    who = [p for p in pass1 if "question: Who?" in p]
-    assert len(who) == 3 and all("expected answers to this question: John Smith; J. Smith." in p for p in who)
-    assert all("expected" not in p and "own knowledge" in p for p in pass2)
-
-
+# ------------------------------------------------------------------- usage and the cache key
 def test_usage_and_cost_accounting():
     prices = {"m": Price(input=1.0, output=10.0)}
     with FakeOpenAI(always_yes) as srv:
@@ -213,114 +146,19 @@ def test_cache_key_covers_sampling_params_and_never_the_key():
     assert os.environ[KEY] not in dump
 
 
-# -------------------------------------------------------------------------- NLI
-def test_openai_nli_clusters_like_exact_and_marks_failed_questions_invalid():
-    questions = pl.DataFrame({"id": ["q", "r"], "question": ["Where?", "Who?"]})
-    gens = pl.DataFrame({
-        "question_id": ["q"] * 4 + ["r"] * 2, "sample_index": [0, 1, 2, 3, 0, 1], "split": ["test"] * 6,
-        "text": ["Paris.", "Lyon", "paris", "Nice", "Bob", "Alice"], "n_tokens": [1] * 6,
-        "token_logprobs": [[-0.5]] * 6,
-    })
-    exact, _ = cluster_responses(get_nli("exact"), questions, gens, equivalence="paper")
-    rules = rule_responder()
-    respond = lambda body, n: "no idea" if "Who?" in body["messages"][0]["content"] else rules(body, n)
-    with FakeOpenAI(respond) as srv:
-        nli = get_nli("openai", model="nli", base_url=srv.url, api_key_env=KEY, parse_retries=1)
-        online, timings = cluster_responses(nli, questions, gens, equivalence="paper")
-    q, r = online.filter(pl.col("question_id") == "q"), online.filter(pl.col("question_id") == "r")
-    assert q.equals(exact.filter(pl.col("question_id") == "q"))
-    assert q["semantic_id"].to_list() == [0, 1, 0, 2] and q["nli_calls"][0] == 6  # 3 unique: 2 + 4 calls
-    assert not r["valid"].any() and r["p_sem_mean"].null_count() == 2 and r["semantic_id"].null_count() == 2
-    assert nli.usage.invalid == 2 and timings["nli_calls"].to_list() == [6, 2]  # both directions failed
-
-
-@pytest.fixture(scope="module")
-def tiny_nli_dir(tmp_path_factory, tiny_model_dir):
-    """A randomly initialised BERT MNLI classifier with the world tokenizer, saved locally."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, pad_token_id=tok.pad_token_id,
-                        id2label={0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"},
-                        label2id={"CONTRADICTION": 0, "NEUTRAL": 1, "ENTAILMENT": 2})
-    path = tmp_path_factory.mktemp("nli") / "model"
-    BertForSequenceClassification(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def test_hf_nli_batches_distinct_pairs_and_matches_one_by_one(tiny_nli_dir):
-    import torch
-
-    pairs = [("Where?", "Paris is the city.", "It was Lyon."), ("Where?", "It was Lyon.", "Paris is the city."),
-             ("Where?", "Paris is the city.", "It was Lyon."), ("Who?", "A pianist.", "A pianist from Nice.")]
-    nli = get_nli("hf", path=str(tiny_nli_dir), device="cpu", batch_size=2)
-    seen = []
-    forward = nli.model.forward
-    nli.model.forward = lambda **kw: seen.append(kw["input_ids"].shape[0]) or forward(**kw)
-    got = nli.relations(pairs)
-    assert sum(seen) == 3  # the repeated pair is classified once
-    want = []
-    for _, a, b in pairs:
-        enc = nli.tokenizer(a, b, return_tensors="pt")
-        with torch.inference_mode():
-            want.append(nli.labels[int(forward(**enc).logits.argmax(-1))])
-    assert got == want and set(got) <= {"entailment", "neutral", "contradiction"}
-    # question conditioning changes what the classifier sees
-    cond = get_nli("hf", path=str(tiny_nli_dir), device="cpu", condition_on_question=True)
-    inputs = []
-    cond.tokenizer = (lambda tok: lambda a, b, **kw: inputs.append((a, b)) or tok(a, b, **kw))(cond.tokenizer)
-    cond.relations(pairs[:1])
-    assert inputs == [(["Where? Paris is the city."], ["Where? It was Lyon."])]
-
-
-def test_hf_nli_refuses_a_classifier_without_nli_labels(tmp_path, tiny_nli_dir):
-    from transformers import AutoConfig
-
-    from halludetect.lm.hf_models import ModelError
-
-    bad = tmp_path / "bad"
-    import shutil
-
-    shutil.copytree(tiny_nli_dir, bad)
-    config = AutoConfig.from_pretrained(bad)
-    config.id2label = {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
-    config.save_pretrained(bad)
-    with pytest.raises(ModelError, match="does not name entailment, neutral and contradiction"):
-        get_nli("hf", path=str(bad), device="cpu")
-    with pytest.raises(ModelError, match="cannot load the NLI classifier"):
-        get_nli("hf", path=str(tmp_path / "missing"), device="cpu")
-
-
-# --------------------------------------------------------- stages over real processes
-def _stage_inputs(tmp_path: Path, srv_url: str, n_questions: int = 40) -> tuple[Path, list[str]]:
-    questions = pl.DataFrame({"id": [f"q{i}" for i in range(n_questions)],
-                              "question": [f"Where was person {i} born?" for i in range(n_questions)],
-                              "answers": [[f"City{i}"] for i in range(n_questions)],
-                              "context": [""] * n_questions, "split": ["test"] * n_questions})
-    rows = [{"question_id": f"q{i}", "sample_index": k, "split": "test", "n_tokens": 3,
-             "text": f"Born in City{i if k % 2 == 0 else i + k}.", "token_logprobs": [-0.5, -0.5, -0.5]}
-            for i in range(n_questions) for k in range(5)]
-    questions.write_parquet(tmp_path / "questions.parquet")
-    pl.DataFrame(rows).write_parquet(tmp_path / "generations.parquet")
-    data = yaml.safe_load((REPO / "params.yaml").read_text())
-    for section in ("judge", "cluster"):
-        data[section]["backend"] = "openai"
-        data[section]["openai"].update(base_url=srv_url, api_key_env=KEY, concurrency=4)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
-    args = ["--params", str(tmp_path / "params.yaml"), "--questions", str(tmp_path / "questions.parquet"),
-            "--generations", str(tmp_path / "generations.parquet")]
-    return tmp_path, args
-
-
 def test_judge_stage_reruns_without_calls_and_sigint_loses_no_paid_reply(tmp_path):
     with FakeOpenAI(rule_responder(), latency=0.05) as srv:
         d, args = _stage_inputs(tmp_path, srv.url)
-        cmd = [sys.executable, "-m", "stages.judge", *args, "--out", str(d / "j.parquet"),
-               "--metrics", str(d / "m.json")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "stages.judge",
+            *args,
+            "--out",
+            str(d / "j.parquet"),
+            "--metrics",
+            str(d / "m.json"),
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while srv.count < 12 and proc.poll() is None and time.monotonic() < deadline:
@@ -345,15 +183,65 @@ def test_judge_stage_reruns_without_calls_and_sigint_loses_no_paid_reply(tmp_pat
         assert json.loads((d / "m.json").read_text())["api"]["calls"] == 0
 
 
-def test_cluster_stage_over_openai_and_missing_key_message(tmp_path, monkeypatch):
-    with FakeOpenAI(rule_responder()) as srv:
-        d, args = _stage_inputs(tmp_path, srv.url, n_questions=6)
-        cmd = [sys.executable, "-m", "stages.cluster", *args, "--out", str(d / "c.parquet"),
-               "--timings", str(d / "t.parquet"), "--metrics", str(d / "m.json")]
-        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
-        m = json.loads((d / "m.json").read_text())
-        # per question: 5 answers, 3 unique (City i, City i+1, City i+3) -> 2 + 4 calls, all neutral
-        assert m["nli_calls_per_question"] == 6 and m["mean_clusters"] == 3 and m["api"]["calls"] == 36
-        env = {k: v for k, v in os.environ.items() if k != KEY}
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-        assert res.returncode == 2 and f"error: cluster.openai: the API key variable {KEY} is not set" in res.stderr
+# ------------------------------------------------------------------- secrets and patience (hostile)
+@pytest.mark.hostile
+@pytest.mark.parametrize("status", [401, 400, 503])
+def test_the_api_key_is_redacted_from_an_error_that_echoes_the_authorization_header(status):
+    def echo(body, n):
+        auth = srv.headers[n]["authorization"]
+        return Fault(
+            status,
+            body=json.dumps({"error": {"message": f"bad request with header {auth}", "type": "invalid_request_error"}}),
+        )
+
+    with FakeOpenAI(echo) as srv:
+        with pytest.raises(ApiError) as e:
+            runner(srv, max_retries=0).run(["Q?"], yes_no)
+        assert SECRET in srv.headers[0]["authorization"]  # the server did echo it
+    msg = str(e.value)
+    assert SECRET not in msg and f"bad request with header Bearer [{KEY} redacted]" in msg
+
+
+@pytest.mark.hostile
+def test_timeout_is_a_deadline_per_request_that_cuts_off_a_trickling_server():
+    with FakeOpenAI(lambda body, n: Fault(200, trickle=0.05)) as srv:  # ~250 bytes at 20 bytes/s: 12 s
+        t0 = time.monotonic()
+        with pytest.raises(ApiError, match=r"timed out 1 times \(0.5 s each\); raise judge.openai.timeout"):
+            runner(srv, timeout=0.5, max_retries=0).run(["Q?"], yes_no)
+        assert time.monotonic() - t0 < 4
+
+
+@pytest.mark.hostile
+def test_retry_after_beyond_the_patience_fails_at_once_saying_what_the_server_asked():
+    with FakeOpenAI(lambda body, n: Fault(429, {"Retry-After": "86400"})) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as e:
+            runner(srv, timeout=10, max_retries=2).run(["Q?"], yes_no)
+        assert time.monotonic() - t0 < 5 and srv.count == 1
+    assert (
+        f"judge.openai: {srv.url} answered HTTP 429 and asked to retry after 86400 s (1 d), longer than this "
+        "request's remaining patience of 30 s ((max_retries + 1) x timeout = 30 s in all)"
+    ) in str(e.value)
+    assert "re-run later (every reply so far is cached)" in str(e.value)
+
+
+@pytest.mark.hostile
+def test_stage_error_messages_never_print_the_key(tmp_path):
+    def echo(body, n):
+        return Fault(
+            401,
+            body=json.dumps(
+                {
+                    "error": {
+                        "message": f"Incorrect API key {srv.headers[n]['authorization']}",
+                        "type": "invalid_request_error",
+                    }
+                }
+            ),
+        )
+
+    with FakeOpenAI(echo) as srv:
+        args = label_inputs(tmp_path, srv.url)
+        res = stage("stages.judge", *args, "--out", str(tmp_path / "j.parquet"), "--metrics", str(tmp_path / "m.json"))
+    assert res.returncode == 2 and SECRET not in res.stderr + res.stdout
+    assert f"Incorrect API key Bearer [{KEY} redacted]" in res.stderr

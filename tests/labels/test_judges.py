@@ -1,23 +1,18 @@
-"""The rule-based judge, the two-pass protocol, clustering and semantic probability."""
+"""The judges (halludetect/labels/judges/: the rule-based `match`, the `openai` judge against a local
+fake endpoint, the registry) and the two-pass protocol: labels, drops, invalid verdicts that never
+become labels; and the hostile cases of the judge stage, which fails when no reply is usable and
+counts partial invalidity."""
 
-import math
+import json
 
-import numpy as np
 import polars as pl
 import pytest
+from support import KEY, label_inputs, stage
 
 from halludetect.labels.judges import get_judge, label_distribution, two_pass
 from halludetect.labels.judges.base import JudgeItem
-from halludetect.labels.nli import cluster_question, cluster_responses, get_nli
-from halludetect.labels.nli.clustering import semantic_probabilities
-from halludetect.labels.text import contains, normalise
-
-
-def test_normalise_and_contains():
-    assert normalise("The  Eiffel-Tower!") == "eiffeltower"
-    assert contains("He was born in New York City.", "new york")
-    assert not contains("He was born in Newark.", "new york")
-    assert not contains("anything", "")
+from halludetect.labels.nli import get_nli
+from halludetect.testing.fake_openai import FakeOpenAI, rule_responder
 
 
 def test_match_judge_passes():
@@ -37,13 +32,17 @@ def test_unknown_backend_did_you_mean():
 
 
 def _frames():
-    questions = pl.DataFrame({"id": ["q1", "q2"], "question": ["Who?", "Where?"],
-                              "answers": [["John Smith"], ["Paris"]]})
-    gens = pl.DataFrame({
-        "question_id": ["q1", "q1", "q1", "q2"], "sample_index": [0, 1, 2, 0],
-        "split": ["val", "val", "val", "test"],
-        "text": ["It was John Smith.", "Smith.", "Mary Jones.", "Paris."],
-    })
+    questions = pl.DataFrame(
+        {"id": ["q1", "q2"], "question": ["Who?", "Where?"], "answers": [["John Smith"], ["Paris"]]}
+    )
+    gens = pl.DataFrame(
+        {
+            "question_id": ["q1", "q1", "q1", "q2"],
+            "sample_index": [0, 1, 2, 0],
+            "split": ["val", "val", "val", "test"],
+            "text": ["It was John Smith.", "Smith.", "Mary Jones.", "Paris."],
+        }
+    )
     return questions, gens
 
 
@@ -56,8 +55,14 @@ def test_two_pass_protocol_labels_and_drops():
     assert got[("q1", 2)] == (1, True, "hallucination")
     assert got[("q2", 0)] == (0, True, "correct")
     dist = label_distribution(df)
-    assert dist["val"] == {"judged": 3, "kept": 2, "correct": 1, "hallucinated": 1, "hallucination_rate": 0.5,
-                           "dropped": {"inconsistent": 1}}
+    assert dist["val"] == {
+        "judged": 3,
+        "kept": 2,
+        "correct": 1,
+        "hallucinated": 1,
+        "hallucination_rate": 0.5,
+        "dropped": {"inconsistent": 1},
+    }
 
 
 def test_invalid_verdicts_never_become_labels():
@@ -75,67 +80,88 @@ def test_invalid_verdicts_never_become_labels():
     assert set(df["reason"]) == {"pass 1 invalid"}
 
 
-def test_clustering_merges_duplicates_before_nli():
-    calls = []
+# ------------------------------------------------------------------ the openai judge
+def test_unparseable_replies_are_asked_again_then_counted_invalid_never_labels():
+    def respond(body, n):
+        prompt = body["messages"][0]["content"]
+        if "Mary" in prompt:
+            return "I cannot tell."  # never parseable
+        if "Smith, John" in prompt and not srv.requests[:n].count(body):
+            return "The proposed answer is plausible."  # first ask only
+        return rule_responder({"Who?": ["John Smith"]})(body, n)
 
-    class Counting:
-        name = "counting"
-
-        def relations(self, pairs):
-            calls.extend(pairs)
-            return get_nli("exact").relations(pairs)
-
-    texts = ["Paris.", "paris", "Lyon.", "Paris!", "Nice"]
-    ids, n = cluster_question(Counting(), "Where?", texts, "paper")
-    assert ids == [0, 0, 1, 0, 2]
-    u = 3  # unique normalised answers
-    assert n == len(calls) <= u * (u - 1)
-
-
-def test_equivalence_rules():
-    class Fixed:
-        name = "fixed"
-
-        def relations(self, pairs):  # A->B entailment, B->A neutral
-            return ["entailment", "neutral"] * (len(pairs) // 2)
-
-    assert cluster_question(Fixed(), "q", ["a", "b"], "paper")[0] == [0, 0]
-    assert cluster_question(Fixed(), "q", ["a", "b"], "strict")[0] == [0, 1]
-
-
-def test_semantic_probability_formula():
-    ids = [0, 0, 1]
-    logliks = [math.log(0.5), math.log(0.3), math.log(0.2)]
-    p_sem, p_cnt, se, se_d = semantic_probabilities(ids, logliks)
-    np.testing.assert_allclose(p_sem, [0.8, 0.8, 0.2])
-    np.testing.assert_allclose(p_cnt, [2 / 3, 2 / 3, 1 / 3])
-    assert se == pytest.approx(-(0.8 * math.log(0.8) + 0.2 * math.log(0.2)))
-    assert se_d == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))
-    # huge negative log-likelihoods stay finite (computed relative to the max)
-    p, *_ = semantic_probabilities([0, 1], [-2000.0, -2001.0])
-    assert np.isfinite(p).all() and p[0] > p[1]
+    questions = pl.DataFrame({"id": ["q1"], "question": ["Who?"], "answers": [["John Smith"]]})
+    gens = pl.DataFrame(
+        {
+            "question_id": ["q1"] * 3,
+            "sample_index": [0, 1, 2],
+            "split": ["test"] * 3,
+            "text": ["It was John Smith.", "Mary Jones.", "Smith, John"],
+        }
+    )
+    with FakeOpenAI(respond) as srv:
+        judge = get_judge("openai", model="m", base_url=srv.url, api_key_env=KEY, parse_retries=2)
+        df = two_pass(judge, questions, gens)
+    got = {r["sample_index"]: r for r in df.to_dicts()}
+    assert got[0]["label"] == 0 and got[0]["reason"] == "correct"
+    assert got[1]["pass1_verdict"] == "invalid" and got[1]["label"] is None and not got[1]["kept"]
+    assert got[1]["pass1_raw"] == "I cannot tell."
+    assert got[2]["pass1_verdict"] == "no"  # "Smith, John" is not contiguous "John Smith" ...
+    assert got[2]["pass2_verdict"] == "yes" and got[2]["reason"] == "inconsistent"  # ... asked twice in pass 2
+    assert judge.usage.invalid == 1 and judge.usage.unparseable == 3 + 2  # Mary 3 times, Smith once per pass
 
 
-def test_cluster_responses_mean_vs_sum_and_empty_answers():
-    questions = pl.DataFrame({"id": ["q", "r"], "question": ["Where?", "Who?"]})
-    gens = pl.DataFrame({
-        "question_id": ["q"] * 3 + ["r"] * 2, "sample_index": [0, 1, 2, 0, 1], "split": ["test"] * 5,
-        "text": ["Paris", "Lyon", "", "Bob", "bob."], "n_tokens": [2, 1, 0, 1, 1],
-        "token_logprobs": [[-1.0, -1.0], [-1.5], [], [-0.1], [-0.2]],
-    })
-    df, timings = cluster_responses(get_nli("exact"), questions, gens, equivalence="paper")
-    q = df.filter(pl.col("question_id") == "q")
-    assert q.height == 2  # the empty answer is excluded
-    mean_w, sum_w = np.exp([-1.0, -1.5]), np.exp([-2.0, -1.5])  # Paris is shorter on average, Lyon in total
-    np.testing.assert_allclose(q["p_sem_mean"], mean_w / mean_w.sum())
-    np.testing.assert_allclose(q["p_sem_sum"], sum_w / sum_w.sum())
-    assert q["p_sem_count"].to_list() == [0.5, 0.5] and q["semantic_entropy_discrete"][0] == pytest.approx(math.log(2))
-    assert q["nli_calls"].to_list() == [2, 2] and q["valid"].all()
-    r = df.filter(pl.col("question_id") == "r")  # one unique answer after normalisation: no call
-    assert r["p_sem_mean"].to_list() == [1.0, 1.0] and r["n_clusters"].to_list() == [1, 1]
-    assert r["nli_calls"].to_list() == [0, 0] and r["semantic_entropy_mean"][0] == 0.0
-    assert timings.select("question_id", "n_answers", "n_unique", "nli_calls").to_dicts() == [
-        {"question_id": "q", "n_answers": 2, "n_unique": 2, "nli_calls": 2},
-        {"question_id": "r", "n_answers": 2, "n_unique": 1, "nli_calls": 0},
-    ]
-    assert (timings["seconds"] >= 0).all()
+def test_openai_judge_matches_the_offline_judge_and_pass_2_has_no_references():
+    questions = pl.DataFrame(
+        {"id": ["q1", "q2"], "question": ["Who?", "Where?"], "answers": [["John Smith", "J. Smith"], ["Paris"]]}
+    )
+    gens = pl.DataFrame(
+        {
+            "question_id": ["q1", "q1", "q1", "q2"],
+            "sample_index": [0, 1, 2, 0],
+            "split": ["val", "val", "val", "test"],
+            "text": ["It was John Smith.", "Smith.", "Mary Jones.", "Paris."],
+        }
+    )
+    offline = two_pass(get_judge("match"), questions, gens)
+    with FakeOpenAI(rule_responder({"Who?": ["John Smith", "J. Smith"], "Where?": ["Paris"]})) as srv:
+        judge = get_judge("openai", model="m", base_url=srv.url, api_key_env=KEY)
+        online = two_pass(judge, questions, gens)
+        prompts = [b["messages"][0]["content"] for b in srv.requests]
+    cols = ["question_id", "sample_index", "pass1_verdict", "pass2_verdict", "label", "kept", "reason"]
+    assert online.select(cols).equals(offline.select(cols))
+    pass1, pass2 = prompts[:4], prompts[4:]
+    assert len(pass2) == 2  # only the answers wrong in pass 1 go to pass 2
+    who = [p for p in pass1 if "question: Who?" in p]
+    assert len(who) == 3 and all("expected answers to this question: John Smith; J. Smith." in p for p in who)
+    assert all("expected" not in p and "own knowledge" in p for p in pass2)
+
+
+# ------------------------------------------------------- the judge stage: all invalid (hostile)
+@pytest.mark.hostile
+def test_judge_stage_fails_when_every_reply_is_invalid_with_counts_and_where_to_look(tmp_path):
+    with FakeOpenAI(lambda body, n: "I cannot tell.") as srv:
+        args = label_inputs(tmp_path, srv.url)
+        out, metrics = tmp_path / "j.parquet", tmp_path / "m.json"
+        res = stage("stages.judge", *args, "--out", str(out), "--metrics", str(metrics))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (
+        "error: judge: no usable label in 3 split(s):\n  train: 2 answers judged, none kept (pass 1 invalid: 2)\n"
+        "  val: 6 answers judged, none kept (pass 1 invalid: 6)\n"
+        "  test: 12 answers judged, none kept (pass 1 invalid: 12)\n"
+        f"The judge's raw replies are in {out} (columns pass1_raw, pass2_raw)"
+    ) in res.stderr
+    assert set(pl.read_parquet(out)["pass1_raw"]) == {"I cannot tell."}  # kept for inspection
+
+
+@pytest.mark.hostile
+def test_judge_stage_succeeds_with_partial_invalidity_and_counts_it(tmp_path):
+    rules = rule_responder()
+    respond = lambda body, n: "I cannot tell." if "City3" in body["messages"][0]["content"] else rules(body, n)
+    with FakeOpenAI(respond) as srv:
+        args = label_inputs(tmp_path, srv.url)
+        res = stage("stages.judge", *args, "--out", str(tmp_path / "j.parquet"), "--metrics", str(tmp_path / "m.json"))
+    assert res.returncode == 0, res.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["invalid"]["pass1"] > 0 and all(s["kept"] > 0 for s in m["splits"].values())
+    assert "invalid verdicts (dropped, never labels)" in res.stderr

@@ -1,4 +1,8 @@
-"""Batched sampling: per-answer random streams, resume, sharding, empty answers, context checks."""
+"""Batched sampling (halludetect/lm/generation.py): per-answer random streams, resume (a truncated unit
+is recomputed), sharding, empty answers, the context check, the sampler's distribution and the
+model's raw log-probs."""
+
+import logging
 
 import numpy as np
 import polars as pl
@@ -15,11 +19,13 @@ from halludetect.lm.parallel import Workers
 
 
 def questions(n=6):
-    return pl.DataFrame({
-        "id": [f"q{i}" for i in range(n)],
-        "question": [f"Where was Tavo Mir{'a' * i} born?" for i in range(n)],  # prompts of different lengths
-        "split": ["train", "val", "test"] * (n // 3) + ["test"] * (n % 3),
-    })
+    return pl.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(n)],
+            "question": [f"Where was Tavo Mir{'a' * i} born?" for i in range(n)],  # prompts of different lengths
+            "split": ["train", "val", "test"] * (n // 3) + ["test"] * (n % 3),
+        }
+    )
 
 
 PARAMS = GenerateParams(n_samples=3, max_new_tokens=6, stop=["\n"], batch_size=2, temperature=1.0)
@@ -29,13 +35,17 @@ def no_seconds(df):
     return df.drop("seconds")
 
 
+_no_seconds = no_seconds  # the name test_generate_discards_a_truncated_unit_... uses
+
+
 def test_answers_do_not_depend_on_batch_mates(tiny):
     model, tok = tiny
     big = generate(model, tok, questions(), PARAMS.model_copy(update={"batch_size": 6}))
     small = generate(model, tok, questions(), PARAMS.model_copy(update={"batch_size": 1}))
     assert big["token_ids"].to_list() == small["token_ids"].to_list()
-    np.testing.assert_allclose(big["token_logprobs"].explode().to_numpy(), small["token_logprobs"].explode().to_numpy(),
-                               atol=1e-5)  # float noise of different padding only
+    np.testing.assert_allclose(
+        big["token_logprobs"].explode().to_numpy(), small["token_logprobs"].explode().to_numpy(), atol=1e-5
+    )  # float noise of different padding only
     # Rows come back in the questions' order, then by sample.
     assert big["question_id"].to_list() == [f"q{i}" for i in range(6) for _ in range(3)]
     assert big["sample_index"].to_list() == [0, 1, 2] * 6
@@ -81,6 +91,28 @@ def test_killed_run_resumes_to_the_same_output(tiny, tmp_path, monkeypatch):
     assert UnitStore(tmp_path / "progress", {"run": 2}).prepare() == 0
 
 
+@pytest.mark.hostile
+def test_generate_discards_a_truncated_unit_with_a_warning_and_recomputes_it(tiny, tmp_path, caplog):
+    from halludetect.core.unit_store import UnitStore
+    from halludetect.lm.generation import GENERATIONS_SCHEMA, generate
+
+    model, tok = tiny
+    clean = generate(model, tok, questions(), PARAMS)
+    first = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
+    first.prepare()
+    generate(model, tok, questions(), PARAMS, store=first)
+    n_units = len(first.finished())
+    unit = tmp_path / "progress" / "unit_000001.parquet"
+    unit.write_bytes(unit.read_bytes()[:40])  # what a power loss can leave of a unit renamed without fsync
+    again = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
+    with caplog.at_level(logging.WARNING, logger="halludetect"):
+        assert again.prepare() == n_units - 1
+    assert f"discarding damaged work unit {unit} (unreadable: ComputeError: " in caplog.text
+    assert "it will be recomputed" in caplog.text
+    resumed = generate(model, tok, questions(), PARAMS, store=again)
+    assert _no_seconds(resumed).equals(_no_seconds(clean))
+
+
 def test_shards_merge_to_the_one_process_output(tiny, tmp_path):
     model, tok = tiny
     clean = generate(model, tok, questions(), PARAMS)
@@ -120,10 +152,16 @@ def test_greedy_and_repetition_penalty_match_transformers(tiny):
     prompt = encode_prompt(tok, questions(1)["question"][0], False)
     answers = {}
     for penalty in (1.0, 5.0):
-        ours = generate(model, tok, questions(1), params.model_copy(update={"repetition_penalty": penalty}),
-                        greedy=True).row(0, named=True)
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, repetition_penalty=penalty,
-                             pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        ours = generate(
+            model, tok, questions(1), params.model_copy(update={"repetition_penalty": penalty}), greedy=True
+        ).row(0, named=True)
+        ref = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=20,
+            repetition_penalty=penalty,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(prompt) :].tolist()
         assert ours["token_ids"] == trim_answer(tok, ref, [], 20).token_ids
         answers[penalty] = ours
     assert answers[1.0]["token_ids"] != answers[5.0]["token_ids"]  # the penalty did something
@@ -133,18 +171,6 @@ def test_greedy_and_repetition_penalty_match_transformers(tiny):
         logp = torch.log_softmax(model(torch.tensor([prompt + r["token_ids"]])).logits[0].float(), -1)
     want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(r["token_ids"])]
     np.testing.assert_allclose(r["token_logprobs"], want, atol=1e-4)
-
-
-def test_chat_template_prompt(tiny):
-    _, tok = tiny
-    tok.chat_template = "{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}<assistant>"
-    try:
-        ids = encode_prompt(tok, "Where was Tavo born?", chat_template=True)
-    finally:
-        tok.chat_template = None
-    assert all(isinstance(i, int) for i in ids)
-    text = tok.decode(ids)
-    assert text.startswith("<user>") and "Question: Where was Tavo born?" in text and text.endswith("<assistant>")
 
 
 def test_row_sampler_draws_from_the_warped_distribution():
@@ -167,8 +193,7 @@ def test_row_sampler_draws_from_the_warped_distribution():
     assert freq[~keep].sum() == 0
     np.testing.assert_allclose(freq.numpy(), want.numpy(), atol=0.01)  # ~4 standard errors at 40k draws
     # The recorded log-prob is the raw model's, whatever the warping.
-    np.testing.assert_allclose(sampler.logprobs[:, 0].numpy(), torch.log_softmax(logits, -1)[picked].numpy(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(sampler.logprobs[:, 0].numpy(), torch.log_softmax(logits, -1)[picked].numpy(), rtol=1e-6)
 
 
 def test_shared_prompt_prefill_changes_nothing(tiny):
@@ -187,11 +212,13 @@ def test_shared_prompt_prefill_changes_nothing(tiny):
 
 
 def bookkeeping_questions(n=4):
-    return pl.DataFrame({
-        "id": [f"q{i}" for i in range(n)],
-        "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
-        "split": ["train", "val", "test", "test"][:n],
-    })
+    return pl.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(n)],
+            "question": [f"Where was Tavo Mir{i} born?" for i in range(n)],
+            "split": ["train", "val", "test", "test"][:n],
+        }
+    )
 
 
 def test_generate_bookkeeping(tiny):

@@ -6,15 +6,19 @@ import re
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from halludetect.report import paper
 
-ROOT = Path(__file__).resolve().parents[1]
-CANDIDATES = [os.environ.get("HALLUDETECT_PAPER", ""), ROOT.parent / "shared/paper/000_044922276df50397.txt",
-              Path("/work/shared/paper/000_044922276df50397.txt")]
+CANDIDATES = [
+    os.environ.get("HALLUDETECT_PAPER", ""),
+    ROOT.parent / "shared/paper/000_044922276df50397.txt",
+    Path("/work/shared/paper/000_044922276df50397.txt"),
+]
 SOURCE = next((Path(p) for p in CANDIDATES if p and Path(p).is_file()), None)
-needs_source = pytest.mark.skipif(SOURCE is None, reason="the paper's LaTeX source is not on this machine "
-                                                         "(set HALLUDETECT_PAPER to its path)")
+needs_source = pytest.mark.skipif(
+    SOURCE is None, reason="the paper's LaTeX source is not on this machine (set HALLUDETECT_PAPER to its path)"
+)
 NUMBER = re.compile(r"^\d+(?:,\d{3})*(?:\.\d+)?$")
 
 
@@ -80,8 +84,9 @@ def test_expected_value_tables_match_the_source():
         label = f"tab:exp_{keys[model]}_{'train' if split == 'train' else 'val'}"
         label += "_non_invariant" if variant == "c_int" else ""
         printed = numeric_rows(label)
-        assert [[getattr(rows[d], f).text for f in paper.Expected.__dataclass_fields__] for d in paper.DATASETS] \
-            == printed, label
+        assert [
+            [getattr(rows[d], f).text for f in paper.Expected.__dataclass_fields__] for d in paper.DATASETS
+        ] == printed, label
         checked += 1
     assert checked == 12  # 3 models x 2 splits x (C_B, C_B^int)
 

@@ -1,29 +1,36 @@
-"""The paper's tables from metrics JSON: layouts, best/second marks, LaTeX escaping, and the
-paper's figures matched by model and dataset identity, whatever the presets are called."""
+"""The paper's tables from metrics JSON (halludetect/report/paper_tables.py): layouts, best/second
+marks per family, the paper's figures matched by model and dataset identity whatever the presets are
+called, the report stage, and every table compiling with LaTeX."""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from support import ROOT
 
 from halludetect.config import parse_params
 from halludetect.report.paper_tables import Grid, build_tables, load_metrics, sweep_table
-from halludetect.report.tables import Cell, Row, Table, latex_escape, rank, to_latex, to_markdown
-
-ROOT = Path(__file__).resolve().parents[1]
+from halludetect.report.tables import Cell, Row, Table, to_latex, to_markdown
 
 
 def entry(auroc=0.8, margin=1.5, sd=0.01, layer=2, family="detector", **extra):
     stat = lambda m: {"mean": m, "stderr": sd / 2, "sd": sd, "per_seed": [m]}  # noqa: E731
-    test = {"auroc": stat(auroc), "auprc": stat(0.7), "prr": stat(0.5), "prr_0.5": stat(0.4),
-            "fpr_at_95_tpr": stat(0.3), "margin": stat(margin) if family == "detector" else None,
-            "auroc_ci95": [auroc - 0.02, auroc + 0.02],
-            "margin_by_length": {"<=5": {"n": 3, "n_hallucinated": 1, "margin": stat(margin)},
-                                 "6-30": {"n": 2, "n_hallucinated": 1, "margin": stat(margin)},
-                                 ">30": {"n": 0, "n_hallucinated": 0, "margin": None}}}
+    test = {
+        "auroc": stat(auroc),
+        "auprc": stat(0.7),
+        "prr": stat(0.5),
+        "prr_0.5": stat(0.4),
+        "fpr_at_95_tpr": stat(0.3),
+        "margin": stat(margin) if family == "detector" else None,
+        "auroc_ci95": [auroc - 0.02, auroc + 0.02],
+        "margin_by_length": {
+            "<=5": {"n": 3, "n_hallucinated": 1, "margin": stat(margin)},
+            "6-30": {"n": 2, "n_hallucinated": 1, "margin": stat(margin)},
+            ">30": {"n": 0, "n_hallucinated": 0, "margin": None},
+        },
+    }
     out = {"family": family, "best_layer": layer if family == "detector" else None, "test": test}
     if family == "detector":
         out["throughput"] = {"preloaded_samples_per_s": 5000.0, "end_to_end_samples_per_s": 800.0, "device": "cpu"}
@@ -43,24 +50,23 @@ def grid_of(data: dict) -> Grid:
     p = parse_params(data)
     from halludetect.report import paper
 
-    return Grid(p.grid.models, p.grid.datasets, {m: paper.model_key(p.model(m).path) for m in p.grid.models},
-                {d: paper.dataset_key(p.dataset(d).loader) for d in p.grid.datasets})
-
-
-def test_latex_escaping_covers_every_special_character():
-    assert latex_escape(r"a_b & 50% $x$ #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — …") == (
-        r"a\_b \& 50\% \$x\$ \#1 \{y\} \textasciitilde{}z \textasciicircum{}w \textbackslash{}n "
-        r"\textless{}a\textgreater{} \textbar{}b\textbar{} $\pm$ $\times$ $\leq$ $\geq$ $\gamma$ $\lambda$ -- --- "
-        r"\ldots{}")
-    assert latex_escape("\\_") == r"\textbackslash{}\_"  # one pass: what a replacement inserts is not re-escaped
+    return Grid(
+        p.grid.models,
+        p.grid.datasets,
+        {m: paper.model_key(p.model(m).path) for m in p.grid.models},
+        {d: paper.dataset_key(p.dataset(d).loader) for d in p.grid.datasets},
+    )
 
 
 def test_renaming_a_preset_keeps_the_paper_figure():
     grid = grid_of(renamed_params())
     assert grid.paper_cell("my-llama", "tqa") == ("llama3.1-8b", "trivia_qa")
     assert grid.paper_cell("world", "tqa") is None
-    metrics = {(m, "tqa", method): entry(0.9 if method == "max" else 0.85) for m in ("my-llama", "world")
-               for method in ("hami", "hami_sp", "mean", "max")}
+    metrics = {
+        (m, "tqa", method): entry(0.9 if method == "max" else 0.85)
+        for m in ("my-llama", "world")
+        for method in ("hami", "hami_sp", "mean", "max")
+    }
     auroc = next(t for t in build_tables(metrics, grid) if t.name == "auroc")
     md = to_markdown(auroc)
     assert "| Max pooling | **0.900** ± 0.005 [0.880, 0.920] L2 (0.928) | **0.900** ± 0.005 [0.880, 0.920] L2 |" in md
@@ -71,22 +77,12 @@ def test_renaming_a_preset_keeps_the_paper_figure():
     assert "\\midrule\nMean pooling" in tex  # the paper's rule between HaMI and the poolings
 
 
-def test_best_and_second_are_ranked_at_the_printed_precision():
-    t = Table("t", "c", "Method", [("g", ["a", "b"])], [
-        Row("x", [Cell(0.9001), Cell(1.0, group=None)]), Row("y", [Cell(0.9004), Cell(2.0)]),
-        Row("z", [Cell(0.8), Cell(None)]), Row("w", [Cell(0.7), Cell(1.5)])])
-    rank(t)
-    assert [r.cells[0].mark for r in t.rows] == ["best", "best", "second", ""]  # 0.900 twice: a tie
-    assert [r.cells[1].mark for r in t.rows] == ["", "best", "", "second"]  # unranked and missing cells skipped
-    t.higher_is_better = False
-    rank(t)
-    assert [r.cells[0].mark for r in t.rows] == ["", "", "second", "best"]
-
-
 def test_margins_are_ranked_within_each_family_and_sds_not_at_all():
     grid = grid_of(renamed_params())
-    metrics = {("my-llama", "tqa", m): entry(margin=v) for m, v in
-               (("hami", 6.0), ("hami_sp", 9.0), ("mean", 2.0), ("max", 2.3))}
+    metrics = {
+        ("my-llama", "tqa", m): entry(margin=v)
+        for m, v in (("hami", 6.0), ("hami_sp", 9.0), ("mean", 2.0), ("max", 2.3))
+    }
     tables = {t.name: t for t in build_tables(metrics, Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys))}
     marks = [r.cells[0].mark for r in tables["margin"].rows]
     assert marks == ["second", "best", "second", "best"]
@@ -99,8 +95,9 @@ def test_throughput_has_both_hami_sp_costs_and_the_paper_figure_by_the_sequentia
     grid = grid_of(renamed_params())
     one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
     metrics = {("my-llama", "tqa", m): entry() for m in ("hami", "mean", "max")}
-    metrics[("my-llama", "tqa", "hami_sp")] = entry(cost={"samples_per_s_with_sampling_and_nli": 177.0,
-                                                          "sequential_samples_per_s": 0.35})
+    metrics[("my-llama", "tqa", "hami_sp")] = entry(
+        cost={"samples_per_s_with_sampling_and_nli": 177.0, "sequential_samples_per_s": 0.35}
+    )
     md = to_markdown(next(t for t in build_tables(metrics, one) if t.name == "throughput"))
     assert "| HaMI (SP) with sampling and NLI, amortised | <u>177</u> cpu |" in md  # second: ranked with all
     assert "| HaMI (SP) with sampling and NLI, sequential | 0.35 cpu (0.17) |" in md
@@ -111,10 +108,21 @@ def test_expected_value_tables_follow_the_paper_and_carry_its_figures():
     grid = grid_of(renamed_params())
     one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
     cls = lambda p, c: {"n": 10, "p_sem": p, "c": c, "p_sem_c": p * c}  # noqa: E731
-    mean = {"neg": cls(0.9, 19.0), "pos": cls(0.45, 13.0), "gamma": 2.92, "inv_gamma": 0.342, "class_ratio": 3.0,
-            "condition_holds_seeds": [3, 3]}
-    analysis = {("my-llama", "tqa", "hami_sp"): {"best_layer": 7, "lam": 1.0, "layers": {"7": {
-        split: {"mean": {"c0": mean, "c_int": mean}} for split in ("train", "test")}}}}
+    mean = {
+        "neg": cls(0.9, 19.0),
+        "pos": cls(0.45, 13.0),
+        "gamma": 2.92,
+        "inv_gamma": 0.342,
+        "class_ratio": 3.0,
+        "condition_holds_seeds": [3, 3],
+    }
+    analysis = {
+        ("my-llama", "tqa", "hami_sp"): {
+            "best_layer": 7,
+            "lam": 1.0,
+            "layers": {"7": {split: {"mean": {"c0": mean, "c_int": mean}} for split in ("train", "test")}},
+        }
+    }
     tables = {t.name: t for t in build_tables({}, one, analysis=analysis)}
     assert set(tables) == {f"expected_{v}_my-llama_{s}" for v in ("c0", "c_int") for s in ("train", "test")}
     t = tables["expected_c_int_my-llama_test"]
@@ -150,8 +158,14 @@ def test_load_metrics_names_what_is_missing(tmp_path):
 
 def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     data = renamed_params()
-    data["grid"] |= {"models": ["my-llama"], "datasets": ["tqa"], "methods": ["hami", "max"], "sp_methods": [],
-                     "baselines": ["p_sem"], "analyze": ["hami"]}
+    data["grid"] |= {
+        "models": ["my-llama"],
+        "datasets": ["tqa"],
+        "methods": ["hami", "max"],
+        "sp_methods": [],
+        "baselines": ["p_sem"],
+        "analyze": ["hami"],
+    }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     for method in ("hami", "max"):
         path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
@@ -163,20 +177,60 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
     analysis = tmp_path / "eval" / "my-llama" / "tqa" / "analysis" / "hami.json"  # beside evaluate's metrics
     analysis.parent.mkdir()
-    analysis.write_text(json.dumps({"best_layer": 3, "lam": 1.0, "layers": {"3": {
-        s: {"mean": {"c0": mean, "c_int": mean}} for s in ("train", "test")}}}))
+    analysis.write_text(
+        json.dumps(
+            {
+                "best_layer": 3,
+                "lam": 1.0,
+                "layers": {"3": {s: {"mean": {"c0": mean, "c_int": mean}} for s in ("train", "test")}},
+            }
+        )
+    )
     (tmp_path / "labels" / "my-llama").mkdir(parents=True)
-    (tmp_path / "labels" / "my-llama" / "tqa.json").write_text(json.dumps({"splits": {
-        "train": {"hallucinated": 996, "correct": 2874}, "test": {"hallucinated": 1257, "correct": 4097}}}))
-    res = subprocess.run([sys.executable, "-m", "stages.report", "--params", str(tmp_path / "params.yaml"),
-                          "--metrics-dir", str(tmp_path / "eval"), "--baselines-dir", str(tmp_path / "base"),
-                          "--labels-dir", str(tmp_path / "labels"),
-                          "--out-dir", str(tmp_path / "tables"), "--summary", str(tmp_path / "summary.json")],
-                         cwd=ROOT, capture_output=True, text=True)
+    (tmp_path / "labels" / "my-llama" / "tqa.json").write_text(
+        json.dumps(
+            {
+                "splits": {
+                    "train": {"hallucinated": 996, "correct": 2874},
+                    "test": {"hallucinated": 1257, "correct": 4097},
+                }
+            }
+        )
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stages.report",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--metrics-dir",
+            str(tmp_path / "eval"),
+            "--baselines-dir",
+            str(tmp_path / "base"),
+            "--labels-dir",
+            str(tmp_path / "labels"),
+            "--out-dir",
+            str(tmp_path / "tables"),
+            "--summary",
+            str(tmp_path / "summary.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     names = {p.name for p in (tmp_path / "tables").iterdir()}
-    for table in ("auroc", "margin", "throughput", "p_sem_auroc", "label_distribution", "detection_prr",
-                  "margin_by_length", "expected_c_int_my-llama_test"):
+    for table in (
+        "auroc",
+        "margin",
+        "throughput",
+        "p_sem_auroc",
+        "label_distribution",
+        "detection_prr",
+        "margin_by_length",
+        "expected_c_int_my-llama_test",
+    ):
         assert {f"{table}.md", f"{table}.tex"} <= names, table
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
     assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
@@ -191,17 +245,34 @@ def test_every_table_compiles_with_latex(tmp_path):
     nothing but special characters included."""
     grid = grid_of(renamed_params())
     methods = ("hami", "hami_sp", "mean", "max", "raw_mean", "raw_max", "attention", "gated_attention")
-    metrics = {(m, "tqa", method): entry(cost={"samples_per_s_with_sampling_and_nli": 177.0,
-                                               "sequential_samples_per_s": 0.3})
-               for m in ("my-llama", "world") for method in methods}
+    metrics = {
+        (m, "tqa", method): entry(cost={"samples_per_s_with_sampling_and_nli": 177.0, "sequential_samples_per_s": 0.3})
+        for m in ("my-llama", "world")
+        for method in methods
+    }
     metrics |= {(m, "tqa", "p_sem"): entry(family="baseline") for m in ("my-llama", "world")}
     tables = build_tables(metrics, grid)
     special = r"a_b & 50% $x #1 {y} ~z ^w \n <a> |b| ± × ≤ ≥ γ λ – — … é"  # an odd $ too
-    tables.append(Table("special", special, special, [(special, [special])], [Row(special, [Cell(1.0, note=special)])],
-                        notes=[special]))
+    tables.append(
+        Table(
+            "special",
+            special,
+            special,
+            [(special, [special])],
+            [Row(special, [Cell(1.0, note=special)])],
+            notes=[special],
+        )
+    )
     doc = tmp_path / "all.tex"
-    doc.write_text("\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
-                   + "".join(to_latex(t) for t in tables) + "\\end{document}\n")
-    res = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name], cwd=tmp_path,
-                         capture_output=True, text=True)
+    doc.write_text(
+        "\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
+        + "".join(to_latex(t) for t in tables)
+        + "\\end{document}\n"
+    )
+    res = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stdout[-2000:]

@@ -1,5 +1,6 @@
-"""Detector bundles: thresholds and calibration chosen on validation, the export from the
-per-layer DAG outputs, byte-stable files, and clear errors for what cannot be exported or loaded."""
+"""Detector bundles (halludetect/scoring/bundle.py): thresholds and calibration chosen on validation,
+the export from the per-layer DAG outputs, byte-stable files, the export stage, and clear errors for
+what cannot be exported or loaded."""
 
 import argparse
 import hashlib
@@ -13,7 +14,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from halludetect.config import ParamsError, load_params, parse_params
+from halludetect.config import load_params
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import load_detector
 from halludetect.prompts import GENERATION, template_hash
@@ -37,10 +38,12 @@ def test_thresholds_meet_their_false_positive_rate_and_best_f1_is_the_best():
         # the lowest such threshold: one score lower and the target would be exceeded
         lower = z[z < entry["threshold"]].max()
         assert np.mean(neg >= lower) > target
+
     def f1(th):
         flag = z >= th
         tp = (flag & (y == 1)).sum()
         return 2 * tp / (flag.sum() + (y == 1).sum())
+
     assert t["best_f1"]["val_f1"] == pytest.approx(max(f1(th) for th in z))
     assert t["best_f1"]["val_f1"] == pytest.approx(f1(t["best_f1"]["threshold"]))
 
@@ -77,8 +80,13 @@ def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bund
     assert base["files"] == manifest["files"] and base["path"] == manifest["preset"]["path"]
     assert base["hidden_size"] == 32 and b.meta["d"] == 32
     inputs = b.meta["inputs"]
-    assert inputs == {"positions": "predicting", "prompt_template": GENERATION, "chat_template": False,
-                      "prompt_hash": template_hash(GENERATION), "states_dtype": "float16"}
+    assert inputs == {
+        "positions": "predicting",
+        "prompt_template": GENERATION,
+        "chat_template": False,
+        "prompt_hash": template_hash(GENERATION),
+        "states_dtype": "float16",
+    }
     assert b.meta["evaluation"]["test_auroc_dag"] == metrics["test"]["auroc"]
     assert b.meta["combine"] == "mean_logit" and b.meta["default_threshold"] == "best_f1"
     # every seed's weights, equal to the trained files
@@ -89,11 +97,17 @@ def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bund
     # thresholds, calibration and the ensemble's AUROC come from the scores table's mean logits
     scores = pl.read_parquet(contract / "scores" / "max" / f"layer_{layer}.parquet")
     for split, key in (("val", "val_auroc_ensemble"), ("test", "test_auroc_ensemble")):
-        z = scores.filter(pl.col("split") == split).group_by("response_id").agg(pl.col("score").mean(),
-                                                                                pl.col("label").first())
+        z = (
+            scores.filter(pl.col("split") == split)
+            .group_by("response_id")
+            .agg(pl.col("score").mean(), pl.col("label").first())
+        )
         assert b.meta["evaluation"][key] == pytest.approx(roc_auc_score(z["label"], z["score"]))
-    val = scores.filter(pl.col("split") == "val").group_by("response_id").agg(pl.col("score").mean(),
-                                                                             pl.col("label").first())
+    val = (
+        scores.filter(pl.col("split") == "val")
+        .group_by("response_id")
+        .agg(pl.col("score").mean(), pl.col("label").first())
+    )
     platt = fit_platt(val["label"].to_numpy(), val["score"].to_numpy())  # rows in another order: the optimiser's noise
     assert (b.meta["calibration"]["a"], b.meta["calibration"]["b"]) == pytest.approx((platt["a"], platt["b"]), rel=1e-6)
     assert b.threshold() == ("best_f1", b.meta["thresholds"]["best_f1"]["threshold"])
@@ -105,20 +119,34 @@ def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bund
 
 def test_the_same_bundle_gives_the_same_bytes(contract, bundle_path, tmp_path):
     again = tmp_path / "again.safetensors"
-    export_bundle(again, metrics=json.loads((contract / "metrics" / "max.json").read_text()),
-                  detectors_dir=contract / "detectors" / "max", scores_dir=contract / "scores" / "max",
-                  manifest=json.loads((contract / "manifest.json").read_text()), positions="predicting",
-                  states_dtype="float16", prompt_template=GENERATION, fpr_targets=[0.01, 0.05, 0.1],
-                  default_threshold="best_f1")
+    export_bundle(
+        again,
+        metrics=json.loads((contract / "metrics" / "max.json").read_text()),
+        detectors_dir=contract / "detectors" / "max",
+        scores_dir=contract / "scores" / "max",
+        manifest=json.loads((contract / "manifest.json").read_text()),
+        positions="predicting",
+        states_dtype="float16",
+        prompt_template=GENERATION,
+        fpr_targets=[0.01, 0.05, 0.1],
+        default_threshold="best_f1",
+    )
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert digest(again) == digest(bundle_path)
 
 
 def export_args(contract, tmp_path, **change):
-    kw = dict(metrics=json.loads((contract / "metrics" / "max.json").read_text()),
-              detectors_dir=contract / "detectors" / "max", scores_dir=contract / "scores" / "max",
-              manifest=json.loads((contract / "manifest.json").read_text()), positions="predicting",
-              states_dtype="float16", prompt_template=GENERATION, fpr_targets=[0.05], default_threshold="best_f1")
+    kw = dict(
+        metrics=json.loads((contract / "metrics" / "max.json").read_text()),
+        detectors_dir=contract / "detectors" / "max",
+        scores_dir=contract / "scores" / "max",
+        manifest=json.loads((contract / "manifest.json").read_text()),
+        positions="predicting",
+        states_dtype="float16",
+        prompt_template=GENERATION,
+        fpr_targets=[0.05],
+        default_threshold="best_f1",
+    )
     return kw | change
 
 
@@ -157,8 +185,11 @@ def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path
 
     tensors = load_file(bundle_path)
     meta = meta_of(bundle_path)
-    save_file({k: v for k, v in tensors.items() if not k.startswith("seed_1.")}, str(tmp_path / "cut.safetensors"),
-              metadata={"bundle": json.dumps(meta)})
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("seed_1.")},
+        str(tmp_path / "cut.safetensors"),
+        metadata={"bundle": json.dumps(meta)},
+    )
     with pytest.raises(BundleError, match="seed 1's weights do not fit"):
         load_bundle(tmp_path / "cut.safetensors")
     save_file(tensors, str(tmp_path / "v9.safetensors"), metadata={"bundle": json.dumps({**meta, "format_version": 9})})
@@ -166,22 +197,22 @@ def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path
         load_bundle(tmp_path / "v9.safetensors")
 
 
-def test_export_params_name_a_stored_threshold():
-    params = load_params("params.yaml")
-    assert params.export.threshold == "best_f1" and params.export.fpr_targets == [0.01, 0.05, 0.1]
-    data = {"grid": {"models": [], "datasets": [], "methods": []}, "models": {}, "datasets": {},
-            "export": {"fpr_targets": [0.05], "threshold": "fpr_0.01"}}
-    with pytest.raises(ParamsError, match=r"export: threshold 'fpr_0.01' is none the bundle stores.*fpr_0.05"):
-        parse_params(data)
-
-
 def test_export_stage_writes_the_bundle(contract, tmp_path, capsys):
     from stages import export
 
     out = tmp_path / "data" / "bundles" / "tiny" / "mini" / "max.safetensors"
-    args = argparse.Namespace(metrics=contract / "metrics" / "max.json", detectors=contract / "detectors" / "max",
-                              scores=contract / "scores" / "max", manifest=contract / "manifest.json", out=out)
+    args = argparse.Namespace(
+        metrics=contract / "metrics" / "max.json",
+        detectors=contract / "detectors" / "max",
+        scores=contract / "scores" / "max",
+        manifest=contract / "manifest.json",
+        out=out,
+    )
     export.run(args, load_params("params.yaml"))
     b = load_bundle(out)
     assert b.meta["default_threshold"] == "best_f1" and sorted(b.meta["thresholds"]) == [
-        "best_f1", "fpr_0.01", "fpr_0.05", "fpr_0.1"]
+        "best_f1",
+        "fpr_0.01",
+        "fpr_0.05",
+        "fpr_0.1",
+    ]

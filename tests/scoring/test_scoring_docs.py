@@ -1,29 +1,19 @@
-"""README "Scoring new answers": its shell commands and its Python example run as written, in a
-directory laid out like the repository (data/world/model, data/bundles/world/world/max.safetensors)
-with the tiny test model and a bundle exported from the miniature DAG on it."""
+"""docs/scoring.md "Scoring new answers": its shell commands and its Python example run as written,
+and so does the README's example, in a directory laid out like the repository (data/world/model,
+data/bundles/world/world/max.safetensors) with the tiny test model and a bundle exported from the
+miniature DAG on it."""
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
+from support import doc_blocks
 
 from halludetect.scoring.bundle import load_bundle, save_bundle
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def section_blocks(title: str) -> dict[str, list[str]]:
-    text = (ROOT / "README.md").read_text()
-    body = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    blocks: dict[str, list[str]] = {}
-    for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, flags=re.S):
-        blocks.setdefault(lang, []).append(code)
-    return blocks
 
 
 def world_like(tmp_path: Path, bundle_path: Path, model_dir: Path) -> Path:
@@ -39,13 +29,15 @@ def world_like(tmp_path: Path, bundle_path: Path, model_dir: Path) -> Path:
     return tmp_path
 
 
-def test_readme_scoring_commands_run_as_written(bundle_path, tiny_model_dir, tmp_path, monkeypatch):
-    blocks = section_blocks("Scoring new answers")
-    assert len(blocks["bash"]) == 1 and len(blocks["python"]) == 1
+def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monkeypatch):
+    blocks = doc_blocks("docs/scoring.md", "Scoring new answers")
+    readme = doc_blocks("README.md", "Scoring new answers")
+    assert len(blocks["bash"]) == 1 and len(blocks["python"]) >= 1 and list(readme) == ["python"]
     repo = world_like(tmp_path, bundle_path, tiny_model_dir)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    res = subprocess.run(["bash", "-euo", "pipefail", "-c", blocks["bash"][0]], cwd=repo, env=env,
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", blocks["bash"][0]], cwd=repo, env=env, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert '"method": "max"' in res.stdout  # halludetect show
     scores = pl.read_parquet(repo / "scores.parquet")
@@ -54,6 +46,7 @@ def test_readme_scoring_commands_run_as_written(bundle_path, tiny_model_dir, tmp
     sampled = [json.loads(line) for line in (repo / "sampled.jsonl").read_text().splitlines()]
     assert [r["id"] for r in sampled] == ["q1", "q2"] and all("answer" in r and "flag" in r for r in sampled)
     monkeypatch.chdir(repo)
-    scope: dict = {}
-    exec(compile(blocks["python"][0], "README.md", "exec"), scope)  # the README's own example, as written
-    assert scope["df"].height == 1 and scope["df"]["score"][0] is not None
+    for where, code in (("docs/scoring.md", blocks["python"][0]), ("README.md", readme["python"][0])):
+        scope: dict = {}
+        exec(compile(code, where, "exec"), scope)  # the example as written
+        assert scope["df"].height == 1 and scope["df"]["score"][0] is not None, where

@@ -5,6 +5,13 @@ from halludetect.labels.judges.base import JUDGES, Judge, JudgeItem, Verdict, ge
 from halludetect.labels.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass, unusable_splits
 
 __all__ = [
-    "JUDGES", "JUDGMENTS_SCHEMA", "Judge", "JudgeItem", "Verdict", "get_judge", "label_distribution", "two_pass",
+    "JUDGES",
+    "JUDGMENTS_SCHEMA",
+    "Judge",
+    "JudgeItem",
+    "Verdict",
+    "get_judge",
+    "label_distribution",
+    "two_pass",
     "unusable_splits",
 ]

@@ -24,8 +24,10 @@ class OpenAIJudge:
 
     def judge(self, items: list[JudgeItem], with_reference: bool) -> list[Verdict]:
         ask = [i for i, it in enumerate(items) if it.answer.strip()]
-        prompts = [labeling_prompt(items[i].question, items[i].answer, items[i].references if with_reference else None)
-                   for i in ask]
+        prompts = [
+            labeling_prompt(items[i].question, items[i].answer, items[i].references if with_reference else None)
+            for i in ask
+        ]
         replies = self.runner.run(prompts, lambda t: parse_choice(t, YES_NO), desc=f"pass {1 if with_reference else 2}")
         out = [Verdict("invalid", "empty answer: not asked")] * len(items)
         for i, r in zip(ask, replies):

@@ -92,8 +92,6 @@ def label_distribution(judgments: pl.DataFrame) -> dict:
             "correct": int((kept["label"] == 0).sum()),
             "hallucinated": n_h,
             "hallucination_rate": n_h / kept.height if kept.height else None,
-            "dropped": {
-                r: int(n) for r, n in part.filter(~pl.col("kept")).group_by("reason").len().iter_rows()
-            },
+            "dropped": {r: int(n) for r, n in part.filter(~pl.col("kept")).group_by("reason").len().iter_rows()},
         }
     return out

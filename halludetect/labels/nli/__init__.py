@@ -12,6 +12,13 @@ from halludetect.labels.nli.clustering import (
 )
 
 __all__ = [
-    "CLUSTERS_SCHEMA", "EQUIVALENCE", "NLI_BACKENDS", "TIMINGS_SCHEMA", "cluster_all", "cluster_question",
-    "cluster_responses", "get_nli", "unusable_clustering",
+    "CLUSTERS_SCHEMA",
+    "EQUIVALENCE",
+    "NLI_BACKENDS",
+    "TIMINGS_SCHEMA",
+    "cluster_all",
+    "cluster_question",
+    "cluster_responses",
+    "get_nli",
+    "unusable_clustering",
 ]

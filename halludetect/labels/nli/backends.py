@@ -72,8 +72,9 @@ class OpenAINLI:
     def relations(self, pairs: list[Pair]) -> list[Relation | None]:
         from halludetect.prompts import entailment_prompt
 
-        replies = self.runner.run([entailment_prompt(q, a, b) for q, a, b in pairs],
-                                  lambda t: parse_choice(t, RELATIONS), desc="NLI")
+        replies = self.runner.run(
+            [entailment_prompt(q, a, b) for q, a, b in pairs], lambda t: parse_choice(t, RELATIONS), desc="NLI"
+        )
         return [r.value for r in replies]
 
 
@@ -89,7 +90,8 @@ def nli_label_map(id2label: dict) -> dict[int, Relation]:
     if sorted(out.values()) != ["contradiction", "entailment", "neutral"]:
         raise ValueError(
             f"the classifier's id2label {dict(id2label)} does not name entailment, neutral and contradiction "
-            "once each: use an MNLI checkpoint (e.g. microsoft/deberta-large-mnli) or fix its config.json")
+            "once each: use an MNLI checkpoint (e.g. microsoft/deberta-large-mnli) or fix its config.json"
+        )
     return out
 
 
@@ -100,9 +102,17 @@ class HFNLI:
 
     name = "hf"
 
-    def __init__(self, path: str, revision: str | None = None, dtype: str = "float32", device: str = "auto",
-                 batch_size: int = 64, max_length: int = 256, condition_on_question: bool = False,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        path: str,
+        revision: str | None = None,
+        dtype: str = "float32",
+        device: str = "auto",
+        batch_size: int = 64,
+        max_length: int = 256,
+        condition_on_question: bool = False,
+        trust_remote_code: bool = False,
+    ):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -112,11 +122,18 @@ class HFNLI:
         kw = {"revision": revision, "trust_remote_code": trust_remote_code}
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=getattr(torch, dtype) if dtype != "auto" else "auto", **kw).to(self.device).eval()
+            self.model = (
+                AutoModelForSequenceClassification.from_pretrained(
+                    path, dtype=getattr(torch, dtype) if dtype != "auto" else "auto", **kw
+                )
+                .to(self.device)
+                .eval()
+            )
         except OSError as e:
-            raise ModelError(f"cluster.hf.path: cannot load the NLI classifier '{path}': {e}. Offline? Download it "
-                             "and point cluster.hf.path at the local directory") from None
+            raise ModelError(
+                f"cluster.hf.path: cannot load the NLI classifier '{path}': {e}. Offline? Download it "
+                "and point cluster.hf.path at the local directory"
+            ) from None
         try:
             self.labels = nli_label_map(self.model.config.id2label)
         except ValueError as e:
@@ -133,8 +150,14 @@ class HFNLI:
         found: dict[tuple[str, str], Relation] = {}
         for s in range(0, len(distinct), self.batch_size):
             chunk = distinct[s : s + self.batch_size]
-            enc = self.tokenizer([a for a, _ in chunk], [b for _, b in chunk], padding=True, truncation=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            enc = self.tokenizer(
+                [a for a, _ in chunk],
+                [b for _, b in chunk],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
             with torch.inference_mode():
                 pred = self.model(**enc).logits.argmax(-1).tolist()  # [B]
             found.update((t, self.labels[c]) for t, c in zip(chunk, pred))

@@ -57,8 +57,13 @@ CLUSTERS_SCHEMA = {
     "nli_calls": pl.Int32,
 }
 
-TIMINGS_SCHEMA = {"question_id": pl.String, "n_answers": pl.Int32, "n_unique": pl.Int32, "nli_calls": pl.Int32,
-                  "seconds": pl.Float64}
+TIMINGS_SCHEMA = {
+    "question_id": pl.String,
+    "n_answers": pl.Int32,
+    "n_unique": pl.Int32,
+    "nli_calls": pl.Int32,
+    "seconds": pl.Float64,
+}
 
 
 @dataclass
@@ -161,8 +166,10 @@ def unusable_clustering(clusters: pl.DataFrame) -> list[str]:
     out = []
     needed = per_q.filter(pl.col("n_unique") > 1)
     if needed.height and not needed["valid"].any():
-        out.append(f"every one of the {needed.height} questions that needed the NLI backend is invalid (no usable "
-                   "relation came back)")
+        out.append(
+            f"every one of the {needed.height} questions that needed the NLI backend is invalid (no usable "
+            "relation came back)"
+        )
     for split in ("train", "val", "test"):
         part = clusters.filter(pl.col("split") == split)
         if part.height and not part["valid"].any():
@@ -170,8 +177,9 @@ def unusable_clustering(clusters: pl.DataFrame) -> list[str]:
     return out
 
 
-def cluster_responses(nli: NLI, questions: pl.DataFrame, generations: pl.DataFrame, *,
-                      equivalence: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+def cluster_responses(
+    nli: NLI, questions: pl.DataFrame, generations: pl.DataFrame, *, equivalence: str
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(clusters: one row per non-empty answer, timings: one row per question).
 
     Empty answers have no likelihood: they are excluded (the stage counts them). The
@@ -190,15 +198,32 @@ def cluster_responses(nli: NLI, questions: pl.DataFrame, generations: pl.DataFra
         if ids is not None:
             lps = g["token_logprobs"].to_list()
             p_mean, p_cnt, ent["semantic_entropy_mean"], ent["semantic_entropy_discrete"] = semantic_probabilities(
-                ids, [float(np.mean(lp)) for lp in lps])
+                ids, [float(np.mean(lp)) for lp in lps]
+            )
             p_sum, _, ent["semantic_entropy_sum"], _ = semantic_probabilities(ids, [float(np.sum(lp)) for lp in lps])
             per = {"p_sem_mean": p_mean.tolist(), "p_sem_sum": p_sum.tolist(), "p_sem_count": p_cnt.tolist()}
         for k, r in enumerate(g.select("sample_index", "split").iter_rows(named=True)):
-            rows.append({
-                "question_id": qid, "sample_index": r["sample_index"], "split": r["split"], "valid": ids is not None,
-                "semantic_id": ids[k] if ids is not None else None, **{c: v[k] for c, v in per.items()}, **ent,
-                "n_clusters": len(s.reps) if ids is not None else None, "n_unique": len(s.unique), "nli_calls": s.calls,
-            })
-        timings.append({"question_id": qid, "n_answers": g.height, "n_unique": len(s.unique), "nli_calls": s.calls,
-                        "seconds": s.seconds + time.perf_counter() - t0})
+            rows.append(
+                {
+                    "question_id": qid,
+                    "sample_index": r["sample_index"],
+                    "split": r["split"],
+                    "valid": ids is not None,
+                    "semantic_id": ids[k] if ids is not None else None,
+                    **{c: v[k] for c, v in per.items()},
+                    **ent,
+                    "n_clusters": len(s.reps) if ids is not None else None,
+                    "n_unique": len(s.unique),
+                    "nli_calls": s.calls,
+                }
+            )
+        timings.append(
+            {
+                "question_id": qid,
+                "n_answers": g.height,
+                "n_unique": len(s.unique),
+                "nli_calls": s.calls,
+                "seconds": s.seconds + time.perf_counter() - t0,
+            }
+        )
     return pl.DataFrame(rows, schema=CLUSTERS_SCHEMA), pl.DataFrame(timings, schema=TIMINGS_SCHEMA)

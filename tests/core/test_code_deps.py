@@ -1,0 +1,102 @@
+"""The resume fingerprints of `generate` and `halludetect score` hash every file they run.
+
+A kept unit (generate) or part (score) computed by old code must never join one computed by new
+code: the fingerprint holds the sha256 of every file in the import closure of the stage or of the
+scorer (halludetect/core/code_deps.py, the function that writes dvc.yaml's code deps), so an edit
+to any of them discards what was kept. Each file of the closure is edited in a copy of the code
+and the kept work checked to be discarded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from argparse import Namespace
+
+import polars as pl
+import pytest
+
+from halludetect.config import load_params
+from halludetect.core import code_deps
+from halludetect.core.unit_store import UnitStore
+
+ROOT = code_deps.ROOT
+GENERATE = "stages.generate"
+SCORER = "halludetect.scoring.scorer"
+
+
+@pytest.fixture
+def code_copy(tmp_path, monkeypatch):
+    """The code as a copy that a test may edit, with code_deps reading the copy."""
+    copy = tmp_path / "code"
+    for package in code_deps.PACKAGES:
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(code_deps, "ROOT", copy)
+    monkeypatch.setattr(code_deps, "FRONT_DOOR", copy / "halludetect" / "__init__.py")
+    code_deps.imports_of.cache_clear()
+    code_deps._runs_nothing.cache_clear()
+    yield copy
+    code_deps.imports_of.cache_clear()
+    code_deps._runs_nothing.cache_clear()
+
+
+def test_the_closures_hold_the_modules_the_hand_kept_lists_missed():
+    """Sampling depends on how the model loads; scoring also on how a detector is built and on
+    the prompt: the files the old hand-kept lists left out."""
+    generate = set(code_deps.code_digest(GENERATE))
+    assert {
+        "halludetect/lm/hf_models.py",
+        "halludetect/lm/generation.py",
+        "halludetect/lm/model_inputs.py",
+        "halludetect/prompts.py",
+        "halludetect/config.py",
+        "stages/generate.py",
+    } <= generate
+    scorer = set(code_deps.code_digest(SCORER))
+    assert {
+        "halludetect/lm/hf_models.py",
+        "halludetect/detectors/build.py",
+        "halludetect/detectors/networks.py",
+        "halludetect/prompts.py",
+        "halludetect/methods/pooling.py",
+        "halludetect/scoring/bundle.py",
+    } <= scorer
+
+
+def test_generate_fingerprints_its_closure(tmp_path):
+    from stages.generate import fingerprint
+
+    params = load_params(ROOT / "params.yaml")
+    (tmp_path / "q.parquet").write_bytes(b"questions")
+    (tmp_path / "m.json").write_text("{}")
+    args = Namespace(questions=tmp_path / "q.parquet", manifest=tmp_path / "m.json")
+    assert fingerprint(args, params, params.model("world"))["code"] == code_deps.code_digest(GENERATE)
+
+
+def test_the_scorer_fingerprints_its_closure(bundle_path, tiny_model_dir):
+    from halludetect.scoring.scorer import Scorer
+
+    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu")
+    assert scorer.fingerprint()["code"] == code_deps.code_digest(SCORER)
+
+
+@pytest.mark.parametrize("module", [GENERATE, SCORER])
+def test_editing_any_file_of_the_closure_discards_the_kept_work(module, code_copy, tmp_path):
+    files = code_deps.closure(module)
+    assert len(files) > 10
+    unit = pl.DataFrame({"x": [1]})
+    for path in files:
+        store = UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)})
+        store.prepare()
+        store.put(0, unit)
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# an edit\n")
+        try:
+            kept = UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)}).prepare()
+        finally:
+            path.write_bytes(original)
+        assert kept == 0, f"an edit to {path.relative_to(code_copy)} kept work computed before it"
+    # unedited, the same code keeps the unit
+    store = UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)})
+    store.prepare()
+    store.put(0, unit)
+    assert UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)}).prepare() == 1

@@ -1,0 +1,20 @@
+"""Devices (halludetect/core/devices.py), the hostile case: a device this machine lacks is named with its
+params key before anything loads, and `auto` falls back to the CPU."""
+
+import pytest
+
+
+@pytest.mark.hostile
+def test_a_device_this_machine_lacks_is_named_with_its_key_before_anything_loads(monkeypatch):
+    import torch
+
+    from halludetect.core.devices import DeviceError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        DeviceError,
+        match=r"^train.device: 'cuda:1' was asked for but CUDA is not available; use "
+        r"'cpu' or 'auto'$",
+    ):
+        resolve_device("cuda:1", "train.device")
+    assert resolve_device("auto", "train.device") == "cpu"  # auto is a device for training too

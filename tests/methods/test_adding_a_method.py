@@ -1,0 +1,104 @@
+"""The registry of detection methods (halludetect/methods/): one file declares a method, and the
+params, the trait lists, the report and dvc.yaml's code deps follow from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from halludetect.config import DetectorsParams
+from halludetect.core import code_deps
+from halludetect.detectors.build import build_detector, params_for
+from halludetect.methods import METHODS
+from halludetect.report.paper_tables import NAMES
+
+ROOT = code_deps.ROOT
+
+NEW_METHOD = '''"""A user's method: max pooling under another name, with a setting of its own."""
+
+from halludetect.core.sections import PositiveInt, Section
+from halludetect.methods.spec import Method, register
+
+
+class WideMaxParams(Section):
+    dim: PositiveInt = 8
+    dropout: float = 0.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    width_note: str = "wide"
+
+
+register(Method("wide_max", "Wide max pooling", WideMaxParams, reads_p_sem=True,
+                build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "max")))
+'''
+
+CHECK = """
+import json, torch, yaml
+import halludetect
+assert halludetect.__file__.startswith(".") or "/work/main" not in halludetect.__file__, halludetect.__file__
+from halludetect.config import parse_params
+from halludetect.activations.bags import Bags
+from halludetect.detectors.build import build_detector
+from halludetect.methods import SP_METHODS
+from halludetect.report.paper_tables import NAMES
+from halludetect.core import code_deps
+
+data = yaml.safe_load(open("params.yaml"))
+data["grid"]["sp_methods"] = [*data["grid"]["sp_methods"], "wide_max"]
+data["detectors"]["wide_max"] = {"dim": 4, "width_note": "x"}
+params = parse_params(data)
+bags = Bags(torch.randn(5, 3), torch.tensor([2, 3]), torch.tensor([0.5, 0.2]))
+z = build_detector("wide_max", 3, params.detectors.wide_max)(bags)
+wrong = dict(data, grid=dict(data["grid"], methods=[*data["grid"]["methods"], "wide_max"]))
+try:
+    parse_params(wrong)
+    refused = None
+except Exception as e:
+    refused = str(e)
+print(json.dumps({"shape": list(z.shape), "dim": params.detectors.wide_max.dim, "sp": list(SP_METHODS),
+                  "name": NAMES["wide_max"], "refused": refused,
+                  "train_runs_it": "halludetect/methods/wide_max.py" in
+                      [code_deps.relative(p) for p in code_deps.closure("stages.train")]}))
+"""
+
+
+def test_every_method_has_a_params_section_a_display_name_and_builds():
+    assert list(DetectorsParams.model_fields) == list(METHODS)
+    for name, m in METHODS.items():
+        assert DetectorsParams.model_fields[name].annotation is m.params
+        assert NAMES[name] == m.display
+        params = params_for(name, {"dim": 4} if "dim" in m.params.model_fields else {})
+        assert hasattr(build_detector(name, 6, params), "forward")
+
+
+def test_adding_a_method_is_one_file(tmp_path):
+    """A file dropped into methods/ is a method everywhere: its params section validates (with its
+    own keys), grid.sp_methods accepts it (it reads P_sem) and grid.methods refuses it, it builds,
+    the report names it, and the train stage's code deps list its file."""
+    for part in ("halludetect", "stages"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "halludetect" / "methods" / "wide_max.py").write_text(NEW_METHOD)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["shape"] == [2] and got["dim"] == 4 and "wide_max" in got["sp"]
+    assert got["name"] == "Wide max pooling" and got["train_runs_it"]
+    assert "grid.methods: 'wide_max' reads P_sem" in got["refused"]
+
+
+def test_method_files_import_no_torch():
+    """config.py (and so every stage) imports methods/: its files must not load torch, or the
+    report and label stages would (tests/test_pipeline_contract.py checks those stages too)."""
+    code = "import sys, halludetect.methods, halludetect.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,86 @@
+"""The train stage (stages/train.py) checks everything before it trains: an unknown method, a method that
+reads P_sem without --clusters, non-finite states and a layer file of another layer stop it with
+nothing trained and nothing written."""
+
+import subprocess
+
+import numpy as np
+from support import D, stage, synthetic, write_layers
+
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_writer import LayerWriter
+
+
+def test_bad_layer_files_stop_the_train_stage_before_any_training(tmp_path):
+    import h5py
+
+    acts = tmp_path / "acts"
+    acts.mkdir()
+    labels = write_layers(acts)
+    labels.write_parquet(tmp_path / "labels.parquet")
+    with h5py.File(acts / layer_filename(1), "r") as f:
+        offsets = f["offsets"][:]
+    layer, _ = synthetic()
+    states = layer.states.copy()
+    states[offsets[7] + 1, 3] = np.inf  # response 7: train7/0
+    w = LayerWriter(acts / layer_filename(1), D, "float32", {"layer": 1})
+    w.append(states, np.diff(offsets), layer.response_ids)
+    w.close(fsync=False)
+    out = tmp_path / "dets"
+
+    def train(layer: int) -> subprocess.CompletedProcess:
+        return stage(
+            "stages.train",
+            "--method",
+            "max",
+            "--layer",
+            str(layer),
+            "--activations",
+            str(acts / layer_filename(1)),
+            "--judgments",
+            str(tmp_path / "labels.parquet"),
+            "--out",
+            str(out),
+            "--scores",
+            str(tmp_path / "s.parquet"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+        )
+
+    res = train(1)
+    assert res.returncode == 2, res.stderr
+    assert f"{acts / layer_filename(1)}: non-finite hidden states (NaN or inf) in response train7/0" in res.stderr
+    assert "seed 0" not in res.stderr and not out.exists()  # nothing trained, nothing written
+    res = train(0)
+    assert res.returncode == 2 and "holds layer 1, not layer 0: re-run dump" in res.stderr
+
+
+def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(tmp_path):
+    outs = ["--out", str(tmp_path / "out"), "--scores", str(tmp_path / "s"), "--metrics", str(tmp_path / "m")]
+    res = stage(
+        "stages.train",
+        "--method",
+        "hami-sp",
+        "--layer",
+        "0",
+        "--activations",
+        str(tmp_path),
+        "--judgments",
+        "none",
+        *outs,
+    )
+    assert res.returncode == 2 and "unknown detector 'hami-sp'; did you mean 'hami_sp'?" in res.stderr
+    res = stage(
+        "stages.train",
+        "--method",
+        "hami_sp",
+        "--layer",
+        "0",
+        "--activations",
+        str(tmp_path),
+        "--judgments",
+        "none",
+        *outs,
+    )
+    assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
+    assert not (tmp_path / "out").exists()
