@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+from support import doc_blocks
+
 from halludetect.config import DetectorsParams
 from halludetect.core import code_deps
 from halludetect.detectors.build import build_detector, params_for
@@ -16,24 +18,6 @@ from halludetect.methods import METHODS
 from halludetect.report.paper_tables import NAMES
 
 ROOT = code_deps.ROOT
-
-NEW_METHOD = '''"""A user's method: max pooling under another name, with a setting of its own."""
-
-from halludetect.core.sections import PositiveInt, Section
-from halludetect.methods.spec import Method, register
-
-
-class WideMaxParams(Section):
-    dim: PositiveInt = 8
-    dropout: float = 0.0
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    width_note: str = "wide"
-
-
-register(Method("wide_max", "Wide max pooling", WideMaxParams, reads_p_sem=True,
-                build=lambda net, d, p: net.PoolingNet(d, p.dim, p.dropout, "max")))
-'''
 
 CHECK = """
 import json, torch, yaml
@@ -47,18 +31,18 @@ from halludetect.report.paper_tables import NAMES
 from halludetect.core import code_deps
 
 data = yaml.safe_load(open("params.yaml"))
-data["grid"]["sp_methods"] = [*data["grid"]["sp_methods"], "wide_max"]
-data["detectors"]["wide_max"] = {"dim": 4, "width_note": "x"}
+data["grid"]["methods"] = [*data["grid"]["methods"], "wide_max"]
+data["detectors"]["wide_max"] = {"dim": 4}
 params = parse_params(data)
 bags = Bags(torch.randn(5, 3), torch.tensor([2, 3]), torch.tensor([0.5, 0.2]))
 z = build_detector("wide_max", 3, params.detectors.wide_max)(bags)
-wrong = dict(data, grid=dict(data["grid"], methods=[*data["grid"]["methods"], "wide_max"]))
+wrong = dict(data, detectors=dict(data["detectors"], wide_max={"dim": 4, "dimm": 5}))
 try:
     parse_params(wrong)
     refused = None
 except Exception as e:
     refused = str(e)
-print(json.dumps({"shape": list(z.shape), "dim": params.detectors.wide_max.dim, "sp": list(SP_METHODS),
+print(json.dumps({"shape": list(z.shape), "dim": params.detectors.wide_max.dim, "sp": "wide_max" in SP_METHODS,
                   "name": NAMES["wide_max"], "refused": refused,
                   "train_runs_it": "halludetect/methods/wide_max.py" in
                       [code_deps.relative(p) for p in code_deps.closure("stages.train")]}))
@@ -75,13 +59,15 @@ def test_every_method_has_a_params_section_a_display_name_and_builds():
 
 
 def test_adding_a_method_is_one_file(tmp_path):
-    """A file dropped into methods/ is a method everywhere: its params section validates (with its
-    own keys), grid.sp_methods accepts it (it reads P_sem) and grid.methods refuses it, it builds,
-    the report names it, and the train stage's code deps list its file."""
+    """The example of docs/detectors.md "Adding a detector", dropped into methods/ of a copy of the
+    code as written, is a method everywhere: grid.methods accepts it, its params section validates
+    (an unknown key in it is refused), it builds, the report names it, and the train stage's code
+    deps list its file."""
     for part in ("halludetect", "stages"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    (tmp_path / "halludetect" / "methods" / "wide_max.py").write_text(NEW_METHOD)
+    example = doc_blocks("docs/detectors.md", "Adding a detector")["python"][0]
+    (tmp_path / "halludetect" / "methods" / "wide_max.py").write_text(example)
     out = subprocess.run(
         [sys.executable, "-c", CHECK],
         cwd=tmp_path,
@@ -91,9 +77,9 @@ def test_adding_a_method_is_one_file(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
-    assert got["shape"] == [2] and got["dim"] == 4 and "wide_max" in got["sp"]
+    assert got["shape"] == [2] and got["dim"] == 4 and not got["sp"]
     assert got["name"] == "Wide max pooling" and got["train_runs_it"]
-    assert "grid.methods: 'wide_max' reads P_sem" in got["refused"]
+    assert "detectors.wide_max.dimm: unknown key; did you mean 'dim'?" in got["refused"]
 
 
 def test_method_files_import_no_torch():
