@@ -182,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 naming the stages whose code deps are stale")
     mode.add_argument("--module", help="print the files one module runs, one per line")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, SyntaxError) as e:  # a bad name, a missing file, a module that does not parse
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.module:
         print("\n".join(relative(f) for f in closure(args.module)))
         return 0

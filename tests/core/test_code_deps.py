@@ -100,3 +100,22 @@ def test_editing_any_file_of_the_closure_discards_the_kept_work(module, code_cop
     store.prepare()
     store.put(0, unit)
     assert UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)}).prepare() == 1
+
+
+def test_the_command_writes_checks_and_refuses_in_one_line(tmp_path, capsys):
+    """`make deps` on a dvc.yaml missing a module rewrites it; --check names the stale stage; a bad
+    module name or a missing file is one line and exit 2."""
+    text = (ROOT / "dvc.yaml").read_text()
+    stale = text.replace("      - halludetect/lm/hf_models.py\n", "", 1)
+    assert stale != text
+    path = tmp_path / "dvc.yaml"
+    path.write_text(stale)
+    assert code_deps.main(["--check", "--dvc-yaml", str(path)]) == 1
+    assert "stale code deps in world_check" in capsys.readouterr().err
+    assert code_deps.main(["--write", "--dvc-yaml", str(path)]) == 0
+    assert path.read_text() == text
+    assert code_deps.main(["--check", "--dvc-yaml", str(path)]) == 0
+    assert code_deps.main(["--module", "stages.nope"]) == 2
+    assert code_deps.main(["--check", "--dvc-yaml", str(tmp_path / "none.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "no module 'stages.nope'" in err and "none.yaml" in err
