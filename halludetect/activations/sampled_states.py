@@ -23,6 +23,7 @@ import torch
 from halludetect.activations.capture import bag_slice, layer_module
 from halludetect.config import GenerateParams
 from halludetect.lm.generation import Trimmed, sample_rows
+from halludetect.lm.hf_models import cache_kwarg, passed_cache
 from halludetect.lm.model_inputs import pad_ids
 
 
@@ -52,7 +53,7 @@ def _sample_once(
         steps.append((output[0] if isinstance(output, tuple) else output).detach())
 
     def watch(_module, _args, kwargs):  # the sampling pass's KV cache, for the step after its last
-        last_call["cache"] = kwargs.get("past_key_values")
+        last_call["cache"] = passed_cache(kwargs)
 
     handles = [
         layer_module(model, layer).register_forward_hook(keep),
@@ -75,8 +76,8 @@ def _sample_once(
                 input_ids=last,
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1)[:, -1:],
-                past_key_values=last_call["cache"],
                 use_cache=True,
+                **{cache_kwarg(model): last_call["cache"]},
             )
     finally:
         for h in handles:

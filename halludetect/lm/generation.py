@@ -48,7 +48,7 @@ from transformers.generation.logits_process import (
 
 from halludetect.config import GenerateParams
 from halludetect.core.unit_store import UnitStore
-from halludetect.lm.hf_models import eos_ids, input_device
+from halludetect.lm.hf_models import cache_kwarg, eos_ids, input_device
 from halludetect.lm.model_inputs import check_context, encode_prompt, pad_ids
 from halludetect.lm.parallel import Workers
 
@@ -170,8 +170,8 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, repeats: int):
         input_ids=ids[:, :-1],
         attention_mask=mask[:, :-1],
         position_ids=positions[:, :-1],
-        past_key_values=cache,
         use_cache=True,
+        **{cache_kwarg(model): cache},
     )
     cache.batch_repeat_interleave(repeats)
     return cache
@@ -196,7 +196,7 @@ def sample_rows(
     kw = {}
     if repeats > 1 and len(prompts[0]) > 1:
         unique_ids, unique_mask = pad_ids(prompts[::repeats], tokenizer.pad_token_id, left=True)
-        kw["past_key_values"] = _shared_prefill(model, unique_ids.to(device), unique_mask.to(device), repeats)
+        kw[cache_kwarg(model)] = _shared_prefill(model, unique_ids.to(device), unique_mask.to(device), repeats)
         ids, mask = unique_ids.repeat_interleave(repeats, 0), unique_mask.repeat_interleave(repeats, 0)
     else:
         ids, mask = pad_ids(prompts, tokenizer.pad_token_id, left=True)

@@ -170,3 +170,19 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
+
+
+def cache_kwarg(model) -> str:
+    """The name a model's `forward` (and `generate`) takes its KV cache by.
+
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in
+    5.40); earlier 5.x releases know only `past_key_values`. The signature says which this
+    installation has (`inspect` follows the deprecation wrapper to the real forward)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def passed_cache(kwargs: dict):
+    """The KV cache in a forward call's keyword arguments, under either name (see `cache_kwarg`)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
