@@ -36,29 +36,38 @@ def run(args, params):
     preset = params.model(args.model)
     me.check_placement(args.model, preset)
     questions = read_questions(args.questions)
-    store = UnitStore(args.progress, fingerprint(args, params, preset), schema=GENERATIONS_SCHEMA)
-    if me.main:
-        kept = store.prepare()
-        common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
-    me.barrier()
-    tokenizer = load_tokenizer(preset)
-    model = load_model(preset, me.device or params.generate.device)
-    df = generate(
-        model,
-        tokenizer,
-        questions,
-        params.generate,
-        chat_template=preset.chat_template,
-        store=store,
-        workers=me,
-        log=common.log.info,
+    store = UnitStore(
+        args.progress,
+        fingerprint(args, params, preset),
+        schema=GENERATIONS_SCHEMA,
+        busy_hint=", or give this run another --progress directory",
     )
+    try:
+        if me.main:
+            kept = store.prepare()  # claims the directory: a second run on it stops here
+            common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
+        me.barrier()
+        tokenizer = load_tokenizer(preset)
+        model = load_model(preset, me.device or params.generate.device)
+        df = generate(
+            model,
+            tokenizer,
+            questions,
+            params.generate,
+            chat_template=preset.chat_template,
+            store=store,
+            workers=me,
+            log=common.log.info,
+        )
+    except BaseException:
+        store.release()  # an error or an interrupt leaves the units to the next run, unclaimed
+        raise
     if not me.main:
         return
     # Wall times go to the metrics, not the Parquet: the same samples then give the same
     # bytes on every run, and DVC does not re-run judge, cluster and dump for a timing change.
     write_parquet(args.out, df.drop("seconds"))
-    store.remove()
+    store.remove()  # and the claim with it
     metrics = {
         "questions": questions.height,
         "samples": df.height,

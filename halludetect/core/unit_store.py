@@ -14,38 +14,179 @@ loss leaves the whole unit or none), and `prepare` still reads every kept unit b
 that is unreadable (truncated, empty) or has another schema is discarded with a warning
 naming it, and recomputed; an unreadable `fingerprint.json` discards the whole store, with a
 warning.
+
+One run owns a store at a time. `prepare` claims it before it reads or discards anything:
+
+    <dir>/owner.lock           an exclusive lock (flock), held for as long as the run has the store
+    <dir>/owner.json           who holds it: pid, host, start time (for the message of a refused run)
+
+A second run on the same directory (two `halludetect score` with one --out, say) stops at once
+with a `StoreBusy` naming the running process, before it reads or writes any unit: two runs never
+mix their units, and neither loses its work to the other. The lock belongs to the open file: the
+kernel drops it when the owner exits or is killed (SIGKILL, OOM), so a dead owner's claim is
+taken over by the next run at once, with no lease to expire and no reused pid to mistake for it;
+the next run logs whose claim it took over. Several processes of one run (the data-parallel
+workers of `generate`) share the store: the main one claims it, the others only put units.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
+import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import polars as pl
 
 from halludetect.core.atomic_io import write_json, write_parquet
-from halludetect.core.errors import DataError
+from halludetect.core.errors import DataError, UserError
 
 log = logging.getLogger("halludetect")
 UNIT = re.compile(r"unit_(\d{6,})\.parquet")
+LOCK, OWNER, FINGERPRINT = "owner.lock", "owner.json", "fingerprint.json"
+HOST = socket.gethostname()
+
+
+class StoreBusy(UserError):
+    """Another run holds the store: its units are not ours to read, discard or add to."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def describe_owner(record: dict | None) -> str:
+    if not record:
+        return "another process (it has just started: its record is not written yet)"
+    where = "" if record.get("host") == HOST else f" on host {record.get('host')}"
+    return f"process {record.get('pid')}{where}, started {record.get('started')}"
 
 
 class UnitStore:
-    def __init__(self, directory: str | Path, fingerprint: dict, schema: dict | None = None):
-        """`schema` (column -> polars dtype): what every unit must hold; None accepts any readable unit."""
+    def __init__(self, directory: str | Path, fingerprint: dict, schema: dict | None = None, *, busy_hint: str = ""):
+        """`schema` (column -> polars dtype): what every unit must hold; None accepts any readable unit.
+        `busy_hint`: what a refused second run can do instead (e.g. ", or write to another --out")."""
         self.dir = Path(directory)
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))  # JSON-normalised
         self.schema = pl.Schema(schema) if schema is not None else None
+        self.busy_hint = busy_hint
+        self._lock = None  # the open lock file while this object owns the store
+
+    # ------------------------------------------------------------------ ownership
+    def _owner(self) -> dict | None:
+        try:
+            record = json.loads((self.dir / OWNER).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _refuse(self) -> StoreBusy:
+        # The owner writes its record just after it takes the lock: give it a moment to appear.
+        for _ in range(20):
+            record = self._owner()
+            if record and (record.get("host") != HOST or pid_alive(int(record.get("pid", -1)))):
+                break
+            time.sleep(0.05)
+        else:
+            record = None
+        mine = record is not None and record.get("host") == HOST and record.get("pid") == os.getpid()
+        who = f"this process ({os.getpid()}), through another UnitStore" if mine else describe_owner(record)
+        return StoreBusy(
+            f"{self.dir} is in use by another run: {who}. Two runs on one directory would mix their "
+            f"results: wait for it to finish (or stop it){self.busy_hint}"
+        )
+
+    def claim(self) -> None:
+        """Own the store, or raise `StoreBusy` naming the run that does. A dead owner's claim (its
+        process ended without finishing) is taken over, with a warning naming it."""
+        if self._lock is not None:
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise UserError(f"{self.dir} is a file, not a progress directory: move it away") from None
+        path = self.dir / LOCK
+        while True:
+            f = path.open("a+b")  # not inherited by child processes (O_CLOEXEC)
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                raise self._refuse() from None
+            except OSError as e:
+                f.close()
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise UserError(
+                        f"{path}: this filesystem has no file locks ({e.strerror}), so two runs could not "
+                        "be kept apart: put the output (or progress directory) on a local disk"
+                    ) from None
+                raise
+            # A finishing owner removes the directory: the file we locked may no longer be the one
+            # at `path` (a third run may have made a new one). Only the lock on the live file counts.
+            try:
+                st, here = path.stat(), os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = f
+        if (previous := self._owner()) is not None:
+            log.warning(
+                "progress %s: taking it over from %s, which ended without finishing (killed?); its "
+                "finished units are kept if they match",
+                self.dir,
+                describe_owner(previous),
+            )
+        write_json(
+            self.dir / OWNER, {"pid": os.getpid(), "host": HOST, "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+        )
+
+    def release(self) -> None:
+        """Give the store up (its units stay, for a later run); a no-op when this object does not own it."""
+        if self._lock is None:
+            return
+        (self.dir / OWNER).unlink(missing_ok=True)
+        self._lock.close()  # the lock goes with the file
+        self._lock = None
+
+    @property
+    def owned(self) -> bool:
+        return self._lock is not None
+
+    def __enter__(self) -> UnitStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        # An owner dropped without release() gives the store up, like a process that exits.
+        if getattr(self, "_lock", None) is not None:
+            self.release()
+
+    # ------------------------------------------------------------------ units
 
     def _path(self, unit: int) -> Path:
         return self.dir / f"unit_{unit:06d}.parquet"
 
     def _stamp(self) -> dict | None:
         """The fingerprint on disk; None (with a warning) when it is missing or unreadable."""
-        stamp = self.dir / "fingerprint.json"
+        stamp = self.dir / FINGERPRINT
         try:
             return json.loads(stamp.read_text())
         except FileNotFoundError:
@@ -60,8 +201,11 @@ class UnitStore:
         return None
 
     def prepare(self) -> int:
-        """Keep matching, readable units from an earlier run, discard others; return how many were kept."""
-        if self.dir.exists():
+        """Claim the store (`claim`), then keep matching, readable units from an earlier run and
+        discard the others; return how many were kept."""
+        self.claim()
+        earlier = [p for p in self.dir.iterdir() if p.name not in (LOCK, OWNER)]
+        if earlier:
             old = self._stamp()
             if old == self.fingerprint:
                 self._discard_damaged()
@@ -70,9 +214,12 @@ class UnitStore:
                 log.info(
                     "progress %s was computed differently (params, model, inputs or code): discarding it", self.dir
                 )
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
-        write_json(self.dir / "fingerprint.json", self.fingerprint)
+            for p in earlier:  # everything but the claim, which stays ours
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        write_json(self.dir / FINGERPRINT, self.fingerprint)
         return 0
 
     def _read(self, path: Path) -> tuple[pl.DataFrame | None, str | None]:
@@ -86,6 +233,8 @@ class UnitStore:
         return df, None
 
     def _discard_damaged(self) -> None:
+        for tmp in self.dir.glob(".*.tmp"):  # a write that a kill interrupted before its rename
+            tmp.unlink()
         for path in sorted(self.dir.glob("unit_*.parquet")):
             why = "not a unit name" if not UNIT.fullmatch(path.name) else self._read(path)[1]
             if why:
@@ -121,4 +270,8 @@ class UnitStore:
         return pl.concat([self.read(u) for u in range(n_units)], how="vertical")
 
     def remove(self) -> None:
+        """Delete the store (its results are in the real output now) and give up the claim."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

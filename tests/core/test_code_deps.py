@@ -88,6 +88,7 @@ def test_editing_any_file_of_the_closure_discards_the_kept_work(module, code_cop
         store = UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)})
         store.prepare()
         store.put(0, unit)
+        store.release()
         original = path.read_bytes()
         path.write_bytes(original + b"\n# an edit\n")
         try:
@@ -99,6 +100,7 @@ def test_editing_any_file_of_the_closure_discards_the_kept_work(module, code_cop
     store = UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)})
     store.prepare()
     store.put(0, unit)
+    store.release()
     assert UnitStore(tmp_path / "progress", {"code": code_deps.code_digest(module)}).prepare() == 1
 
 

@@ -79,6 +79,7 @@ def test_killed_run_resumes_to_the_same_output(tiny, tmp_path, monkeypatch):
         generate(model, tok, questions(), PARAMS, store=store)
     monkeypatch.setattr(generation, "generate_unit", real)
     assert store.finished() == {0, 1}
+    store.release()  # the killed run's claim ends with it
     # A re-run with the same fingerprint keeps the two units and computes only the third.
     again = UnitStore(tmp_path / "progress", {"run": 1})
     assert again.prepare() == 2
@@ -87,6 +88,7 @@ def test_killed_run_resumes_to_the_same_output(tiny, tmp_path, monkeypatch):
     resumed = generate(model, tok, questions(), PARAMS, store=again)
     assert len(computed) == 1
     assert no_seconds(resumed).equals(no_seconds(clean))
+    again.release()
     # A different fingerprint (say, another temperature) discards what was kept.
     assert UnitStore(tmp_path / "progress", {"run": 2}).prepare() == 0
 
@@ -102,6 +104,7 @@ def test_generate_discards_a_truncated_unit_with_a_warning_and_recomputes_it(tin
     first.prepare()
     generate(model, tok, questions(), PARAMS, store=first)
     n_units = len(first.finished())
+    first.release()
     unit = tmp_path / "progress" / "unit_000001.parquet"
     unit.write_bytes(unit.read_bytes()[:40])  # what a power loss can leave of a unit renamed without fsync
     again = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
