@@ -20,24 +20,39 @@ import sys
 from halludetect.core.errors import UserError
 
 
-def _score(args) -> None:
+def _sampling(args):
+    """`score --generate`'s sampling params: --params' generate section (or the defaults), with
+    --seed and --max-new-tokens over it, validated again (scorer.checked_generate)."""
     from halludetect.config import GenerateParams, load_params
+    from halludetect.scoring.scorer import checked_generate
+
+    if not args.generate:
+        if args.params or args.seed is not None or args.max_new_tokens is not None or args.greedy:
+            raise UserError(
+                "--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
+                "pass --generate, or drop them"
+            )
+        return None
+    generate = load_params(args.params).generate if args.params else GenerateParams()
+    update = {k: v for k, v in (("seed", args.seed), ("max_new_tokens", args.max_new_tokens)) if v is not None}
+    return checked_generate(generate.model_copy(update=update))
+
+
+def _check_summary_path(args) -> None:
+    """--summary is written after the scores: refuse a path that would destroy an input or the scores."""
+    from halludetect.scoring.answer_files import check_output
+
+    if args.summary:
+        reads = {"input (--input)": args.input, "bundle (--bundle)": args.bundle, "output (--out)": args.out}
+        check_output(args.summary, "the summary (--summary)", reads)
+
+
+def _score(args) -> None:
     from halludetect.core.atomic_io import write_json
     from halludetect.scoring.scorer import score_file
 
-    generate = None
-    if args.generate:
-        generate = load_params(args.params).generate if args.params else GenerateParams()
-        if args.seed is not None:
-            generate = generate.model_copy(update={"seed": args.seed})
-        if args.max_new_tokens is not None:
-            generate = generate.model_copy(update={"max_new_tokens": args.max_new_tokens})
-    elif args.params or args.seed is not None or args.max_new_tokens is not None or args.greedy:
-        raise UserError(
-            "--params, --seed, --max-new-tokens and --greedy set the sampling of --generate: "
-            "pass --generate, or drop them"
-        )
-    threshold = args.threshold
+    generate = _sampling(args)
+    _check_summary_path(args)
     summary = score_file(
         args.bundle,
         args.input,
@@ -50,7 +65,7 @@ def _score(args) -> None:
         positions=args.positions,
         generate=generate,
         greedy=args.greedy,
-        threshold=threshold,
+        threshold=args.threshold,
         batch_size=args.batch_size,
         per_seed=args.per_seed,
         rows_per_part=args.rows_per_part,
@@ -65,7 +80,9 @@ def _score(args) -> None:
 def _show(args) -> None:
     from halludetect.scoring.bundle import load_bundle
 
-    b = load_bundle(args.bundle)
+    b = load_bundle(args.bundle)  # a damaged bundle is an error here, as when scoring
+    for warning in b.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps({"sha256": b.sha256, **b.meta}, indent=2, sort_keys=True))
 
 
@@ -245,8 +262,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if getattr(args, "batch_size", 1) < 1 or getattr(args, "rows_per_part", 1) < 1:
-        parser().error("--batch-size and --rows-per-part must be at least 1")
     try:
         args.run(args)
     except (UserError, FileNotFoundError) as e:

@@ -6,6 +6,8 @@ loaded, that the machine has the device, naming the key when it has not.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from halludetect.core.errors import UserError
@@ -15,8 +17,15 @@ class DeviceError(UserError, ValueError):
     """A device this machine does not have."""
 
 
+# The spelling config.py accepts for a params `device` key (its DEVICE); the library's callers
+# (`halludetect score --device`) pass strings that params never validated.
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
 def resolve_device(device: str, key: str = "device") -> str:
     """'auto' -> cuda if available, else cpu; any other device is checked to exist here."""
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise DeviceError(f"{key}: {device!r} is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):

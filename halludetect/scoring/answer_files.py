@@ -143,8 +143,15 @@ class AnswerFile:
         """(row, where, parsed record) for every data row, streamed."""
         if self.path.suffix == ".jsonl":
             row = 0
-            with self.path.open(encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            with self.path.open("rb") as f:  # bytes: a line that is not UTF-8 is named, as prepare does
+                for n, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise InputError(
+                            f"{self.path}, line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                            "re-save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+                        ) from None
                     if not line.strip():
                         continue  # blank lines (a trailing newline) are no rows
                     try:
@@ -154,6 +161,7 @@ class AnswerFile:
                     yield row, f"line {n}", rec
                     row += 1
             return
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
@@ -162,7 +170,19 @@ class AnswerFile:
             raise InputError(f"{self.path}: not a readable Parquet file ({e})") from None
         columns = [c for c in ("id", "question", "answer", "answer_token_ids", "p_sem") if c in pf.schema_arrow.names]
         row = 0
-        for batch in pf.iter_batches(batch_size=4096, columns=columns):
+        batches = pf.iter_batches(batch_size=4096, columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:  # damaged data pages: the footer read fine
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise InputError(
+                    f"{self.path}: damaged Parquet data after row {row - 1} ({first}); write the file again"
+                    if row
+                    else f"{self.path}: damaged Parquet data in its first rows ({first}); write the file again"
+                ) from None
+            if batch is None:
+                return
             for rec in batch.to_pylist():
                 yield row, f"row {row}", rec
                 row += 1
@@ -218,6 +238,32 @@ def output_format(path: str | Path) -> str:
     if suffix not in (".parquet", ".jsonl"):
         raise InputError(f"{path}: unknown output format '{suffix}': use .parquet or .jsonl")
     return suffix[1:]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names: the same path once resolved (symlinks), or the same inode (hard links)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def check_output(path: str | Path, what: str, reads: dict[str, str | Path | None]) -> None:
+    """Before any work: `path` can be written and is none of the files the run reads (`reads`:
+    what -> path), so that writing it never destroys an input."""
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"{what} {out} is a directory: give a file path in it (e.g. {out / 'scores.parquet'})")
+    parent = out.parent
+    if not parent.is_dir():
+        raise InputError(f"{what} {out}: its folder {parent} does not exist (create it first, or fix the path)")
+    for name, other in reads.items():
+        if other is not None and _same_file(out, Path(other)):
+            raise InputError(
+                f"{what} {out} is the {name} {other}: writing it would destroy what this run reads; give another path"
+            )
 
 
 def write_output(parts: list[Path], out: str | Path, schema: dict) -> None:

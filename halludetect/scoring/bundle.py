@@ -6,7 +6,9 @@ One safetensors file:
     tensors   every seed's detector weights, named `seed_<S>.<parameter>`
     metadata  one sorted JSON entry, "bundle" (one entry, as in detector files: safetensors
               writes several in no fixed order, and the same bundle must give the same bytes):
-      format, format_version
+      format, format_version       "halludetect-bundle", 2
+      digest                       sha256 of every tensor (its dtype, shape and bytes) and of
+                                   the rest of the metadata: a flipped byte is named on load
       method, params, d            the detector, rebuilt from the registry (no pickles)
       layer, n_layers              the hidden state it reads (0 = embeddings; n_layers = the
                                    top, which carries the final norm)
@@ -29,37 +31,124 @@ hundred responses), so "best" mostly picks noise. The mean of the logits of inde
 trained detectors has less variance than any one of them, uses every seed the DAG reported,
 and costs S detector passes, nothing next to the transformer blocks that produce its input.
 Its own test AUROC is measured at export and stored beside the per-seed ones.
+
+Loading checks what it reads before anything scores with it, each failure a `BundleError`
+naming the bundle and the key or tensor: the metadata's types and shapes (`BundleMeta`) and
+how its entries fit together (layer within the model, width, default threshold, prompt hash),
+the digest of every tensor and of the metadata, and that every weight is finite. Format 1
+bundles (written before the digest) are still read, with every check but the digest's and a
+warning (`Bundle.warnings`) that damage to their bytes cannot be detected; `dvc repro export`
+writes them again in format 2.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
 import torch
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, NonNegativeInt, PositiveInt, ValidationError
 from torch import nn
 
 from halludetect.activations.bags import Bags
 from halludetect.config import threshold_name
 from halludetect.core.atomic_io import atomic_path, file_sha256
-from halludetect.core.errors import DataError, UserError
+from halludetect.core.errors import DataError
+from halludetect.core.lookup import UnknownName
 from halludetect.detectors.build import build_detector, load_detector, params_for
 from halludetect.methods import SP_METHODS
 from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
 
 FORMAT = "halludetect-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the digest of the tensors and the metadata; 1 (read, unchecked): without it
 COMBINE = "mean_logit"
 META_KEY = "bundle"
 
 
-class BundleError(UserError, ValueError):
+class BundleError(DataError):
     """A bundle file that cannot be used: not a bundle, damaged, or for another model or input."""
+
+
+# ------------------------------------------------------------------ the metadata's shape
+class _Meta(BaseModel):
+    # strict: a number written as a string, or a flag as 0/1, is damage, not something to convert
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ThresholdMeta(_Meta):
+    threshold: FiniteFloat
+
+
+class CalibrationMeta(_Meta):
+    method: Literal["platt"]
+    a: FiniteFloat
+    b: FiniteFloat
+
+
+class BaseModelMeta(_Meta):
+    path: str
+    revision: str | None
+    resolved_revision: str | None
+    files: dict[str, str] | None
+    hidden_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    preset: dict[str, Any]
+
+
+class InputsMeta(_Meta):
+    positions: Literal["predicting", "generated"]
+    prompt_template: str
+    prompt_hash: str
+    chat_template: bool
+    states_dtype: Literal["float16", "float32", "bfloat16"]
+
+
+class DigestMeta(_Meta):
+    algorithm: Literal["sha256"]
+    tensors: dict[str, str]
+    metadata: str
+
+
+class BundleMeta(_Meta):
+    """What `load_bundle` requires of the metadata, type by type (relations: `check_meta`)."""
+
+    format: Literal["halludetect-bundle"]
+    format_version: Literal[1, 2]
+    method: str
+    params: dict[str, Any]
+    d: PositiveInt
+    layer: NonNegativeInt
+    n_layers: PositiveInt
+    base_model: BaseModelMeta
+    inputs: InputsMeta
+    seeds: list[int] = Field(min_length=1)
+    combine: Literal["mean_logit"]
+    thresholds: dict[str, ThresholdMeta] = Field(min_length=1)
+    default_threshold: str
+    calibration: CalibrationMeta
+    evaluation: dict[str, Any]
+    digest: DigestMeta | None = None
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (any dtype: bfloat16 has no numpy view)."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{list(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def metadata_digest(meta: dict) -> str:
+    """sha256 of the metadata without its digest entry, as JSON with sorted keys."""
+    rest = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, allow_nan=False).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ thresholds and calibration
@@ -116,12 +205,14 @@ def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
 # ---------------------------------------------------------------------------- the bundle
 @dataclass
 class Bundle:
-    """A loaded bundle: its metadata and one detector per seed (in eval mode)."""
+    """A loaded bundle: its metadata and one detector per seed (in eval mode). `warnings`: what
+    loading could not check (a format 1 bundle has no digest), for the caller to show."""
 
     meta: dict
     detectors: dict[int, nn.Module]
     path: Path | None = None
     sha256: str | None = None
+    warnings: list[str] = field(default_factory=list)
     _device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
@@ -162,7 +253,8 @@ class Bundle:
 
     def probability(self, z: np.ndarray) -> np.ndarray:
         c = self.meta["calibration"]
-        return 1 / (1 + np.exp(-(c["a"] * np.asarray(z, dtype=np.float64) + c["b"])))
+        x = c["a"] * np.asarray(z, dtype=np.float64) + c["b"]
+        return np.exp(-np.logaddexp(0.0, -x))  # sigmoid(x), without overflow for |x| > 709
 
     def threshold(self, choice: str | float | None = None) -> tuple[str, float]:
         """(name, value) of a stored threshold (`best_f1`, `fpr_0.05`, ...), the default one for
@@ -171,11 +263,16 @@ class Bundle:
         if choice is None:
             choice = self.meta["default_threshold"]
         if isinstance(choice, int | float) and not isinstance(choice, bool):
-            return f"{float(choice):g}", float(choice)
-        try:
-            return str(choice), float(choice)
-        except ValueError:
-            pass
+            name, value = f"{float(choice):g}", float(choice)
+        else:
+            name, value = str(choice), _number(choice)
+        if value is not None:
+            if not math.isfinite(value):
+                raise BundleError(
+                    f"threshold {choice!r} is not a finite logit: give one this bundle stores "
+                    f"({', '.join(sorted(stored))}) or a finite number"
+                )
+            return name, value
         if choice not in stored:
             raise BundleError(
                 f"unknown threshold '{choice}': this bundle has {', '.join(sorted(stored))}, or give a logit value"
@@ -183,36 +280,119 @@ class Bundle:
         return str(choice), float(stored[choice]["threshold"])
 
 
+def _number(text) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
 def save_bundle(path: str | Path, detectors: dict[int, dict[str, torch.Tensor]], meta: dict) -> None:
-    """Write a bundle atomically: each seed's state dict under `seed_<S>.`, `meta` as one JSON entry."""
+    """Write a bundle atomically: each seed's state dict under `seed_<S>.`, `meta` as one JSON entry,
+    in the current format, with the digest of what is written (any digest in `meta` is replaced)."""
     from safetensors.torch import save_file
 
     tensors = {
         f"seed_{seed}.{k}": v.detach().cpu().contiguous() for seed, sd in detectors.items() for k, v in sd.items()
     }
+    meta = {k: v for k, v in meta.items() if k != "digest"} | {"format": FORMAT, "format_version": FORMAT_VERSION}
+    meta["digest"] = {
+        "algorithm": "sha256",
+        "tensors": {name: tensor_digest(t) for name, t in sorted(tensors.items())},
+        "metadata": metadata_digest(meta),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
 
 
-REQUIRED = (
-    "method",
-    "params",
-    "d",
-    "layer",
-    "n_layers",
-    "base_model",
-    "inputs",
-    "seeds",
-    "combine",
-    "thresholds",
-    "default_threshold",
-    "calibration",
-    "evaluation",
-)
+RE_EXPORT = "re-export it (dvc repro export@<model>-<dataset>-<method>) or copy it again"
+
+
+def _key(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(the metadata)"
+
+
+def check_meta(path: Path, meta: object) -> dict:
+    """The metadata's types and shapes, and how its entries fit together; a `BundleError` naming
+    the bundle and every key that is wrong."""
+    if not isinstance(meta, dict):
+        raise BundleError(f"{path}: the bundle metadata is {type(meta).__name__}, not an object: {RE_EXPORT}")
+    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, FORMAT_VERSION):
+        raise BundleError(
+            f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
+            f"halludetect reads {FORMAT!r} versions 1 and {FORMAT_VERSION}"
+        )
+    try:
+        BundleMeta.model_validate(meta)
+    except ValidationError as e:
+        problems = [
+            f"'{_key(err['loc'])}': {err['msg'].lower()}"
+            + ("" if err["type"] == "missing" else f" (got {json.dumps(err['input'])[:60]})")
+            for err in e.errors()
+        ]
+        raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}") from None
+    problems = []
+    base, inputs = meta["base_model"], meta["inputs"]
+    if meta["layer"] > meta["n_layers"]:
+        problems.append(f"'layer' {meta['layer']} is above 'n_layers' {meta['n_layers']}")
+    if meta["n_layers"] != base["num_hidden_layers"]:
+        problems.append(f"'n_layers' {meta['n_layers']} but 'base_model.num_hidden_layers' {base['num_hidden_layers']}")
+    if meta["d"] != base["hidden_size"]:
+        problems.append(f"'d' {meta['d']} but 'base_model.hidden_size' {base['hidden_size']}")
+    if len(set(meta["seeds"])) != len(meta["seeds"]):
+        problems.append(f"'seeds' {meta['seeds']} repeats a seed")
+    if meta["default_threshold"] not in meta["thresholds"]:
+        problems.append(f"'default_threshold' {meta['default_threshold']!r} is none of 'thresholds'")
+    if template_hash(inputs["prompt_template"]) != inputs["prompt_hash"]:
+        problems.append("'inputs.prompt_template' does not match 'inputs.prompt_hash'")
+    if meta["format_version"] >= 2 and meta.get("digest") is None:
+        problems.append(f"'digest' is missing (format version {meta['format_version']} records it)")
+    if problems:
+        raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}")
+    return meta
+
+
+def _some(names: list[str]) -> str:
+    return f"{len(names)} tensor(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
+def check_tensors(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The digest of every tensor and of the metadata, and finite weights; returns warnings
+    (a format 1 bundle's, which has no digest)."""
+    warnings = []
+    digest = meta.get("digest")
+    if digest is None:
+        warnings.append(
+            f"{path} is a format {meta['format_version']} bundle, written before bundles recorded a digest: "
+            f"damage to its bytes cannot be detected; {RE_EXPORT.replace('or copy it again', 'to add one')}"
+        )
+    else:
+        if metadata_digest(meta) != digest["metadata"]:
+            raise BundleError(f"{path}: its metadata does not match the digest recorded with it: damaged; {RE_EXPORT}")
+        missing, extra = sorted(set(digest["tensors"]) - set(tensors)), sorted(set(tensors) - set(digest["tensors"]))
+        if missing or extra:
+            what = [f"lacks {_some(missing)} that its digest lists"] if missing else []
+            what += [f"holds {_some(extra)} that its digest does not list"] if extra else []
+            raise BundleError(f"{path}: {' and '.join(what)}: damaged; {RE_EXPORT}")
+        for name in sorted(tensors):
+            if tensor_digest(tensors[name]) != digest["tensors"][name]:
+                raise BundleError(
+                    f"{path}: tensor '{name}' does not match the digest recorded with it: damaged; {RE_EXPORT}"
+                )
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point() and not (finite := torch.isfinite(t)).all():
+            bad = t[~finite]
+            raise BundleError(
+                f"{path}: tensor '{name}' holds {int(bad.isnan().sum())} NaN and {int(bad.isinf().sum())} "
+                f"infinite value(s) of {t.numel()}: every score would be NaN; {RE_EXPORT}"
+            )
+    return warnings
 
 
 def load_bundle(path: str | Path) -> Bundle:
-    """Rebuild a bundle's detectors from its file (weights by safetensors, no pickles)."""
+    """Rebuild a bundle's detectors from its file (weights by safetensors, no pickles), after
+    checking its metadata, its digest and its weights (module docstring)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -231,19 +411,20 @@ def load_bundle(path: str | Path) -> Bundle:
             f"{path}: a safetensors file without bundle metadata (a single detector file? "
             "bundles come from the export stage)"
         )
-    meta = json.loads(raw)
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise BundleError(
-            f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
-            f"halludetect reads {FORMAT!r} version {FORMAT_VERSION}"
-        )
-    missing = [k for k in REQUIRED if k not in meta]
-    if missing:
-        raise BundleError(f"{path}: bundle metadata lacks {missing}: re-export it")
-    if meta["combine"] != COMBINE:
-        raise BundleError(f"{path}: unknown seed combination {meta['combine']!r} (this version: {COMBINE!r})")
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError; also NaN spelt out, which the export never writes
+        raise BundleError(f"{path}: the bundle metadata is not valid JSON ({e}): damaged; {RE_EXPORT}") from None
+    meta = check_meta(path, meta)
+    warnings = check_tensors(path, meta, tensors)
     detectors = {}
-    method_params = params_for(meta["method"], meta["params"])
+    try:
+        method_params = params_for(meta["method"], meta["params"])
+    except ValidationError as e:
+        problems = "; ".join(f"'params.{_key(err['loc'])}': {err['msg'].lower()}" for err in e.errors())
+        raise BundleError(f"{path}: bundle metadata {problems}: {RE_EXPORT}") from None
+    except UnknownName as e:
+        raise BundleError(f"{path}: bundle metadata 'method': {e}") from None
     for seed in meta["seeds"]:
         prefix = f"seed_{seed}."
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -256,7 +437,7 @@ def load_bundle(path: str | Path) -> Bundle:
                 f"({str(e).splitlines()[0]}): re-export it"
             ) from None
         detectors[int(seed)] = model.eval()
-    return Bundle(meta=meta, detectors=detectors, path=path, sha256=file_sha256(path))
+    return Bundle(meta=meta, detectors=detectors, path=path, sha256=file_sha256(path), warnings=warnings)
 
 
 # ------------------------------------------------------------------ export from the DAG's outputs

@@ -19,7 +19,15 @@ Order of work, so that bad input fails before anything expensive:
 
 Rows that cannot be scored keep their place with a `reason`: empty_answer, too_long (prompt +
 answer longer than the model's context: the row is named in the log), no_p_sem (a method that
-reads P_sem, given none).
+reads P_sem, given none). A score that comes out NaN or infinite is never written: the run stops
+naming the row (`NonFiniteScore`).
+
+Options are checked before any weights are read: batch_size and rows_per_part of at
+least 1, a device this machine has, a finite threshold, sampling params that validate, a revision
+only with a hub model (or the commit a local directory says it holds); and `score_file`'s output
+path (a file in an existing folder, and not the input or the bundle). `score_file` owns its parts
+directory for the run (core/unit_store.py): a second run on the same output stops at once, naming
+the first.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import torch
 from tqdm import tqdm
@@ -40,7 +49,7 @@ from halludetect.activations.capture import bag_positions, bag_slice
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.core.atomic_io import file_sha256
 from halludetect.core.code_deps import code_digest
-from halludetect.core.errors import UserError
+from halludetect.core.errors import DataError, UserError
 from halludetect.core.unit_store import UnitStore
 from halludetect.lm.hf_models import (
     DTYPES,
@@ -55,17 +64,17 @@ from halludetect.lm.hf_models import (
     resolve_device,
 )
 from halludetect.lm.model_inputs import encode_prompt, pad_ids
-from halludetect.prompts import template_hash
 from halludetect.scoring.answer_files import (
     AnswerFile,
     AnswerRow,
     RowCheck,
+    check_output,
     output_format,
     output_schema,
     parse_row,
     write_output,
 )
-from halludetect.scoring.bundle import Bundle, BundleError, load_bundle
+from halludetect.scoring.bundle import Bundle, load_bundle
 
 # The code a finished part depends on: an edit to any of it discards parts kept from an earlier run.
 MAX_NAMED = 20  # rows named one by one in the log per reason; the output's reason column has them all
@@ -73,6 +82,38 @@ MAX_NAMED = 20  # rows named one by one in the log per reason; the output's reas
 
 class ModelMismatch(UserError, ValueError):
     """The model given is not the one the bundle's detector was trained on."""
+
+
+class OptionError(UserError, ValueError):
+    """A scoring option that cannot work (a batch size of 0, sampling params out of range, ...)."""
+
+
+class NonFiniteScore(DataError):
+    """A row whose score came out NaN or infinite: the run stops rather than write it."""
+
+
+def at_least_one(name: str, value) -> int:
+    """`value` for an option that counts things (`name`: how the CLI and the API spell it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{name} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
+def checked_generate(generate: GenerateParams | None) -> GenerateParams | None:
+    """Sampling params validated again: `model_copy(update=...)` (or a hand-built object) skips
+    pydantic's checks, and a max_new_tokens of 0 would sample nothing."""
+    if generate is None:
+        return None
+    from pydantic import ValidationError
+
+    try:
+        return GenerateParams.model_validate(generate.model_dump())
+    except ValidationError as e:
+        problems = "; ".join(
+            f"generate.{'.'.join(map(str, err['loc']))}: {err['msg'].lower()} (got {err['input']!r})"
+            for err in e.errors()
+        )
+        raise OptionError(f"{problems} (--max-new-tokens, --seed and --params set them)") from None
 
 
 # ------------------------------------------------------------------ which model, and is it the right one
@@ -92,6 +133,7 @@ def model_preset(
     if model is not None and model != base["path"]:
         base["path"], base["revision"] = str(model), None
     if revision is not None:
+        check_local_revision(ModelPreset.model_validate(base), revision)
         base["revision"] = revision
     if dtype is not None:
         base["dtype"] = dtype
@@ -110,6 +152,26 @@ def local_commit(path: Path) -> str | None:
     if path.parent.name == "snapshots":
         return path.name
     return None
+
+
+def check_local_revision(preset: ModelPreset, revision: str) -> None:
+    """A revision names a hub commit; a local directory holds files. Accept it with a local model
+    only when it is the commit the directory says it holds; never ignore it."""
+    if not is_local(preset):
+        return
+    path = Path(preset.path).expanduser()
+    held = local_commit(path) if path.is_dir() else None
+    if held is None:
+        raise ModelMismatch(
+            f"--revision {revision} was given with the local model directory {path}, which does not say "
+            "which commit it holds: drop --revision (the directory's files are checked against the "
+            "bundle's), or pass the hub id"
+        )
+    if held != revision:
+        raise ModelMismatch(
+            f"--revision {revision} was given, but the local model directory {path} holds commit {held}: "
+            "drop --revision, or pass a directory of that commit"
+        )
 
 
 def model_identity(preset: ModelPreset) -> dict:
@@ -241,11 +303,14 @@ class Scorer:
         per_seed: bool = False,
         log=print,
     ):
+        batch_size = at_least_one("batch_size (--batch-size)", batch_size)
+        generate = checked_generate(generate)
+        self.device = device if device_map else resolve_device(device, "--device")
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
         b = self.bundle
         inputs = b.meta["inputs"]
-        if template_hash(inputs["prompt_template"]) != inputs["prompt_hash"]:
-            raise BundleError(f"{b.path}: its prompt template does not match its recorded hash: a damaged bundle")
+        for warning in b.warnings:
+            log(f"warning: {warning}")
         if generate is not None and b.reads_p_sem:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
@@ -259,7 +324,6 @@ class Scorer:
             per_seed,
             log,
         )
-        self.device = device if device_map else resolve_device(device)
         self.threshold_name, self.threshold = b.threshold(threshold)
         self.states_dtype = DTYPES[inputs["states_dtype"]]
         self._named: Counter = Counter()
@@ -450,6 +514,8 @@ class Scorer:
             p_sem = torch.tensor([rows[i].p_sem for i in index], dtype=torch.float32, device=tokens.device)
         bags = Bags(tokens, torch.as_tensor(lengths, dtype=torch.int64, device=tokens.device), p_sem)
         logits = b.seed_logits(bags).double().cpu().numpy()  # [S, B]
+        if not np.isfinite(logits).all():
+            self._non_finite(index, tokens, lengths, logits, rows)
         z = logits.mean(0)  # [B] the ensemble's logit
         prob = b.probability(z)
         for k, i in enumerate(index):
@@ -459,6 +525,25 @@ class Scorer:
                 "flag": bool(z[k] >= self.threshold),
                 "seed_scores": logits[:, k].tolist(),
             }
+
+    def _non_finite(
+        self, index: list[int], tokens: torch.Tensor, lengths: list[int], logits: np.ndarray, rows: list[AnswerRow]
+    ) -> None:
+        """Stop at the first row whose score is NaN or infinite, naming it and where it came from."""
+        k = int(np.nonzero(~np.isfinite(logits).all(0))[0][0])
+        r = rows[index[k]]
+        start = sum(lengths[:k])
+        states_finite = bool(torch.isfinite(tokens[start : start + lengths[k]]).all())
+        why = (
+            f"the detector's logit is {logits[:, k].tolist()} per seed on finite states (weights too large?)"
+            if states_finite
+            else f"the model's layer-{self.bundle.layer} states are not finite for it (an overflow in "
+            f"{self.preset.dtype if self.preset else 'its dtype'}? try --dtype float32)"
+        )
+        raise NonFiniteScore(
+            f"{r.where}{'' if r.id is None else f' (id {r.id!r})'}: its score is not a finite number: {why}. "
+            "Nothing non-finite is written: the rows before it are kept for a re-run"
+        )
 
     def fingerprint(self, **options) -> dict:
         """What a part's results depend on: any change discards parts kept from an earlier run."""
@@ -522,7 +607,13 @@ def score_file(
     written atomically at the end, then the parts are removed. Returns the run's summary.
     """
     t0 = time.perf_counter()
+    rows_per_part = at_least_one("rows_per_part (--rows-per-part)", rows_per_part)
     output_format(output_path)
+    check_output(
+        output_path,
+        "the output (--out)",
+        {"input (--input)": input_path, "bundle (--bundle)": None if isinstance(bundle, Bundle) else bundle},
+    )
     scorer = Scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
     generate = scorer.generate is not None
     src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights
@@ -534,29 +625,35 @@ def score_file(
     schema = output_schema(src.id_type, generate, scorer.per_seed)
     n_parts = -(-src.n_rows // rows_per_part)
     store = UnitStore(
-        parts_dir(output_path), scorer.fingerprint(input=file_sha256(input_path), rows_per_part=rows_per_part)
+        parts_dir(output_path),
+        scorer.fingerprint(input=file_sha256(input_path), rows_per_part=rows_per_part),
+        busy_hint=", or write this run's scores to another --out",
     )
-    kept = store.prepare()
-    done = store.finished()
-    if kept:
-        log(f"resuming: {kept} of {n_parts} parts kept from an earlier run in {store.dir}")
-    kept_rows = sum(min(rows_per_part, src.n_rows - u * rows_per_part) for u in done)
-    if len(done) < n_parts:
-        scorer.load()  # the weights, now that every check has passed
-    with tqdm(total=src.n_rows, initial=kept_rows, unit="answer", desc="score", disable=not progress) as bar:
-        for u, rows in src.parts(rows_per_part):
-            if u in done:
-                continue
-            store.put(u, pl.DataFrame(_shape(scorer.score(rows), schema), schema=schema))
-            bar.update(len(rows))
-    paths = store.paths(n_parts)
-    write_output(paths, output_path, schema)
-    counts: Counter = Counter()
-    for p in paths:
-        part = pl.read_parquet(p, columns=["reason", "flag"])
-        counts["flagged"] += int(part["flag"].sum() or 0)
-        counts.update(f"reason:{r}" for r in part["reason"].drop_nulls().to_list())
-    store.remove()
+    kept = store.prepare()  # claims the parts: a second run on this output stops here, naming this one
+    try:
+        done = store.finished()
+        if kept:
+            log(f"resuming: {kept} of {n_parts} parts kept from an earlier run in {store.dir}")
+        kept_rows = sum(min(rows_per_part, src.n_rows - u * rows_per_part) for u in done)
+        if len(done) < n_parts:
+            scorer.load()  # the weights, now that every check has passed
+        with tqdm(total=src.n_rows, initial=kept_rows, unit="answer", desc="score", disable=not progress) as bar:
+            for u, rows in src.parts(rows_per_part):
+                if u in done:
+                    continue
+                store.put(u, pl.DataFrame(_shape(scorer.score(rows), schema), schema=schema))
+                bar.update(len(rows))
+        paths = store.paths(n_parts)
+        write_output(paths, output_path, schema)
+        counts: Counter = Counter()
+        for p in paths:
+            part = pl.read_parquet(p, columns=["reason", "flag"])
+            counts["flagged"] += int(part["flag"].sum() or 0)
+            counts.update(f"reason:{r}" for r in part["reason"].drop_nulls().to_list())
+    except BaseException:
+        store.release()  # the finished parts stay for a re-run, unclaimed
+        raise
+    store.remove()  # and the claim with it
     seconds = time.perf_counter() - t0
     not_scored = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("reason:")}
     summary = {

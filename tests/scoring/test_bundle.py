@@ -18,7 +18,14 @@ from halludetect.config import load_params
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import load_detector
 from halludetect.prompts import GENERATION, template_hash
-from halludetect.scoring.bundle import BundleError, choose_thresholds, export_bundle, fit_platt, load_bundle
+from halludetect.scoring.bundle import (
+    BundleError,
+    choose_thresholds,
+    export_bundle,
+    fit_platt,
+    load_bundle,
+    save_bundle,
+)
 
 
 def labelled_scores(n=400, seed=0):
@@ -190,6 +197,16 @@ def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path
         str(tmp_path / "cut.safetensors"),
         metadata={"bundle": json.dumps(meta)},
     )
+    with pytest.raises(
+        BundleError,
+        match=r"cut.safetensors: lacks 4 tensor\(s\) \(seed_1.feature.0.bias, .*\) that its digest lists: damaged",
+    ):
+        load_bundle(tmp_path / "cut.safetensors")
+    # written whole (its digest matching) but with weights of another shape
+    b = load_bundle(bundle_path)
+    state = {s: d.state_dict() for s, d in b.detectors.items()}
+    state[1] = {k: v[..., :1] if k.endswith("weight") else v for k, v in state[1].items()}
+    save_bundle(tmp_path / "cut.safetensors", state, meta)
     with pytest.raises(BundleError, match="seed 1's weights do not fit"):
         load_bundle(tmp_path / "cut.safetensors")
     save_file(tensors, str(tmp_path / "v9.safetensors"), metadata={"bundle": json.dumps({**meta, "format_version": 9})})
