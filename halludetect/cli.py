@@ -141,10 +141,16 @@ def _literal(text: str):
     return yaml.safe_load(text)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors (a missing or unknown flag, a count that is not a number) as one line and
+    exit 2, like every other bad input; `-h` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} -h)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="halludetect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = OneLineParser(prog="halludetect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(

@@ -24,3 +24,50 @@ def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny
     assert "unknown threshold 'f1'" in fails([*score, "--input", str(src), "--threshold", "f1"])
     console.main(["show", str(bundle_path)])
     assert json.loads(capsys.readouterr().out)["method"] == "max"
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--threshold", "nan"], "threshold 'nan' is not a finite logit: give one this bundle stores (best_f1, "),
+        (["--threshold=-inf"], "threshold '-inf' is not a finite logit"),
+        (["--batch-size", "many"], "halludetect score: argument --batch-size: invalid int value: 'many' (see "),
+        (["--threshold", "f1"], "unknown threshold 'f1': this bundle has best_f1, fpr_0.01"),
+        (["--batch-size", "0"], "batch_size (--batch-size) must be a whole number of at least 1, got 0"),
+        (["--rows-per-part", "-1"], "rows_per_part (--rows-per-part) must be a whole number of at least 1, got -1"),
+        (["--generate", "--max-new-tokens", "0"], "generate.max_new_tokens: input should be greater than 0 (got 0)"),
+        (
+            ["--device", "banana"],
+            "--device: 'banana' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps",
+        ),
+        (["--revision", "main"], "--revision main was given with the local model directory "),
+        (["--out", "{input}"], "the output (--out) {input} is the input (--input) {input}: writing it would destroy"),
+        (["--out", "{tmp}"], "the output (--out) {tmp} is a directory: give a file path in it"),
+        (["--out", "{tmp}/no/o.jsonl"], "the output (--out) {tmp}/no/o.jsonl: its folder {tmp}/no does not exist"),
+        (["--summary", "{input}"], "the summary (--summary) {input} is the input (--input) {input}: writing it"),
+    ],
+)
+def test_bad_score_arguments_are_one_line_and_exit_2_with_the_input_untouched(
+    bundle_path, tiny_model_dir, tmp_path, capsys, no_loading, extra, message
+):
+    """Each bad argument of `halludetect score`: one line on stderr naming it and the fix, exit 2,
+    before any weights load (no_loading), the input as it was and no output."""
+    from halludetect import cli as console
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
+    before = src.read_bytes()
+    fill = lambda text: text.replace("{input}", str(src)).replace("{tmp}", str(tmp_path))  # noqa: E731
+    argv = ["score", "--bundle", str(bundle_path), "--model", str(tiny_model_dir), "--input", str(src)]
+    extra = [fill(x) for x in extra]
+    if "--out" not in extra:
+        extra += ["--out", str(tmp_path / "o.jsonl")]
+    if "--generate" in extra:  # questions alone
+        src.write_text('{"question": "Q?"}\n')
+        before = src.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        console.main([*argv, *extra])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.startswith(f"error: {fill(message)}") and err.count("\n") == 1, err
+    assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

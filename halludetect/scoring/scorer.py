@@ -608,12 +608,12 @@ def score_file(
     """
     t0 = time.perf_counter()
     rows_per_part = at_least_one("rows_per_part (--rows-per-part)", rows_per_part)
-    output_format(output_path)
     check_output(
         output_path,
         "the output (--out)",
         {"input (--input)": input_path, "bundle (--bundle)": None if isinstance(bundle, Bundle) else bundle},
     )
+    output_format(output_path)
     scorer = Scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
     generate = scorer.generate is not None
     src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights

@@ -1,6 +1,8 @@
 """Answer files (halludetect/scoring/answer_files.py): malformed JSON Lines and Parquet rows are named by
 line or row before the model loads, and reading rows is streamed (memory of one part, not the file)."""
 
+import shutil
+
 import polars as pl
 import pytest
 from support import write_jsonl
@@ -92,3 +94,71 @@ def test_reading_rows_is_streamed(tmp_path):
 
     small, large = peak(2_000), peak(20_000)
     assert large < 1.5 * small, (small, large)
+
+
+# ------------------------------------------------------------------ hostile files and paths
+@pytest.mark.hostile
+def test_answers_that_are_not_utf8_are_named_by_line(bundle_path, tiny_model_dir, tmp_path, no_loading):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"question": "Q?", "answer": "A."}\n{"question": "Wo ist M\xfcnchen?", "answer": "A."}\n')
+    before = src.read_bytes()
+    with pytest.raises(InputError) as e:
+        score_file(bundle_path, src, tmp_path / "out.parquet", str(tiny_model_dir), progress=False)
+    assert str(e.value) == (
+        f"{src}, line 2: not UTF-8 (byte 0xfc at column 23); re-save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+    )
+    assert src.read_bytes() == before and not (tmp_path / "out.parquet").exists()
+
+
+def damaged_parquet(path):
+    """A Parquet file whose footer (schema, offsets) reads but whose data pages are garbage."""
+    rows = [{"question": f"Where was person {i} born?", "answer": f"In city {i * 7919 % 1000}."} for i in range(3000)]
+    pl.DataFrame(rows).write_parquet(path, compression="zstd")
+    data = bytearray(path.read_bytes())
+    data[200:1200] = bytes((i * 37 + 11) % 256 for i in range(1000))
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.hostile
+def test_a_parquet_file_damaged_in_its_data_pages_is_named(bundle_path, tiny_model_dir, tmp_path, no_loading):
+    import pyarrow.parquet as pq
+
+    src = damaged_parquet(tmp_path / "in.parquet")
+    pq.ParquetFile(src)  # the footer reads: the damage shows only in the data
+    before = src.read_bytes()
+    with pytest.raises(
+        InputError, match=rf"^{src}: damaged Parquet data in its first rows \(.+\); write the file again$"
+    ):
+        score_file(bundle_path, src, tmp_path / "out.jsonl", str(tiny_model_dir), progress=False)
+    assert src.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.hostile
+def test_an_output_that_is_the_input_the_bundle_or_a_directory_is_refused_naming_both(
+    bundle_path, tiny_model_dir, tmp_path, no_loading
+):
+    """Before: `--out` equal to `--input` overwrote the answers with their scores."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
+    (tmp_path / "link.jsonl").symlink_to(src)
+    before, bundle_bytes = src.read_bytes(), bundle_path.read_bytes()
+    score = lambda out, **kw: score_file(bundle_path, src, out, str(tiny_model_dir), progress=False, **kw)  # noqa: E731
+    for out in (src, tmp_path / "link.jsonl"):
+        with pytest.raises(InputError) as e:
+            score(out)
+        assert str(e.value) == (
+            f"the output (--out) {out} is the input (--input) {src}: writing it would destroy what this run "
+            "reads; give another path"
+        )
+    odd = tmp_path / "bundle.jsonl"  # a bundle under an output's name (the format is in the file, not its name)
+    shutil.copy(bundle_path, odd)
+    with pytest.raises(InputError, match=rf"^the output \(--out\) {odd} is the bundle \(--bundle\) {odd}: writing"):
+        score_file(odd, src, odd, str(tiny_model_dir), progress=False)
+    assert odd.read_bytes() == bundle_bytes
+    (tmp_path / "scores.jsonl").mkdir()
+    with pytest.raises(InputError, match=rf"^the output \(--out\) {tmp_path / 'scores.jsonl'} is a directory: give a "):
+        score(tmp_path / "scores.jsonl")
+    with pytest.raises(InputError, match=rf"its folder {tmp_path / 'no' / 'such'} does not exist \(create it first"):
+        score(tmp_path / "no" / "such" / "scores.jsonl")
+    assert src.read_bytes() == before
+    assert not (tmp_path / "no").exists() and not list((tmp_path / "scores.jsonl").iterdir())

@@ -233,3 +233,133 @@ def test_export_stage_writes_the_bundle(contract, tmp_path, capsys):
         "fpr_0.05",
         "fpr_0.1",
     ]
+
+
+# ------------------------------------------------------------------ damaged bundles are named, not used
+def resaved(bundle_path, out, change_meta=None, change_state=None):
+    """The bundle written again by save_bundle (a valid digest of what it holds), changed."""
+    b = load_bundle(bundle_path)
+    meta = json.loads(json.dumps(b.meta))
+    state = {s: {k: v.clone() for k, v in d.state_dict().items()} for s, d in b.detectors.items()}
+    if change_meta:
+        change_meta(meta)
+    if change_state:
+        change_state(state)
+    save_bundle(out, state, meta)
+    return out
+
+
+def show(path, capsys) -> tuple[int, str, str]:
+    """`halludetect show PATH`: exit code, stdout, stderr."""
+    from halludetect import cli
+
+    try:
+        cli.main(["show", str(path)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.hostile
+def test_a_bundle_with_nan_or_infinite_weights_is_named_not_used(bundle_path, tmp_path, capsys):
+    """Before: every row scored NaN, nothing flagged, exit 0."""
+
+    def poison(state):
+        state[1]["head.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+
+    bad = resaved(bundle_path, tmp_path / "nan.safetensors", change_state=poison)
+    want = f"{bad}: tensor 'seed_1.head.weight' holds 2 NaN and 1 infinite value(s) of "
+    with pytest.raises(BundleError) as e:
+        load_bundle(bad)
+    assert str(e.value).startswith(want) and "every score would be NaN; re-export it" in str(e.value)
+    code, out, err = show(bad, capsys)
+    assert code == 2 and out == "" and err.startswith(f"error: {want}") and err.count("\n") == 1
+
+
+@pytest.mark.hostile
+def test_a_flipped_byte_in_a_bundle_is_named(bundle_path, tmp_path, capsys):
+    """Before: a flipped byte in the weights shifted every score silently."""
+    data = bytearray(bundle_path.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor's data
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(data))
+    last = sorted(meta_of(bundle_path)["digest"]["tensors"])[-1]  # safetensors lays the tensors out by name
+    with pytest.raises(BundleError, match=rf"tensor '{last}' does not match the digest recorded with it: damaged"):
+        load_bundle(tmp_path / "flipped.safetensors")
+    # a digit of the calibration in the metadata: still valid JSON, still a number
+    meta = meta_of(bundle_path)
+    text = json.dumps(meta["calibration"]["a"]).encode()
+    key = b'\\"a\\": '  # the metadata is a JSON string inside safetensors' JSON header: quotes escaped
+    at = bytes(data).index(key + text) + len(key) + len(text) - 1  # its last digit
+    data = bytearray(bundle_path.read_bytes())
+    data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    (tmp_path / "meta.safetensors").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="its metadata does not match the digest recorded with it: damaged"):
+        load_bundle(tmp_path / "meta.safetensors")
+    code, _, err = show(tmp_path / "meta.safetensors", capsys)
+    assert code == 2 and "its metadata does not match the digest" in err and err.count("\n") == 1
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda m: m["calibration"].update(a="1.5"),
+            r"'calibration.a': input should be a valid number \(got \"1.5\"\)",
+        ),
+        (lambda m: m.update(seeds="0,1"), r"'seeds': input should be a valid list \(got \"0,1\"\)"),
+        (lambda m: m["thresholds"]["best_f1"].update(threshold=None), r"'thresholds.best_f1.threshold': input should"),
+        (lambda m: m["inputs"].update(positions="middle"), r"'inputs.positions': input should be 'predicting' or"),
+        (lambda m: m.pop("calibration"), r"'calibration': field required"),
+        (lambda m: m.update(layer=9), r"'layer' 9 is above 'n_layers' 3"),
+        (lambda m: m.update(default_threshold="fpr_0.5"), r"'default_threshold' 'fpr_0.5' is none of 'thresholds'"),
+        (lambda m: m["inputs"].update(prompt_template="Q: {question}"), r"'inputs.prompt_template' does not match"),
+        (lambda m: m.update(params={"dim": "wide"}), r"'params.dim': input should be a valid integer"),
+    ],
+)
+def test_bundle_metadata_of_the_wrong_type_or_shape_is_named_with_its_key(bundle_path, tmp_path, change, match):
+    """Written with a valid digest (an exporter's bug, a hand edit): the metadata is checked too."""
+    bad = resaved(bundle_path, tmp_path / "bad.safetensors", change_meta=change)
+    with pytest.raises(DataError, match=rf"^{bad}: bundle metadata {match}.*: re-export it"):
+        load_bundle(bad)
+
+
+@pytest.mark.hostile
+def test_bundle_metadata_that_is_not_json_is_named(bundle_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(bundle_path), str(tmp_path / "b.safetensors"), metadata={"bundle": '{"format": "halludetect'})
+    with pytest.raises(BundleError, match=r"b.safetensors: the bundle metadata is not valid JSON \(Unterminated"):
+        load_bundle(tmp_path / "b.safetensors")
+
+
+@pytest.mark.hostile
+def test_a_format_1_bundle_without_a_digest_is_read_with_a_warning(bundle_path, tmp_path, capsys):
+    """The stated rule for bundles written before the digest: every check but the digest's, and a
+    warning on every load (score and show) that damage to them cannot be detected."""
+    from safetensors.torch import load_file, save_file
+
+    old = {k: v for k, v in meta_of(bundle_path).items() if k != "digest"} | {"format_version": 1}
+    tensors = load_file(bundle_path)
+    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"bundle": json.dumps(old)})
+    b = load_bundle(tmp_path / "v1.safetensors")
+    assert b.warnings == [
+        f"{tmp_path / 'v1.safetensors'} is a format 1 bundle, written before bundles recorded a digest: damage "
+        "to its bytes cannot be detected; re-export it (dvc repro export@<model>-<dataset>-<method>) to add one"
+    ]
+    code, out, err = show(tmp_path / "v1.safetensors", capsys)
+    assert code == 0 and json.loads(out)["format_version"] == 1 and err == f"warning: {b.warnings[0]}\n"
+    tensors["seed_0.head.bias"][0] = float("nan")  # its weights are still checked
+    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"bundle": json.dumps(old)})
+    with pytest.raises(BundleError, match="tensor 'seed_0.head.bias' holds 1 NaN"):
+        load_bundle(tmp_path / "v1.safetensors")
+    assert load_bundle(bundle_path).warnings == []  # format 2: checked, nothing to warn of
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("choice", ["nan", "inf", "-Infinity", "1e999", float("nan"), float("-inf")])
+def test_a_non_finite_threshold_is_refused(bundle_path, choice):
+    with pytest.raises(BundleError, match=rf"^threshold {choice!r} is not a finite logit: give one this bundle "):
+        load_bundle(bundle_path).threshold(choice)

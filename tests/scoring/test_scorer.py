@@ -1,8 +1,10 @@
 """Scoring new answers (halludetect/scoring/scorer.py): the bundle's scores equal the DAG's evaluate
 scores, text answers tokenize as the model writes them, sampled answers are scored as if given,
 another model, position convention or hub revision is refused before any weights load, empty and
-too long answers get a reason and are counted, methods that read P_sem need it, and a killed run
-resumes without losing a finished part."""
+too long answers get a reason and are counted, methods that read P_sem need it, a killed run
+resumes without losing a finished part; and the hostile cases: two runs on one output (one
+correct output or one clear refusal), counts of zero, a device that does not exist, a revision
+with a local model, a score that comes out non-finite."""
 
 import json
 import os
@@ -10,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
@@ -323,3 +326,149 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
     score_file(bundle_path, src, out, threshold="fpr_0.05", log=logged.append, **kw)
     assert not any("resuming" in m for m in logged)  # another threshold: the two parts are not reused
     assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
+
+
+# ------------------------------------------------------------------ two runs, one output
+PAUSE_AFTER_FIRST_PART = """
+import os, sys, time
+from pathlib import Path
+from halludetect import cli as console
+from halludetect.core import unit_store
+put = unit_store.UnitStore.put
+def put_then_pause(self, unit, df):
+    put(self, unit, df)
+    if not Path(os.environ["PAUSED"]).exists():
+        Path(os.environ["PAUSED"]).touch()  # the test now starts a second run on the same --out
+        while not Path(os.environ["GO"]).exists():
+            time.sleep(0.05)
+unit_store.UnitStore.put = put_then_pause
+console.main(sys.argv[1:])
+"""
+
+
+def wait_for(path, proc):
+    """Until `path` exists; the process must still be running (a deadline only against a hang)."""
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the first run never finished a part"
+        time.sleep(0.05)
+
+
+@pytest.mark.hostile
+def test_two_runs_on_one_out_give_one_correct_output_or_one_clear_refusal(
+    contract, bundle_path, tiny_model_dir, tmp_path
+):
+    """Before: both ran on one parts directory; one exited 0 with the other's answers in its
+    rows, the other crashed after all its work. Now the second stops at once naming the first,
+    and the first's output is what it alone would have written."""
+    rows = dag_rows(contract, split=None)
+    first = write_jsonl(tmp_path / "first.jsonl", rows)  # 72 rows: 9 parts of 8
+    second = write_jsonl(tmp_path / "second.jsonl", [{**r, "answer": "Nobody knows."} for r in rows[:20]])
+    second_bytes = second.read_bytes()
+    out = tmp_path / "out.parquet"
+    common = ["--bundle", str(bundle_path), "--model", str(tiny_model_dir), "--device", "cpu", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PAUSED": str(tmp_path / "paused"), "GO": str(tmp_path / "go")}
+    a = subprocess.Popen(
+        [sys.executable, "-c", PAUSE_AFTER_FIRST_PART, "score", *common, "--input", str(first), "--out", str(out),
+         "--rows-per-part", "8", "--batch-size", "4"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(tmp_path / "paused", a)  # the first run owns the parts and has finished one
+        b = run_cli(["score", *common, "--input", str(second), "--out", str(out), "--rows-per-part", "8"], tmp_path)
+    finally:
+        (tmp_path / "go").touch()
+        a_out, a_err = a.communicate(timeout=600)
+    assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr
+    assert b.stderr.count("\n") == 1 and b.stderr.startswith(
+        f"error: {tmp_path / '.out.parquet.parts'} is in use by another run: process {a.pid}, started "
+    )
+    assert b.stderr.rstrip().endswith("wait for it to finish (or stop it), or write this run's scores to another --out")
+    assert second.read_bytes() == second_bytes
+    assert a.returncode == 0, a_err
+    assert json.loads(a_out.splitlines()[-1])["rows"] == 72
+    score_file(
+        bundle_path, first, tmp_path / "alone.parquet", str(tiny_model_dir), device="cpu", rows_per_part=8,
+        batch_size=4, progress=False, log=lambda *_: None,
+    )  # fmt: skip
+    assert out.read_bytes() == (tmp_path / "alone.parquet").read_bytes()  # none of the second run's rows
+    assert not (tmp_path / ".out.parquet.parts").exists()
+
+
+# ------------------------------------------------------------------ bad options, before any weights
+@pytest.mark.hostile
+def test_counts_of_zero_or_below_are_refused_before_anything_loads(bundle_path, tiny_model_dir, tmp_path, no_loading):
+    from halludetect.scoring.scorer import OptionError
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
+    for kw, name in (({"batch_size": 0}, "batch_size"), ({"rows_per_part": -3}, "rows_per_part")):
+        with pytest.raises(OptionError, match=rf"^{name} \(--{name.replace('_', '-')}\) must be a whole number of at"):
+            score_file(bundle_path, src, tmp_path / "o.jsonl", str(tiny_model_dir), progress=False, **kw)
+    with pytest.raises(
+        OptionError, match=r"^batch_size \(--batch-size\) must be a whole number of at least 1, got 2.5"
+    ):
+        Scorer(bundle_path, str(tiny_model_dir), batch_size=2.5)
+    unchecked = GenerateParams().model_copy(update={"max_new_tokens": 0})  # model_copy skips pydantic's checks
+    with pytest.raises(OptionError, match=r"^generate.max_new_tokens: input should be greater than 0 \(got 0\)"):
+        Scorer(bundle_path, str(tiny_model_dir), generate=unchecked)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.hostile
+def test_a_device_that_does_not_exist_is_refused_before_anything_loads(bundle_path, tiny_model_dir, no_loading):
+    from halludetect.core.devices import DeviceError
+
+    with pytest.raises(DeviceError, match=r"^--device: 'banana' is not a device; use auto, cpu, cuda, cuda:N"):
+        Scorer(bundle_path, str(tiny_model_dir), device="banana")
+    with pytest.raises(DeviceError, match=r"^--device: 'cuda:x' is not a device"):
+        Scorer(bundle_path, str(tiny_model_dir), device="cuda:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match=r"^--device: 'cuda:7' was asked for but CUDA is not available"):
+            Scorer(bundle_path, str(tiny_model_dir), device="cuda:7")
+
+
+@pytest.mark.hostile
+def test_a_revision_with_a_local_model_is_checked_never_ignored(bundle_path, tiny_model_dir, tmp_path, no_loading):
+    """A local directory holds files, not a hub revision: --revision is accepted only as the commit
+    the directory says it holds."""
+    with pytest.raises(ModelMismatch) as e:
+        Scorer(bundle_path, str(tiny_model_dir), revision="main")
+    assert str(e.value) == (
+        f"--revision main was given with the local model directory {tiny_model_dir}, which does not say which "
+        "commit it holds: drop --revision (the directory's files are checked against the bundle's), or pass the hub id"
+    )
+    with pytest.raises(ModelMismatch, match="--revision main was given with the local model directory"):
+        Scorer(bundle_path, revision="main")  # the bundle's own local model
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    (copy / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (copy / ".cache" / "huggingface" / "download" / "config.json.metadata").write_text(f"{'c' * 40}\netag\n1.0\n")
+    with pytest.raises(ModelMismatch, match=f"--revision {'d' * 40} was given, but the local model directory {copy} "
+                                            f"holds commit {'c' * 40}"):  # fmt: skip
+        Scorer(bundle_path, str(copy), revision="d" * 40)
+
+
+# ------------------------------------------------------------------ non-finite scores
+@pytest.mark.hostile
+def test_a_non_finite_score_stops_the_run_naming_the_row(bundle_path, tiny_model_dir, tmp_path):
+    """Finite but huge weights (a bundle that passes every check) overflow the logit: the run stops
+    at the row rather than write inf or NaN as a score."""
+    from halludetect.scoring.scorer import NonFiniteScore
+
+    b = load_bundle(bundle_path)
+    state = {s: {k: v.clone() for k, v in d.state_dict().items()} for s, d in b.detectors.items()}
+    for sd in state.values():
+        sd["feature.0.bias"].fill_(10.0)  # every feature active
+        sd["head.weight"].fill_(3e38)  # and a head that sums them past float32's range
+    save_bundle(tmp_path / "huge.safetensors", state, b.meta)
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": "a", "question": "Where was Tavo Mir born?", "answer": "Tavo Mir was born in Calomar."}],
+    )
+    with pytest.raises(NonFiniteScore) as e:
+        score_file(tmp_path / "huge.safetensors", src, tmp_path / "out.jsonl", str(tiny_model_dir), device="cpu",
+                   progress=False, log=lambda *_: None)  # fmt: skip
+    assert str(e.value).startswith("line 1 (id 'a'): its score is not a finite number: the detector's logit is [")
+    assert "per seed on finite states (weights too large?). Nothing non-finite is written" in str(e.value)
+    assert not (tmp_path / "out.jsonl").exists()
