@@ -109,8 +109,34 @@ def _train_layer(args) -> None:
     )
 
 
+def _check_out_dir(path: str) -> None:
+    """--out-dir: a directory, or one that can be made (its nearest existing ancestor is a directory)."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out-dir {out} is a file, not a directory: give a directory (default: metrics/sweeps)")
+    up = out
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if up.exists() and not up.is_dir():
+        raise UserError(f"--out-dir {out}: {up} is a file, so the directory cannot be made there")
+
+
+def _where(items: list[str] | None) -> dict:
+    where = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--where {item!r}: write KEY=VALUE, e.g. --where train.epochs=100")
+        where[key] = _literal(value)
+    return where
+
+
 def _sweep(args) -> None:
     from pathlib import Path
+
+    import yaml
 
     from halludetect.config import load_params
     from halludetect.core.atomic_io import write_text
@@ -118,15 +144,11 @@ def _sweep(args) -> None:
     from halludetect.report.paper_tables import Grid
     from halludetect.report.tables import to_latex, to_markdown
 
-    where = {}
-    for item in args.where or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"--where {item!r}: write KEY=VALUE, e.g. --where train.epochs=100")
-        where[key] = _literal(value)
-    table = sweep(
-        ".", args.param, Grid.of(load_params(args.params)), method=args.method, metric=args.metric, where=where
-    )
+    _check_out_dir(args.out_dir)
+    where = _where(args.where)
+    params = load_params(args.params)  # validated first: a broken file is named here
+    raw = yaml.safe_load(Path(args.params).read_text())  # the keys as written, to check the swept one
+    table = sweep(".", args.param, Grid.of(params), method=args.method, metric=args.metric, where=where, params=raw)
     out = Path(args.out_dir)
     write_text(out / f"{table.name}.md", to_markdown(table))
     write_text(out / f"{table.name}.tex", to_latex(table))

@@ -14,22 +14,34 @@ from halludetect.core.devices import resolve_device
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import trained_params
 from halludetect.detectors.data import p_sem_for, split_data
-from halludetect.evaluation.evaluate import detector_throughput, evaluate_detector, hami_sp_cost, load_models
+from halludetect.evaluation.evaluate import (
+    detector_throughput,
+    evaluate_detector,
+    hami_sp_cost,
+    load_models,
+    missing_layer_files,
+)
 from halludetect.labels.readers import read_judgments
+from halludetect.methods import SP_METHODS
 from stages import common
 
 
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
+    # Every trained layer's files, before anything is read: grid.layers lists the layers evaluated.
+    cell = f"{args.model}-{args.dataset}"
+    train = f"{'train_sp' if args.method in SP_METHODS else 'train'}@{cell}-{args.method}-{{layer}}"
+    dirs = {
+        "layer_metrics": args.layer_metrics,
+        "scores": args.scores,
+        "detectors": args.detectors,
+        "activations": args.activations,
+    }
+    if problems := missing_layer_files(params.grid.layers, seeds, dirs, {"train": train, "dump": f"dump@{cell}"}):
+        raise DataError(f"{args.method}: {len(problems)} file(s) of the trained layers missing: " + "; ".join(problems))
     per_layer = {}
     for layer in params.grid.layers:
-        path = Path(args.layer_metrics) / f"layer_{layer}.json"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"{path} is missing: run the train stage of layer {layer} first "
-                "(grid.layers lists the layers evaluated)"
-            )
-        per_layer[layer] = json.loads(path.read_text())
+        per_layer[layer] = json.loads((Path(args.layer_metrics) / f"layer_{layer}.json").read_text())
     metrics = {
         "model": args.model,
         "dataset": args.dataset,

@@ -4,7 +4,7 @@ and `show` prints a bundle's metadata."""
 import json
 
 import pytest
-from support import write_jsonl
+from support import ROOT, write_jsonl
 
 
 def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny_model_dir, tmp_path, capsys):
@@ -71,3 +71,41 @@ def test_bad_score_arguments_are_one_line_and_exit_2_with_the_input_untouched(
     assert e.value.code == 2 and out == ""
     assert err.startswith(f"error: {fill(message)}") and err.count("\n") == 1, err
     assert src.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--out-dir", "{tmp}/file.md"], "--out-dir {tmp}/file.md is a file, not a directory: give a directory"),
+        (["--out-dir", "{tmp}/file.md/sweeps"], "--out-dir {tmp}/file.md/sweeps: {tmp}/file.md is a file, so the"),
+        (["--where", "train.epochs"], "--where 'train.epochs': write KEY=VALUE, e.g. --where train.epochs=100"),
+        (["--params", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such params file (run from the repository root)"),
+    ],
+)
+def test_bad_sweep_arguments_are_one_line_and_exit_2_before_dvc_is_asked(tmp_path, capsys, monkeypatch, argv, message):
+    """Checked before the experiments are read (there is no DVC repository here to read)."""
+    from halludetect import cli as console
+
+    (tmp_path / "file.md").write_text("kept")
+    monkeypatch.chdir(tmp_path)
+    fill = lambda text: text.replace("{tmp}", str(tmp_path))  # noqa: E731
+    with pytest.raises(SystemExit) as e:
+        console.main(["sweep", "detectors.max.dim", "--params", str(ROOT / "params.yaml"), *map(fill, argv)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {fill(message)}")
+    assert (tmp_path / "file.md").read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["file.md"]
+
+
+@pytest.mark.hostile
+def test_a_swept_parameter_that_does_not_exist_is_one_line_naming_the_valid_ones(tmp_path, capsys, monkeypatch):
+    from halludetect import cli as console
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        console.main(["sweep", "detectors.max.width", "--params", str(ROOT / "params.yaml")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: the swept parameter detectors.max.width is not a parameter of params.yaml; ")
+    assert "The keys of detectors.max: detectors.max.dim, detectors.max.dropout" in err

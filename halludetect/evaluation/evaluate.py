@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import LayerReader
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
@@ -127,6 +128,32 @@ def load_models(detectors_dir: Path, method: str, layer: int, seeds: list[int], 
 
 
 # --------------------------------------------------------------------- one method
+def missing_layer_files(
+    layers: list[int],
+    seeds: list[int],
+    dirs: dict[str, Path],
+    stages: dict[str, str],
+) -> list[str]:
+    """Every file a trained layer of `layers` should have and lacks, each naming its layer and the
+    stage that writes it. `dirs`: layer_metrics, scores, detectors, activations; `stages`: train
+    (the layer's train stage, with `{layer}` in it) and dump. The evaluation chooses among all of
+    them, and DVC records the whole dump directory as its input: a missing file is no layer to
+    leave out quietly."""
+    problems = []
+    for layer in layers:
+        train = stages["train"].format(layer=layer)
+        wanted = [
+            (Path(dirs["layer_metrics"]) / f"layer_{layer}.json", train),
+            (Path(dirs["scores"]) / f"layer_{layer}.parquet", train),
+            *((Path(dirs["detectors"]) / f"layer_{layer}" / f"seed_{s}.safetensors", train) for s in seeds),
+            (Path(dirs["activations"]) / layer_filename(layer), stages["dump"]),
+        ]
+        for path, stage in wanted:
+            if not path.exists():
+                problems.append(f"layer {layer}: {path} is missing (re-run {stage}, or `dvc pull {path}`)")
+    return problems
+
+
 def best_layer(per_layer: dict[int, dict]) -> int:
     """The layer with the highest mean validation AUROC over seeds (the lowest on ties)."""
     return max(sorted(per_layer), key=lambda layer: per_layer[layer]["val"]["auroc"]["mean"])

@@ -10,6 +10,10 @@ runs `dvc repro --single-item train@<model>-<dataset>-<method>-<L>`: DVC records
 dvc.lock, so `dvc status` of that stage is clean afterwards, and the stage's outputs (weights,
 the layer's val/test scores and figures) can be pushed back. DVC's own messages (no remote, a
 remote it cannot reach, credentials) are shown unchanged, before anything trains.
+
+What it reports as fetched is what came from the remote: the bytes of the cache objects that
+were not in the local cache before the pull (0 when everything was cached, even if the files
+had to be checked out again).
 """
 
 from __future__ import annotations
@@ -72,6 +76,31 @@ def stage_data_deps(repo: Path, stage: str) -> list[str]:
         ]
 
 
+def cache_objects(repo: Path, stage: str, paths: list[str]) -> dict[str, dict[str, Path]]:
+    """{path: {object id: its file in the local cache}} of the deps `paths` of `stage`, as dvc.lock
+    records them: one object for a file; for a directory its listing and, when the listing is in
+    the cache already, its entries."""
+    from dvc.repo import Repo
+
+    out: dict[str, dict[str, Path]] = {}
+    with Repo(str(repo)) as r:
+        odb = r.cache.local
+        (found,) = r.stage.collect(stage)
+        for dep in found.deps:
+            path = str(dep.def_path)
+            if path not in paths or not dep.hash_info or not dep.hash_info.value:
+                continue
+            oid = dep.hash_info.value
+            objects = {oid: Path(odb.oid_to_path(oid))}
+            if dep.hash_info.isdir and odb.exists(oid):
+                from dvc_data.hashfile.tree import Tree
+
+                for _, _, entry in Tree.load(odb, dep.hash_info):
+                    objects[entry.value] = Path(odb.oid_to_path(entry.value))
+            out[path] = objects
+    return out
+
+
 def dumped_layers(repo: Path, activations: str) -> list[int]:
     """The layers a dump directory holds, read from DVC's record of it (locally or on the remote)."""
     from dvc.api import DVCFileSystem
@@ -84,7 +113,7 @@ def dumped_layers(repo: Path, activations: str) -> list[int]:
 @dataclass
 class Fetched:
     stage: str
-    files: dict[str, int]  # path -> bytes
+    files: dict[str, int]  # path -> bytes fetched from the remote for it (0: it was in the local cache)
 
     @property
     def bytes(self) -> int:
@@ -115,6 +144,9 @@ def train_layer_from_remote(
         )
     stage = train_stage_name(model, dataset, method, layer)
     deps = stage_data_deps(repo, stage)
+    cached_before = {
+        oid for objects in cache_objects(repo, stage, deps).values() for oid, f in objects.items() if f.exists()
+    }
     dvc("pull", *(["-r", remote] if remote else []), *(["-j", str(jobs)] if jobs else []), *deps, cwd=repo)
     if absent := [d for d in deps if not (repo / d).exists()]:
         # `dvc pull` of a file its directory does not hold says "Everything is up to date".
@@ -123,8 +155,12 @@ def train_layer_from_remote(
             (layer_file and _not_dumped(repo, str(Path(layer_file).parent), model, dataset, layer))
             or f"the remote has no {absent}: whoever ran the pipeline must `dvc push` them"
         )
+    fetched = {
+        path: sum(f.stat().st_size for oid, f in objects.items() if oid not in cached_before and f.exists())
+        for path, objects in cache_objects(repo, stage, deps).items()
+    }
     dvc("repro", "--single-item", stage, cwd=repo)
-    return Fetched(stage, {d: (repo / d).stat().st_size for d in deps})
+    return Fetched(stage, {d: fetched.get(d, 0) for d in deps})
 
 
 def _not_dumped(repo: Path, activations: str, model: str, dataset: str, layer: int) -> str | None:

@@ -11,21 +11,29 @@ experiment's `metrics/eval/<model>/<dataset>/<method>.json`. The committed basel
 sweep point too. For `detectors.max.dim` the paper's published figure stands beside ours (its D
 tables). Nothing here tracks experiments: `dvc exp show`, `dvc exp push`/`pull` and
 `dvc exp remove` manage them; this only reads them.
+
+Every experiment of the parameter is in the table: one that failed is a row marked `failed`,
+with the first line of its error from the queue's log in the notes (`dvc queue logs NAME` has
+all of it); one still queued or running is a row marked so. The parameter, the `--where` keys,
+the method and the metric are checked against what exists, each a `SweepError` naming the valid
+ones.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from halludetect.core.errors import UserError
+from halludetect.core.lookup import suggest
 from halludetect.report.paper_tables import Grid, sweep_table
 from halludetect.report.tables import Table
 
 EVAL = re.compile(r"^(?:.*/)?eval/(?P<model>[^/]+)/(?P<dataset>[^/]+)/(?P<method>[^/]+)\.json:(?P<key>.+)$")
-SKIP_STATES = {"Queued", "Running", "Failed"}
+UNFINISHED = {"Queued": "queued", "Running": "running", "Failed": "failed"}  # exp_show's State -> the table's mark
 META = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
 
 
@@ -38,6 +46,43 @@ class Experiment:
     name: str  # the experiment's name, or the baseline commit
     params: dict[str, object]  # dotted key -> value
     metrics: dict[tuple[str, str, str], dict]  # (model, dataset, method) -> the metrics JSON, nested again
+    state: str | None = None  # None: finished (or the baseline); else "failed", "queued" or "running"
+    error: str | None = None  # a failed experiment's first error line, from its queue log
+
+
+def first_error(log: str) -> str | None:
+    """The line of a failed experiment's log that says why: a stage's own `error: ...` line (bad
+    input), else the last line of a Python traceback, else DVC's first `ERROR: ...`."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("error: "):
+            return line[len("error: ") :]
+    dvc_error = next((i for i, line in enumerate(lines) if line.startswith("ERROR: ")), None)
+    if dvc_error is None:
+        return lines[-1] if lines else None
+    if dvc_error > 0 and any(line.startswith("Traceback (most recent call last)") for line in lines[:dvc_error]):
+        return lines[dvc_error - 1]  # e.g. "ValueError: ...", just before DVC reports the stage failed
+    return lines[dvc_error][len("ERROR: ") :]
+
+
+def queue_errors(repo: str | Path) -> dict[str, str]:
+    """{experiment name and stash rev: first error line} of the failed experiments of DVC's queue."""
+    from dvc.repo import Repo
+
+    out = {}
+    with Repo(str(repo)) as r:
+        queue = r.experiments.celery_queue
+        for entry, _ in queue.iter_failed():
+            info = queue.proc.get(entry.stash_rev)
+            try:
+                text = Path(info.stdout).read_text(errors="replace") if info and info.stdout else ""
+            except OSError:
+                text = ""
+            line = first_error(text) or "no log (it failed while DVC set it up; see `dvc queue logs`)"
+            for key in (entry.name, entry.stash_rev, entry.stash_rev[:7]):
+                if key:
+                    out[key] = line
+    return out
 
 
 def _value(v):
@@ -64,15 +109,18 @@ def _nest(flat: dict[str, object]) -> dict:
 
 
 def experiments(repo: str | Path = ".") -> list[Experiment]:
-    """The baseline commit and every finished experiment derived from it (`dvc exp show`'s rows),
-    newest experiment first; queued, running and failed ones are left out."""
+    """The baseline commit and every experiment derived from it (`dvc exp show`'s rows), newest
+    first. Queued, running and failed ones come with their state and no metrics (exp_show gives a
+    failed experiment the baseline's); failed ones with their first error line."""
     import dvc.api
 
     rows = dvc.api.exp_show(repo=str(repo))
+    errors = queue_errors(repo) if any(row.get("State") == "Failed" for row in rows) else {}
     out = []
     for row in rows:
-        if row.get("rev") == "workspace" or row.get("State") in SKIP_STATES:
+        if row.get("rev") == "workspace":
             continue
+        state = UNFINISHED.get(row.get("State"))
         params, per_file = {}, {}
         for k, v in row.items():
             if (m := EVAL.match(k)) is not None:
@@ -80,12 +128,39 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
                 per_file.setdefault(cell, {})[m["key"]] = _value(v)
             elif k not in META and ":" not in k and "/" not in k:  # a param (deps are paths, metrics file:key)
                 params[k] = _value(v)
-        out.append(
-            Experiment(
-                row.get("Experiment") or row.get("rev"), params, {cell: _nest(flat) for cell, flat in per_file.items()}
-            )
-        )
+        name = row.get("Experiment") or row.get("rev")
+        error = None
+        if state == "failed":
+            error = errors.get(name) or errors.get(row.get("rev")) or "no log found (see `dvc queue logs`)"
+        metrics = {} if state else {cell: _nest(flat) for cell, flat in per_file.items()}
+        out.append(Experiment(name, params, metrics, state, error))
     return out
+
+
+def _flatten(tree: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        keys |= _flatten(v, f"{key}.") if isinstance(v, dict) and v else {key}
+    return keys
+
+
+def check_param(param: str, params: dict, what: str = "the swept parameter") -> None:
+    """`param` must be a key of the params file (`params`, as loaded from YAML), a leaf of it."""
+    keys = _flatten(params)
+    if param in keys:
+        return
+    section, prefix = param, ""
+    while "." in section:  # the deepest section of params.yaml that the key is written under
+        section = section.rsplit(".", 1)[0]
+        if any(k.startswith(f"{section}.") for k in keys):
+            prefix = f"{section}."
+            break
+    siblings = sorted(k for k in keys if k.startswith(prefix) and "." not in k[len(prefix) :]) if prefix else []
+    close = difflib.get_close_matches(param, sorted(keys), n=3)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    valid = f" The keys of {section}: {', '.join(siblings)}" if siblings else ""
+    raise SweepError(f"{what} {param} is not a parameter of params.yaml{hint}{valid}")
 
 
 def method_of(param: str) -> str | None:
@@ -96,9 +171,10 @@ def method_of(param: str) -> str | None:
 
 def sweep_results(
     exps: list[Experiment], param: str, method: str, where: dict[str, object] | None = None
-) -> dict[tuple[str, str], dict]:
+) -> tuple[dict[tuple[str, str], dict], list[Experiment]]:
     """{(model, dataset): {value: metrics JSON}} of `method` over the experiments that differ in
-    `param` only (after `where` picks a slice)."""
+    `param` only (after `where` picks a slice), and the experiments of the slice with no metrics
+    of `method` (failed, queued, running, or finished without them)."""
     exps = [e for e in exps if all(e.params.get(k) == v for k, v in (where or {}).items())]
     values = {repr(e.params.get(param)) for e in exps}
     if len(values) < 2:
@@ -120,16 +196,50 @@ def sweep_results(
             f"{exps[0].params.get(others[0])!r})"
         )
     out: dict[tuple[str, str], dict] = {}
+    without = []
     for e in reversed(exps):  # oldest first, so the newest run of a value is the one kept
+        found = False
         for (m, d, meth), metrics in e.metrics.items():
             if meth == method and "test" in metrics:
-                out.setdefault((m, d), {})[e.params[param]] = metrics
+                out.setdefault((m, d), {})[e.params.get(param)] = metrics
+                found = True
+        if not found:
+            without.append(e)
     if not out:
+        states = ", ".join(f"{e.name}: {e.state or 'no metrics'}" for e in without)
         raise SweepError(
             f"no experiment has metrics of '{method}' (metrics/eval/<model>/<dataset>/{method}.json): "
-            "is it in grid.methods, and did the experiments finish (dvc queue status)?"
+            f"is it in grid.methods, and did the experiments finish (dvc queue status)? ({states})"
         )
-    return out
+    return out, list(reversed(without))
+
+
+def unfinished_rows(without: list[Experiment], param: str, done: set) -> tuple[dict, list[str]]:
+    """The table's marks for values without results ({value: "failed" | "queued" | "running" |
+    "no metrics"}) and one note per such experiment, with a failed one's first error line."""
+    marks, notes = {}, []
+    for e in without:
+        value, state = e.params.get(param), e.state or "no metrics"
+        if value not in done:
+            marks.setdefault(value, state)
+        if state == "failed":
+            notes.append(f"{param}={value}: experiment {e.name} failed: {e.error} (`dvc queue logs {e.name}`)")
+        elif state in ("queued", "running"):
+            notes.append(f"{param}={value}: experiment {e.name} is {state}: run this again once it has finished")
+        else:
+            notes.append(f"{param}={value}: experiment {e.name} finished without this method's metrics")
+    return marks, notes
+
+
+def valid_metrics(results: dict[tuple[str, str], dict]) -> set[str]:
+    """The test metrics the experiments' metrics files hold (those with a mean over seeds)."""
+    return {
+        k
+        for per_cell in results.values()
+        for metrics in per_cell.values()
+        for k, v in metrics["test"].items()
+        if isinstance(v, dict) and "mean" in v
+    }
 
 
 def sweep(
@@ -140,11 +250,26 @@ def sweep(
     method: str | None = None,
     metric: str = "auroc",
     where: dict[str, object] | None = None,
+    params: dict | None = None,
 ) -> Table:
+    """One table of `method`'s test `metric` along `param` over the repository's experiments.
+    `params` (the params file as loaded from YAML) checks that `param` and the `where` keys exist."""
+    from halludetect.methods import METHODS
+
+    if params is not None:
+        check_param(param, params)
+        for key in where or {}:
+            check_param(key, params, "--where")
     method = method or method_of(param)
     if method is None:
         raise SweepError(f"{param} is not a detector's parameter: say which method's metrics to tabulate (--method)")
-    results = sweep_results(experiments(repo), param, method, where)
+    if method not in METHODS:
+        raise SweepError(f"unknown method '{method}'{suggest(method, METHODS)}")
+    results, without = sweep_results(experiments(repo), param, method, where)
+    if metric not in (have := valid_metrics(results)):
+        raise SweepError(f"--metric '{metric}' is not a test metric of '{method}'{suggest(metric, have)}")
+    done = {v for per_cell in results.values() for v in per_cell}
+    marks, notes = unfinished_rows(without, param, done)
     cells = {cell for cell in results}
     grid = Grid(
         [m for m in grid.models if any(c[0] == m for c in cells)] or sorted({c[0] for c in cells}),
@@ -152,4 +277,6 @@ def sweep(
         grid.model_keys,
         grid.dataset_keys,
     )
-    return sweep_table(param, results, grid, metric=metric, name=param.replace(".", "_"))
+    table = sweep_table(param, results, grid, metric=metric, name=param.replace(".", "_"), marks=marks)
+    table.notes += notes
+    return table

@@ -382,12 +382,21 @@ def length_table(metrics: dict, grid: Grid, methods: list[str]) -> Table | None:
 
 
 def sweep_table(
-    param: str, results: dict[tuple[str, str], dict], grid: Grid, metric: str = "auroc", name: str | None = None
+    param: str,
+    results: dict[tuple[str, str], dict],
+    grid: Grid,
+    metric: str = "auroc",
+    name: str | None = None,
+    marks: dict | None = None,
 ) -> Table:
     """A sweep of one parameter (e.g. `detectors.max.dim`): {(model, dataset): {value: metrics JSON}}.
     Rows are the swept values, columns the grid cells; for the max-pooling D sweep the paper's
-    figures (tab:dim_max_*) stand beside ours."""
-    values = sorted({v for per_cell in results.values() for v in per_cell}, key=lambda v: (str(type(v)), v))
+    figures (tab:dim_max_*) stand beside ours. `marks` ({value: "failed", ...}): values with no
+    results, shown as rows with the mark in every cell rather than left out."""
+    marks = marks or {}
+    values = sorted(
+        {v for per_cell in results.values() for v in per_cell} | set(marks), key=lambda v: (str(type(v)), v)
+    )
     rows = []
     for v in values:
         cells = []
@@ -397,7 +406,10 @@ def sweep_table(
             key = grid.paper_cell(m, d)
             if param == "detectors.max.dim" and key:
                 pub = paper.DIM_SWEEP.get(key[0], {}).get(v, {}).get(key[1])
-            cells.append(_stat_cell(e, metric, pub, group="all") if e else Cell(paper=pub))
+            if e:
+                cells.append(_stat_cell(e, metric, pub, group="all"))
+            else:
+                cells.append(Cell(paper=pub, text=marks.get(v), group=None if v in marks else "all"))
         rows.append(Row(str(v), cells))
     label = None
     if param == "detectors.max.dim":

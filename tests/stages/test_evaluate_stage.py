@@ -2,7 +2,7 @@
 a missing layer file of the chosen layer, is an error naming the file and the stage to run, never a
 layer silently left out."""
 
-import shutil
+import json
 import subprocess
 from pathlib import Path
 
@@ -43,23 +43,35 @@ def evaluate_stage(root: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.hostile
 def test_evaluate_fails_naming_a_missing_layer_file_of_a_trained_layer(trained):
-    """A layer of grid.layers whose figures are missing (its train stage never ran, or its file
-    was never pulled) is an error, not a layer silently left out of the choice of the best one;
-    so is a missing layer file of the chosen layer."""
+    """Every file of every layer of grid.layers (figures, scores, weights, the layer file) must be
+    there: before, a missing layer file of a layer other than the best exited 0 (the stage reads
+    only the best layer's, while DVC records the whole dump directory as its input). Each missing
+    file is named with its layer and the stage that writes it, all at once, before any work."""
     write_params(
         trained / "params.yaml",
         {**yaml.safe_load((trained / "params.yaml").read_text()), "grid": {**base_params()["grid"], "layers": [0, 1]}},
     )
-    (trained / "layers" / "layer_1.json").unlink()
+    figures = trained / "layers" / "layer_1.json"
+    kept = figures.read_bytes()
+    figures.unlink()
     res = evaluate_stage(trained)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert (
-        f"error: {trained / 'layers' / 'layer_1.json'} is missing: run the train stage of layer 1 first "
-        "(grid.layers lists the layers evaluated)"
+        f"error: max: 1 file(s) of the trained layers missing: layer 1: {figures} is missing (re-run "
+        f"train@m-d-max-1, or `dvc pull {figures}`)\n"
     ) in res.stderr
-    shutil.copy(trained / "layers" / "layer_0.json", trained / "layers" / "layer_1.json")  # layer 1 back, as 0's
-    (trained / "acts" / layer_filename(0)).unlink()
+    figures.write_bytes(kept)
+    assert evaluate_stage(trained).returncode == 0  # whole again
+    assert json.loads((trained / "e.json").read_text())["best_layer"] == 0  # equal layers: the lowest
+    (trained / "e.json").unlink()
+    layer_file = trained / "acts" / layer_filename(1)  # not the best layer's
+    layer_file.unlink()
+    (trained / "scores" / "layer_1.parquet").unlink()
     res = evaluate_stage(trained)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert f"error: {trained / 'acts' / layer_filename(0)} does not exist: run the dump stage first" in res.stderr
+    assert (
+        f"error: max: 2 file(s) of the trained layers missing: layer 1: {trained / 'scores' / 'layer_1.parquet'} is "
+        f"missing (re-run train@m-d-max-1, or `dvc pull {trained / 'scores' / 'layer_1.parquet'}`); layer 1: "
+        f"{layer_file} is missing (re-run dump@m-d, or `dvc pull {layer_file}`)\n"
+    ) in res.stderr
     assert not (trained / "e.json").exists()
