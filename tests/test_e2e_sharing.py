@@ -113,8 +113,13 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     assert set(fetched["fetched"]) == {layer_file, "data/labels/world/world/judgments.parquet"}
     assert sorted(p.name for p in (b / "data/activations/world/world").iterdir()) == ["layer_2.h5"]
     whole = dir_bytes(repo / "data/activations/world/world")
-    assert fetched["fetched"][layer_file] < whole / 2
+    assert fetched["fetched"][layer_file] == (b / layer_file).stat().st_size < whole / 2
     print(f"\nB fetched {fetched['fetched_bytes']:,} bytes; the activation directory is {whole:,} bytes")
+    # Again: everything is in B's cache now, so nothing comes from the remote (before: the file sizes again).
+    layer_2 = ["--model", "world", "--dataset", "world", "--method", "max", "--layer", "2"]
+    again = run([sys.executable, "-m", "halludetect.cli", "train-layer", *layer_2], b, **s3)
+    again = json.loads(again[again.index("{") : again.rindex("}") + 1])
+    assert again["fetched_bytes"] == 0 and set(again["fetched"]) == set(fetched["fetched"]), again
 
     # A layer that was never dumped, and a remote that is not configured: clear errors, nothing run.
     bad = run(
@@ -190,6 +195,22 @@ def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3, tmp_path):
     assert [r.split(" |")[0][2:] for r in rows] == ["8", "16", "32"], md  # the baseline's dim 16 and the two
     bad = run([sys.executable, "-m", "halludetect.cli", "sweep", "detectors.hami.lr"], repo, check=False)
     assert "no experiment varies detectors.hami.lr" in bad and "detectors.max.dim" in bad
+    # An experiment that fails (its train stage refuses dim 0) is a row marked failed, with its error.
+    run([sys.executable, "-m", "dvc", "exp", "run", "--queue", "-S", "detectors.max.dim=0"], repo)
+    run([sys.executable, "-m", "dvc", "queue", "start"], repo)
+    deadline = time.monotonic() + 600
+    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
+        "Queued" in status or "Running" in status
+    ):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
+    assert status.count("Failed") == 1, status
+    sweep = [sys.executable, "-m", "halludetect.cli", "sweep", "detectors.max.dim", "--out-dir", "with_failed"]
+    failed = run(sweep, repo)
+    why = "params.yaml: 1 problem(s) detectors.max.dim: Input should be greater than 0 (got 0)"
+    assert "| 0 | failed |" in failed and f" failed: {why} (`dvc queue logs " in failed, failed
+    values = [line.split(" |")[0][2:] for line in failed.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert values == ["0", "8", "16", "32"], failed
     bash(share, repo, s3)
     b = tmp_path / "b"
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(b)], tmp_path)

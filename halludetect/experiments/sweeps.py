@@ -53,10 +53,13 @@ class Experiment:
 def first_error(log: str) -> str | None:
     """The line of a failed experiment's log that says why: a stage's own `error: ...` line (bad
     input), else the last line of a Python traceback, else DVC's first `ERROR: ...`."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for line in lines:
+    raw = [line.rstrip() for line in log.splitlines() if line.strip()]
+    for i, line in enumerate(raw):
         if line.startswith("error: "):
-            return line[len("error: ") :]
+            # a message listing its problems on indented lines below ("params.yaml: 1 problem(s)"): the first one too
+            more = raw[i + 1].strip() if i + 1 < len(raw) and raw[i + 1][:1].isspace() else ""
+            return line[len("error: ") :] + (f" {more}" if more else "")
+    lines = [line.strip() for line in raw]
     dvc_error = next((i for i, line in enumerate(lines) if line.startswith("ERROR: ")), None)
     if dvc_error is None:
         return lines[-1] if lines else None

@@ -78,6 +78,11 @@ def test_a_value_that_also_succeeded_keeps_its_figures_and_notes_the_failure(rep
             "RuntimeError: CUDA out of memory\nERROR: failed to reproduce 'train': failed to run: ...\n",
             "RuntimeError: CUDA out of memory",
         ),
+        (
+            "error: params.yaml: 1 problem(s)\n"
+            "  detectors.max.dim: Input should be greater than 0 (got 0)\nERROR: failed to reproduce ...\n",
+            "params.yaml: 1 problem(s) detectors.max.dim: Input should be greater than 0 (got 0)",
+        ),
         ("ERROR: failed to reproduce 'x': dependency 'data/a' does not exist\n", "failed to reproduce 'x': dependency"),
         ("", None),
     ],
