@@ -363,7 +363,7 @@ def test_two_runs_on_one_out_give_one_correct_output_or_one_clear_refusal(
     rows, the other crashed after all its work. Now the second stops at once naming the first,
     and the first's output is what it alone would have written."""
     rows = dag_rows(contract, split=None)
-    first = write_jsonl(tmp_path / "first.jsonl", rows)  # 72 rows: 9 parts of 8
+    first = write_jsonl(tmp_path / "first.jsonl", rows[:24])  # 3 parts of 8
     second = write_jsonl(tmp_path / "second.jsonl", [{**r, "answer": "Nobody knows."} for r in rows[:20]])
     second_bytes = second.read_bytes()
     out = tmp_path / "out.parquet"
@@ -387,7 +387,7 @@ def test_two_runs_on_one_out_give_one_correct_output_or_one_clear_refusal(
     assert b.stderr.rstrip().endswith("wait for it to finish (or stop it), or write this run's scores to another --out")
     assert second.read_bytes() == second_bytes
     assert a.returncode == 0, a_err
-    assert json.loads(a_out.splitlines()[-1])["rows"] == 72
+    assert json.loads(a_out.splitlines()[-1])["rows"] == 24
     score_file(
         bundle_path, first, tmp_path / "alone.parquet", str(tiny_model_dir), device="cpu", rows_per_part=8,
         batch_size=4, progress=False, log=lambda *_: None,
