@@ -128,6 +128,8 @@ def model_preset(
     """The preset to load: the bundle's own, or its loading options with another path (a local
     copy, say), revision, dtype or placement."""
     if isinstance(model, ModelPreset):
+        if revision is not None or dtype is not None or device_map is not None:
+            raise OptionError("with a ModelPreset, set its revision, dtype and device_map in the preset itself")
         return model
     base = dict(bundle.meta["base_model"]["preset"])
     if model is not None and model != base["path"]:
