@@ -57,8 +57,10 @@ class StoreBusy(UserError):
     """Another run holds the store: its units are not ours to read, discard or add to."""
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid) -> bool:
     """Whether a process with this id exists on this host (signal 0 checks without sending)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:  # a damaged record (and -1 means "all")
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,7 +99,7 @@ class UnitStore:
         # The owner writes its record just after it takes the lock: give it a moment to appear.
         for _ in range(20):
             record = self._owner()
-            if record and (record.get("host") != HOST or pid_alive(int(record.get("pid", -1)))):
+            if record and (record.get("host") != HOST or pid_alive(record.get("pid"))):
                 break
             time.sleep(0.05)
         else:
@@ -164,10 +166,6 @@ class UnitStore:
         self._lock.close()  # the lock goes with the file
         self._lock = None
 
-    @property
-    def owned(self) -> bool:
-        return self._lock is not None
-
     def __enter__(self) -> UnitStore:
         return self
 
@@ -180,7 +178,6 @@ class UnitStore:
             self.release()
 
     # ------------------------------------------------------------------ units
-
     def _path(self, unit: int) -> Path:
         return self.dir / f"unit_{unit:06d}.parquet"
 
