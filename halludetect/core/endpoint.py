@@ -99,6 +99,17 @@ def backoff(n: int) -> float:
     return min(0.5 * 2**n, 8.0) * (1 - 0.25 * random.random())
 
 
+def cut_body(e: BaseException) -> str | None:
+    """The error behind `e` when the server closed the connection before the whole body (the
+    announced length) had come: a cut reply, not an unreachable server."""
+    while e is not None:
+        name = type(e).__name__
+        if any(k in name for k in ("Payload", "ContentLength", "RemoteProtocol", "IncompleteRead")):
+            return f"{name}: {e}"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def connect_failure(e: BaseException) -> str | None:
     """The connection error behind `e`, if any (refused, unreachable, DNS): not a slow server."""
     while e is not None:
@@ -304,7 +315,9 @@ class Endpoint:
                 ) from None
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError is a connection error
                 refused = connect_failure(e)  # the aiohttp transport reports a refused connection as a timeout
-                if isinstance(e, asyncio.TimeoutError | openai.APITimeoutError) and not refused:
+                if cut := cut_body(e):
+                    final = f"{where}: {url} cut its reply off {self.max_retries + 1} times: {cut}"
+                elif isinstance(e, asyncio.TimeoutError | openai.APITimeoutError) and not refused:
                     final = (
                         f"{where}: {url} timed out {self.max_retries + 1} times ({self.timeout:g} s each); "
                         f"raise {where}.timeout or lower concurrency"
