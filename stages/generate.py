@@ -10,6 +10,7 @@ too); a killed run re-started (by `dvc repro`) skips them and gives the same out
 uninterrupted one.
 """
 
+from halludetect.config import CompletionsParams
 from halludetect.core.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.core.code_deps import code_digest
 from halludetect.core.unit_store import UnitStore
@@ -24,9 +25,10 @@ from stages import common
 
 def fingerprint(args, params, preset) -> dict:
     """What the kept units were computed from: any change discards them."""
-    transport = set(params.generate.endpoint.TRANSPORT)  # how requests reach the engine changes no sample
+    sampling = params.generate
     return {
-        "generate": params.generate.model_dump(exclude={"endpoint": transport}),
+        # how requests reach the engine changes no sample: a resumed run may use other replicas
+        "generate": sampling.model_dump(exclude={"endpoint": set(CompletionsParams.TRANSPORT)}),
         "chat_template": preset.chat_template,
         "prompt": template_hash(GENERATION),
         "questions": file_sha256(args.questions),

@@ -193,6 +193,14 @@ class FakeVLLM:
     def count(self) -> int:
         return len(self.requests)
 
+    def reload(self, weight_noise: float | None = None, logprobs_mode: str | None = None) -> None:
+        """Serve from now on with other weights (noise on the model's own) or another logprob mode,
+        as an engine restarted with another revision or `--logprobs-mode` would."""
+        if weight_noise is not None:
+            self.engine.noise, self.engine.model = weight_noise, None
+        if logprobs_mode is not None:
+            self.logprobs_mode = logprobs_mode
+
     # ------------------------------------------------------------------ the engine loop
     def _work(self) -> None:
         waiting: list[_Job] = []
@@ -468,7 +476,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="requests merged into one generate call (1: reproducible)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--latency", type=float, default=0.0, help="seconds added to every reply")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     with FakeVLLM(a.model, a.name, port=a.port, batch=a.batch, dtype=a.dtype, latency=a.latency) as srv:
         print(f"serving {srv.url} (model {srv.name}; Ctrl-C to stop)", flush=True)
         try:
