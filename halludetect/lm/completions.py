@@ -320,6 +320,8 @@ class CompletionsSampler:
     async def run(self, units: list[list[dict]], todo: list[int], store: UnitStore | None, show: bool) -> dict:
         """Every unit of `todo`, each kept in `store` (or returned) as it completes."""
         results: dict[int, pl.DataFrame] = {}
+        if not todo:  # every unit kept from before: the engine need not even be up
+            return results
         outcomes: list = []
         bar = tqdm(total=len(todo), desc="generate[completions]", unit="unit", disable=not show)
 
@@ -334,9 +336,9 @@ class CompletionsSampler:
             async with self.endpoint.session() as ep:
                 longest = max((len(q["prompt"]) for u in todo for q in units[u]), default=0)
                 await self.preflight(longest)
-                if todo:  # the first question goes alone: a misconfigured engine fails after one request
-                    q = units[todo[0]][0]
-                    self._first[q["id"]] = await self.question(q)
+                # The first question goes alone: a misconfigured engine fails after one request.
+                q = units[todo[0]][0]
+                self._first[q["id"]] = await self.question(q)
                 tasks = [asyncio.create_task(one(u)) for u in todo]
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
                 stopping = ep.stopping
