@@ -426,3 +426,28 @@ def test_a_killed_generate_resends_only_the_requests_that_were_in_flight(tiny_mo
         clean, _ = sample(tiny_model_dir, p, questions(10))
     assert pl.read_parquet(tmp_path / "gen.parquet").equals(clean.drop("seconds"))
     assert not (tmp_path / "progress").exists()
+
+
+@pytest.mark.hostile
+def test_sigint_stops_sending_keeps_every_reply_and_a_rerun_asks_only_the_rest(tiny_model_dir, tmp_path):
+    """Ctrl-C on `dvc repro`: no request is started after it, the ones in flight are awaited and kept,
+    and the re-run sends only what was never answered."""
+    from halludetect.core.unit_store import UnitStore
+
+    def interrupt(body, n):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # handled by the sampler's loop: it stops starting requests
+        return None
+
+    store = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
+    store.prepare()
+    with FakeVLLM(tiny_model_dir, fault=interrupt) as srv:
+        with pytest.raises(KeyboardInterrupt, match=r"interrupted by SIGINT \(\d+ of 5 units done; every reply"):
+            sample(tiny_model_dir, params(srv.url, endpoint={"concurrency": 2}), questions(10), store=store)
+        answered = srv.count
+        assert answered < 10
+        srv.fault = None
+        df, stats = sample(tiny_model_dir, params(srv.url, endpoint={"concurrency": 2}), questions(10), store=store)
+    bodies = [json.dumps(b, sort_keys=True) for b in srv.requests]
+    assert len(set(bodies)) == len(bodies) == 10  # nothing asked twice
+    assert df.height == 30 and stats["requests_sent"] == 10 - answered
