@@ -50,6 +50,7 @@ def run(args, params):
         f"models.{args.model} ({preset.path}{f' at revision {preset.revision}' if preset.revision else ''})",
         tolerances.mean_tolerance,
         tolerances.answer_tolerance,
+        tolerances.answer_share,
     )
     kw = dict(
         check=check,

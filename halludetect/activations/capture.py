@@ -171,6 +171,9 @@ def dump(
     device = input_device(model)
     torch_dtype = DTYPES[dtype]
     n_batches = -(-generations.height // batch_size)
+    if check is not None:  # the answers this process checks: the share's denominator
+        mine = workers.span(n_batches)
+        check.answers_expected = min(generations.height, mine.stop * batch_size) - mine.start * batch_size
     try:
         with capture(model, layers) as store:
             for b in tqdm(
