@@ -283,14 +283,11 @@ def test_the_dag_sampled_through_the_engine_and_sampling_again_gives_the_same_by
 
 
 @pytest.mark.parametrize(
-    ("change", "why"),
-    [
-        ({"weight_noise": 0.5}, "answer '"),  # another revision of the weights
-        ({"logprobs_mode": "processed_logprobs"}, "the mean |difference|"),  # after temperature 0.5
-    ],
+    "change",
+    [{"weight_noise": 0.5}, {"logprobs_mode": "processed_logprobs"}],  # after temperature 0.5
     ids=["another_revision", "processed_logprobs"],
 )
-def test_the_dump_fails_on_an_engine_that_serves_another_model_or_logprob_mode(repo, engine, tmp_path, change, why):
+def test_the_dump_fails_on_an_engine_that_serves_another_model_or_logprob_mode(repo, engine, tmp_path, change):
     _, srv = engine
     srv.reload(**change)
     try:
@@ -298,5 +295,6 @@ def test_the_dump_fails_on_an_engine_that_serves_another_model_or_logprob_mode(r
     finally:
         srv.reload(weight_noise=0.0, logprobs_mode="raw_logprobs")
     assert "error: the generations' log-probs are not those of models.world (data/world/model)" in dump
-    assert why in dump and "The largest difference: answer '" in dump and "--logprobs-mode raw_logprobs" in dump
+    assert "the mean |difference|" in dump or "answers differ by more than" in dump
+    assert "The largest difference: answer '" in dump and "--logprobs-mode raw_logprobs" in dump
     assert not (tmp_path / "acts").exists()

@@ -412,7 +412,6 @@ def generate_completions(
         sampler = CompletionsSampler(tokenizer, params, model, eos, cache)
         results = asyncio.run(sampler.run(units, todo, store, show=workers.main))
     stats = {
-        "backend": "completions",
         "replicas": len(params.endpoint.urls),
         "wall_seconds": round(time.perf_counter() - t0, 3),
         **sampler.stats,
