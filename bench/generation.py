@@ -126,7 +126,7 @@ def main() -> None:
     emit(
         {
             "benchmark": "generation",
-            "model": "world",
+            "model": str(args.model),
             "questions": questions.height,
             "k": params.n_samples,
             "max_new_tokens": params.max_new_tokens,
