@@ -35,7 +35,7 @@ import yaml
 
 from bench.common import emit, median
 from halludetect.config import ChatParams
-from halludetect.labels.call_cache import CallCache
+from halludetect.core.call_cache import CallCache
 from halludetect.labels.chat_client import ChatRunner
 from halludetect.labels.text import YES_NO, parse_choice
 from halludetect.prompts import labeling_prompt

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
@@ -172,6 +172,43 @@ class PrepareParams(Section):
         return self
 
 
+class CompletionsParams(Section):
+    """An OpenAI-compatible *completions* endpoint that samples for `generate` (`backend: completions`):
+    vLLM or SGLang serving the preset's model. See lm/completions.py and docs/models-and-generation.md."""
+
+    # How requests reach the engine; none of these changes a sample, so dvc.yaml does not declare
+    # them for `generate` and the resume fingerprint leaves them out.
+    TRANSPORT: ClassVar[tuple[str, ...]] = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout")
+
+    base_url: str | list[str] | None = Field(
+        None, description="e.g. http://gpu-node:8000/v1, or a list of replicas of one model; required by completions"
+    )
+    model: str | None = Field(None, description="the served model name; None: the preset's path (vllm serve's default)")
+    api_key_env: str | None = None  # the variable holding the engine's key (vllm serve --api-key); None: no key
+    concurrency: PositiveInt = 64  # requests in flight per replica
+    max_retries: Annotated[int, Field(ge=0)] = 6  # on 429 (honouring Retry-After), 5xx, timeouts, cut bodies
+    timeout: Annotated[float, Field(gt=0)] = 600.0  # seconds per request (a request may queue behind many)
+    # question: one request per question with n = K and one seed (vLLM seeds answer i with seed + i);
+    # answer: K requests with n = 1, each seeded by its answer's own stream (engines whose n ignores seeds)
+    per_request: Literal["question", "answer"] = "question"
+
+    @model_validator(mode="after")
+    def _urls(self) -> CompletionsParams:
+        urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url or [])
+        for url in urls:
+            if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+                raise ValueError(f"base_url '{url}' is not an http(s) URL, e.g. http://gpu-node:8000/v1")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"base_url lists a replica twice: {urls}")
+        if isinstance(self.base_url, list) and not urls:
+            raise ValueError("base_url is an empty list: give one URL or a list of replicas")
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url or [])
+
+
 class GenerateParams(Section):
     n_samples: PositiveInt = 5
     temperature: Annotated[float, Field(gt=0)] = 0.5
@@ -184,6 +221,26 @@ class GenerateParams(Section):
     batch_size: PositiveInt = 64  # questions per model call (x n_samples rows); also the unit of resume
     seed: int = 0
     device: Device = "auto"
+    backend: Literal["hf", "completions"] = "hf"  # hf: transformers in the stage; completions: a serving engine
+    endpoint: CompletionsParams = CompletionsParams()
+
+    @model_validator(mode="after")
+    def _endpoint_given(self) -> GenerateParams:
+        if self.backend == "completions" and not self.endpoint.urls:
+            raise ValueError(
+                "backend completions samples through a running engine: set generate.endpoint.base_url "
+                "(e.g. http://localhost:8000/v1 for `vllm serve`)"
+            )
+        return self
+
+
+class LogprobCheckParams(Section):
+    """The dump's check that the generations' log-probs are this model's (activations/logprob_check.py):
+    the teacher-forced pass recomputes every answer token's log-prob from the local weights."""
+
+    mean_tolerance: Annotated[float, Field(gt=0)] | None = 0.05  # on the mean |difference| over all tokens (nats)
+    answer_tolerance: Annotated[float, Field(gt=0)] | None = 0.5  # on one answer's mean |difference| (nats)
+    answer_share: Fraction = 0.01  # the share of answers that may pass answer_tolerance (a bf16 engine's outliers)
 
 
 class DumpParams(Section):
@@ -192,6 +249,7 @@ class DumpParams(Section):
     dtype: Literal["float16", "float32"] = "float16"  # HDF5 has no bfloat16
     batch_size: PositiveInt = 64
     device: Device = "auto"
+    logprob_check: LogprobCheckParams = LogprobCheckParams()
 
 
 class MatchJudgeParams(Section):

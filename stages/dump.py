@@ -4,6 +4,10 @@ Data-parallel like `generate`: with `HALLUDETECT_PROCESSES=N` each process write
 contiguous block of batches and process 0 joins the blocks in order, so the files are the
 same as a one-process run's. An interrupted dump leaves no output (everything is written
 under a temporary name first); re-running starts it again.
+
+The same pass recomputes every answer token's log-prob from the weights and compares it with
+the generations' (`dump.logprob_check`): answers sampled by another model, revision, tokenizer
+or logprob mode stop the dump with the largest difference.
 """
 
 import shutil
@@ -11,6 +15,7 @@ from pathlib import Path
 
 from halludetect.activations.capture import dump
 from halludetect.activations.layer_writer import merge_parts
+from halludetect.activations.logprob_check import LogprobCheck
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import atomic_path
 from halludetect.lm.hf_models import check_layers, load_config, load_model, load_tokenizer
@@ -40,7 +45,15 @@ def run(args, params):
         "prompt_hash": template_hash(GENERATION),
         "excluded_empty_answers": excluded["empty_answer"],
     }
+    tolerances = params.dump.logprob_check
+    check = LogprobCheck(
+        f"models.{args.model} ({preset.path}{f' at revision {preset.revision}' if preset.revision else ''})",
+        tolerances.mean_tolerance,
+        tolerances.answer_tolerance,
+        tolerances.answer_share,
+    )
     kw = dict(
+        check=check,
         positions=params.dump.positions,
         dtype=params.dump.dtype,
         batch_size=params.dump.batch_size,

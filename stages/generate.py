@@ -1,16 +1,22 @@
 """Sample K answers per question with prompt 1, recording token ids and log-probabilities.
 
-Resumable: finished units go to --progress as they complete; a killed run re-started (by
-`dvc repro`) skips them and gives the same output as an uninterrupted one. Data-parallel:
-`HALLUDETECT_PROCESSES=N` (or `accelerate launch --multi_gpu --num_processes N -m stages.generate ...`)
-shares the units over N processes, one per GPU.
+Two backends (`generate.backend`): `hf` samples with transformers in this process (data-parallel:
+`HALLUDETECT_PROCESSES=N`, or `accelerate launch --multi_gpu --num_processes N -m stages.generate ...`,
+shares the units over N processes, one per GPU); `completions` asks a running vLLM or SGLang
+server (`generate.endpoint`) and loads only the tokenizer. Both write the same table.
+
+Resumable: finished units go to --progress as they complete (with `completions`, every reply
+too); a killed run re-started (by `dvc repro`) skips them and gives the same output as an
+uninterrupted one.
 """
 
+from halludetect.config import CompletionsParams
 from halludetect.core.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.core.code_deps import code_digest
 from halludetect.core.unit_store import UnitStore
+from halludetect.lm.completions import generate_completions
 from halludetect.lm.generation import GENERATIONS_SCHEMA, generate
-from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.lm.hf_models import load_config, load_generation_eos, load_model, load_tokenizer
 from halludetect.lm.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
 from halludetect.qa.datasets import read_questions
@@ -19,8 +25,10 @@ from stages import common
 
 def fingerprint(args, params, preset) -> dict:
     """What the kept units were computed from: any change discards them."""
+    sampling = params.generate
     return {
-        "generate": params.generate.model_dump(),
+        # how requests reach the engine changes no sample: a resumed run may use other replicas
+        "generate": sampling.model_dump(exclude={"endpoint": set(CompletionsParams.TRANSPORT)}),
         "chat_template": preset.chat_template,
         "prompt": template_hash(GENERATION),
         "questions": file_sha256(args.questions),
@@ -48,17 +56,36 @@ def run(args, params):
             common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
         me.barrier()
         tokenizer = load_tokenizer(preset)
-        model = load_model(preset, me.device or params.generate.device)
-        df = generate(
-            model,
-            tokenizer,
-            questions,
-            params.generate,
-            chat_template=preset.chat_template,
-            store=store,
-            workers=me,
-            log=common.log.info,
-        )
+        if params.generate.backend == "completions":
+            config = load_config(preset)
+            served = params.generate.endpoint.model or preset.path
+            df, served_stats = generate_completions(
+                tokenizer,
+                config,
+                questions,
+                params.generate,
+                model=served,
+                eos=load_generation_eos(preset, config),
+                chat_template=preset.chat_template,
+                store=store,
+                workers=me,
+                log=common.log.info,
+            )
+            device = f"completions endpoint serving '{served}' ({served_stats['replicas']} replica(s))"
+        else:
+            model = load_model(preset, me.device or params.generate.device)
+            df = generate(
+                model,
+                tokenizer,
+                questions,
+                params.generate,
+                chat_template=preset.chat_template,
+                store=store,
+                workers=me,
+                log=common.log.info,
+            )
+            device = str(model.device) if not preset.device_map else f"device_map={preset.device_map}"
+            served_stats = None
     except BaseException:
         store.release()  # an error or an interrupt leaves the units to the next run, unclaimed
         raise
@@ -72,7 +99,8 @@ def run(args, params):
         "questions": questions.height,
         "samples": df.height,
         "processes": me.size,
-        "device": str(model.device) if not preset.device_map else f"device_map={preset.device_map}",
+        "backend": params.generate.backend,
+        "device": device,
         "seconds_total": round(float(df["seconds"].sum()), 3),
         "seconds_per_sample": float(df["seconds"].mean()) if df.height else 0.0,
         "resampled_after_empty": int((df["attempts"] > 1).sum()),
@@ -80,6 +108,8 @@ def run(args, params):
         "finish_reason": dict(df["finish_reason"].value_counts().iter_rows()),
         "mean_answer_tokens": float(df["n_tokens"].mean()) if df.height else 0.0,
     }
+    if served_stats:  # requests sent, replies kept from an interrupted run, tokens, wall time
+        metrics["endpoint"] = served_stats
     write_json(args.metrics, metrics)
     common.log.info(
         "generated %d answers for %d questions in %.1f s of model time "

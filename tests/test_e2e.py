@@ -147,6 +147,19 @@ def test_judge_param_leaves_generation_dump_and_cluster(repo):
     assert not ran(log) & {"generate@world-world", "dump@world-world", "cluster@world-world", "world"}
 
 
+def test_the_engines_transport_re_runs_nothing_and_the_served_model_re_runs_sampling(repo):
+    """How generate's requests would reach a serving engine (replicas, concurrency, timeout, retries,
+    the key's variable) changes no sample, so DVC re-runs nothing; the served model does."""
+    saved = (repo / "params.yaml").read_text()
+    transport = {"base_url": ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"], "concurrency": 3}
+    set_params(repo, {"generate": {"endpoint": transport | {"timeout": 5, "max_retries": 1, "api_key_env": "K"}}})
+    assert changed(repo) == set()
+    set_params(repo, {"generate": {"endpoint": {"model": "another-name"}}})
+    assert changed(repo) == {"generate@world-world"}
+    (repo / "params.yaml").write_text(saved)
+    assert changed(repo) == set()
+
+
 def restore(repo: Path) -> None:
     """Back to the committed DAG: its params, its lock, and its outputs from DVC's cache."""
     run(["git", "checkout", "-q", "HEAD", "--", "params.yaml", "dvc.lock"], repo)  # HEAD: DVC autostages the lock

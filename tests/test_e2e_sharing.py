@@ -1,10 +1,18 @@
-"""Sharing through a real S3 remote and sweeps that end in tables, as docs/sweeps-and-sharing.md says.
+"""Sharing through a real S3 remote and sweeps that end in tables, as docs/sweeps-and-sharing.md says,
+on a DAG that samples through a serving engine.
 
 The bash blocks of docs/sweeps-and-sharing.md ("Sharing through a remote", "Sweeps") run as written, in a temporary
 copy of the repository (tests/e2e_support.py) whose DAG is the small world's with one method on
 hidden states (`max`, the one the commands use) and `hami_sp`, on layer 2 only (the
 docs'), without the analysis: what the commands read, and no more. A real S3-compatible
 server (moto's) on 127.0.0.1 and a bare git repository stand for the team's remotes.
+
+This DAG samples with `generate.backend: completions` through the fake vLLM engine
+(halludetect/testing/fake_vllm.py) on 127.0.0.1, serving the world model the DAG's own world
+stage trains: the whole DAG runs on the engine's answers (the dump's log-prob check passing on
+them), a re-run of generate against the engine gives the same bytes, and the dump fails on an
+engine that serves another revision of the model or processed log-probs (the last tests).
+(test_e2e.py's DAG samples with `hf`.)
 """
 
 from __future__ import annotations
@@ -14,16 +22,35 @@ import sys
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 from e2e_support import build_repo, changed, ran, run
 from support import doc_blocks
+
+from halludetect.testing.fake_vllm import FakeVLLM
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    return build_repo(tmp_path_factory.mktemp("repo"), {"grid": {"methods": ["max"], "analyze": [], "layers": [2]}})
+def engine(tmp_path_factory):
+    """The repository's directory and the engine serving its world model under the preset's path (the
+    model loads on the first request, after the world stage has trained it)."""
+    path = tmp_path_factory.mktemp("repo")
+    with FakeVLLM(path / "data/world/model", "data/world/model") as srv:
+        yield path, srv
+
+
+@pytest.fixture(scope="module")
+def repo(engine):
+    path, srv = engine
+    return build_repo(
+        path,
+        {
+            "grid": {"methods": ["max"], "analyze": [], "layers": [2]},
+            "generate": {"backend": "completions", "endpoint": {"base_url": srv.url, "concurrency": 8}},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +243,79 @@ def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3, tmp_path):
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(b)], tmp_path)
     bash(pull, b, s3)
     assert (b / "metrics/sweeps/detectors_max_dim.md").read_text() == md
+
+
+# ------------------------------------------------------------------ sampling through the engine
+def generate_and_dump(repo: Path, out: Path) -> tuple[str, str]:
+    """The generate stage into `out` (its own progress directory), then the dump of what it wrote."""
+    gen = run(
+        [
+            sys.executable,
+            "-m",
+            "stages.generate",
+            "--model",
+            "world",
+            "--questions",
+            "data/questions/world.parquet",
+            "--manifest",
+            "data/models/world.json",
+            "--progress",
+            str(out / "progress"),
+            "--out",
+            str(out / "gen.parquet"),
+            "--metrics",
+            str(out / "gen.json"),
+        ],
+        repo,
+    )
+    dump = run(
+        [
+            sys.executable,
+            "-m",
+            "stages.dump",
+            "--model",
+            "world",
+            "--questions",
+            "data/questions/world.parquet",
+            "--generations",
+            str(out / "gen.parquet"),
+            "--manifest",
+            "data/models/world.json",
+            "--out",
+            str(out / "acts"),
+        ],
+        repo,
+        check=False,
+    )
+    return gen, dump
+
+
+def test_the_dag_sampled_through_the_engine_and_sampling_again_gives_the_same_bytes(repo, engine, tmp_path):
+    _, srv = engine
+    metrics = json.loads((repo / "metrics/generate/world/world.json").read_text())
+    questions = pl.read_parquet(repo / "data/questions/world.parquet").height
+    assert metrics["backend"] == "completions" and metrics["endpoint"]["requests_sent"] >= questions
+    assert all(b["n"] == 3 and b["model"] == "data/world/model" for b in srv.requests[:questions])
+    before = srv.count
+    _, dump = generate_and_dump(repo, tmp_path)
+    assert (tmp_path / "gen.parquet").read_bytes() == (repo / "data/generations/world/world.parquet").read_bytes()
+    assert srv.count - before == metrics["endpoint"]["requests_sent"]  # a new run asks again: nothing is cached
+    assert "log-prob check passed" in dump and (tmp_path / "acts").is_dir()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"weight_noise": 0.5}, {"logprobs_mode": "processed_logprobs"}],  # after temperature 0.5
+    ids=["another_revision", "processed_logprobs"],
+)
+def test_the_dump_fails_on_an_engine_that_serves_another_model_or_logprob_mode(repo, engine, tmp_path, change):
+    _, srv = engine
+    srv.reload(**change)
+    try:
+        _, dump = generate_and_dump(repo, tmp_path)
+    finally:
+        srv.reload(weight_noise=0.0, logprobs_mode="raw_logprobs")
+    assert "error: the generations' log-probs are not those of models.world (data/world/model)" in dump
+    assert "the mean |difference|" in dump or "answers differ by more than" in dump
+    assert "The largest difference: answer '" in dump and "--logprobs-mode raw_logprobs" in dump
+    assert not (tmp_path / "acts").exists()

@@ -17,7 +17,8 @@ from halludetect.core import code_deps
 
 # Bottom to top. A folder or a top-level module (config, prompts, metrics, cli) per entry.
 FLOORS = [
-    ["core"],  # errors, atomic writes, artifact readers, lookups, numerics, devices, unit stores, sections
+    ["core"],  # errors, atomic writes, artifact readers, lookups, numerics, devices, unit stores, sections,
+    # the endpoint machinery and its call cache (used by the sampler in lm/ and the judge in labels/)
     ["methods"],  # one file per detection method: params, traits, how its network is built
     ["config", "prompts", "metrics"],
     ["lm", "qa"],  # the base model; QA records

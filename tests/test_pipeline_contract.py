@@ -169,6 +169,31 @@ def test_every_stage_declares_the_params_it_reads(name):
     assert not undeclared, f"{name} reads params {undeclared} that dvc.yaml does not declare"
 
 
+def generate_keys() -> set[str]:
+    """Every dotted key of the generate section (generate.endpoint.model, ...)."""
+    return {f"generate.{k}" for k in flatten(config.GenerateParams().model_dump(mode="json"))}
+
+
+TRANSPORT = {f"generate.endpoint.{k}" for k in config.CompletionsParams.TRANSPORT}
+
+
+def test_generate_declares_every_key_that_changes_a_sample_and_no_transport_key():
+    """`generate` lists its keys one by one (so that the endpoint's transport, how requests reach the
+    engine, re-runs nothing): a key added to GenerateParams must be added there too, or changing
+    it would leave stale generations; `latency` samples with hf, so it lists the sampling keys."""
+    declared = {name: set(declared_of(stages()[name])) for name in ("generate", "latency")}
+    missing = sorted(generate_keys() - TRANSPORT - declared["generate"])
+    assert not missing, f"generate: dvc.yaml does not declare {missing}; add them to its params"
+    assert not declared["generate"] & TRANSPORT, "the endpoint's transport must not re-run generate"
+    sampling = {k for k in generate_keys() if not k.startswith(("generate.endpoint.", "generate.backend"))}
+    assert sorted(sampling - declared["latency"]) == [], "latency samples with every sampling key"
+    assert not {k for k in declared["latency"] if k.startswith(("generate.endpoint", "generate.backend"))}
+
+
+def declared_of(stage: dict) -> list[str]:
+    return [p for p in stage.get("params", []) if isinstance(p, str)]
+
+
 STAGE_SECTIONS = [
     "world",
     "prepare",

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_writer import LayerWriter, fsync_files
+from halludetect.activations.logprob_check import LogprobCheck, teacher_forced_logprobs
 from halludetect.lm.hf_models import DTYPES, input_device
 from halludetect.lm.model_inputs import check_context, encode_prompt, pad_ids
 from halludetect.lm.parallel import Workers
@@ -142,11 +143,14 @@ def dump(
     chat_template: bool = False,
     workers=None,
     log=print,
+    check: LogprobCheck | None = None,
 ) -> None:
     """Teacher-forced pass over prompt + answer ids; one HDF5 file per layer in `out_dir`.
 
     Responses go in (question_id, sample_index) order. With several `workers`, this process
-    writes its contiguous block of batches; `merge_parts` joins the blocks in order.
+    writes its contiguous block of batches; `merge_parts` joins the blocks in order. With a
+    `check`, every answer token's log-prob is recomputed from the logits of the same pass and
+    compared with the generations' (activations/logprob_check.py); a mismatch stops the dump.
     """
     workers = workers or Workers()
     if positions not in POSITIONS:
@@ -167,6 +171,9 @@ def dump(
     device = input_device(model)
     torch_dtype = DTYPES[dtype]
     n_batches = -(-generations.height // batch_size)
+    if check is not None:  # the answers this process checks: the share's denominator
+        mine = workers.span(n_batches)
+        check.answers_expected = min(generations.height, mine.stop * batch_size) - mine.start * batch_size
     try:
         with capture(model, layers) as store:
             for b in tqdm(
@@ -175,7 +182,9 @@ def dump(
                 # One batch's rows only: memory does not grow with the number of responses.
                 batch = (
                     generations.slice(b * batch_size, batch_size)
-                    .select("question_id", "sample_index", "token_ids", "n_tokens")
+                    .select(
+                        "question_id", "sample_index", "token_ids", "n_tokens", *(["token_logprobs"] if check else [])
+                    )
                     .to_dicts()
                 )
                 seqs = [prompts[r["question_id"]] + list(r["token_ids"]) for r in batch]
@@ -184,9 +193,22 @@ def dump(
                 # Right padding: a plain forward numbers positions from 0, so real tokens keep
                 # the positions they had unpadded and causal attention never sees the pads.
                 ids, mask = pad_ids(seqs, tokenizer.pad_token_id, left=False)  # [B, W]
-                model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+                out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
                 row_t, col_t = (t.to(device) for t in bag_positions(starts, lengths))
                 response_ids = [response_id(r["question_id"], r["sample_index"]) for r in batch]
+                if check is not None:  # the positions that predict each answer token, whatever `positions`
+                    p_row, p_col = (
+                        t.to(device)
+                        for t in bag_positions([len(prompts[r["question_id"]]) - 1 for r in batch], lengths)
+                    )
+                    tokens = torch.tensor([t for r in batch for t in r["token_ids"]], device=device)  # [N]
+                    recorded = np.asarray([x for r in batch for x in r["token_logprobs"]], dtype=np.float64)  # [N]
+                    check.add(
+                        recorded,
+                        teacher_forced_logprobs(out.logits, p_row, p_col, tokens).numpy(),
+                        lengths,
+                        response_ids,
+                    )
                 for layer, writer in writers.items():
                     block = store[layer][row_t, col_t].to(torch_dtype).cpu().numpy()  # [N, d]
                     writer.append(block, lengths, response_ids)
@@ -194,5 +216,7 @@ def dump(
         for writer in writers.values():
             writer.close(fsync=False)
     fsync_files([w.path for w in writers.values()])
+    if check is not None:
+        log(check.finish())
     n_mine = sum(len(w.ids) for w in writers.values()) // max(1, len(writers))
     log(f"process {workers.rank}: dumped {n_mine} of {generations.height} responses x {len(layers)} layers")

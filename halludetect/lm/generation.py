@@ -73,24 +73,34 @@ def row_seed(seed: int, question_id: str, sample_index: int, attempt: int) -> in
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # < 2**63
 
 
-def row_uniforms(keys: list[tuple], steps: int) -> torch.Tensor:
-    """[rows, steps] float64 uniforms in [0, 1): row r's draw for each generation step."""
-    out = torch.empty(len(keys), steps, dtype=torch.float64)
+def seed_uniforms(seeds: list[int], steps: int) -> torch.Tensor:
+    """[rows, steps] float64 uniforms in [0, 1): the draws of a stream seeded with each seed."""
+    out = torch.empty(len(seeds), steps, dtype=torch.float64)
     g = torch.Generator()
-    for r, key in enumerate(keys):
-        g.manual_seed(row_seed(*key))
+    for r, seed in enumerate(seeds):
+        g.manual_seed(seed)
         out[r] = torch.rand(steps, generator=g, dtype=torch.float64)
     return out
+
+
+def row_uniforms(keys: list[tuple], steps: int) -> torch.Tensor:
+    """[rows, steps] float64 uniforms in [0, 1): row r's draw for each generation step."""
+    return seed_uniforms([row_seed(*key) for key in keys], steps)
 
 
 class RowSampler(LogitsProcessor):
     """Warp, sample each row from its own uniforms, record raw log-probs, return a one-hot choice."""
 
-    def __init__(self, uniforms: torch.Tensor, prompt_width: int, params: GenerateParams, greedy: bool):
+    def __init__(
+        self, uniforms: torch.Tensor, prompt_width: int, params: GenerateParams, greedy: bool, processed: bool = False
+    ):
         self.u = uniforms  # [R, steps]
         self.width = prompt_width
         self.greedy = greedy
         self.logprobs = torch.zeros(uniforms.shape, dtype=torch.float32, device=uniforms.device)  # [R, steps]
+        # With `processed`, also the log-probs of the warped distribution (what an engine serving
+        # "processed" log-probs returns: the fake engine's wrong mode, testing/fake_vllm.py).
+        self.processed = torch.zeros_like(self.logprobs) if processed else None
         warpers = []
         if params.repetition_penalty != 1.0:
             warpers.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -116,6 +126,8 @@ class RowSampler(LogitsProcessor):
             # probability 0 (a flat step of the cdf) can never be picked.
             token = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(scores.shape[1] - 1)
         self.logprobs[:, step] = logp.gather(1, token[:, None]).squeeze(1)
+        if self.processed is not None:
+            self.processed[:, step] = torch.log_softmax(warped.float(), -1).gather(1, token[:, None]).squeeze(1)
         forced = torch.full_like(scores, float("-inf"))
         return forced.scatter_(1, token[:, None], 0.0)
 
@@ -178,18 +190,20 @@ def _shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, repeats: int):
 
 
 @torch.no_grad()
-def sample_rows(
+def generate_raw(
     model,
     tokenizer,
     prompts: list[list[int]],
-    keys: list[tuple],
+    seeds: list[int],
     params: GenerateParams,
     eos: list[int],
     greedy: bool = False,
     repeats: int = 1,
-) -> tuple[list[Trimmed], list[list[float]], float]:
-    """One `generate` call over rows (prompt ids, random-stream key); returns trimmed answers,
-    their raw token log-probs and the wall time. With `repeats` > 1, rows come in runs of
+    processed: bool = False,
+) -> tuple[list[list[int]], RowSampler, float]:
+    """One `generate` call over rows (prompt ids, random-stream seed): every row's new ids as
+    generate returns them (EOS or the stop string's last token, then padding), the sampler (its
+    raw log-probs [R, steps]) and the wall time. With `repeats` > 1, rows come in runs of
     `repeats` sharing one prompt, whose prefill is then computed once."""
     device = input_device(model)
     t0 = time.perf_counter()
@@ -201,7 +215,7 @@ def sample_rows(
     else:
         ids, mask = pad_ids(prompts, tokenizer.pad_token_id, left=True)
     width = ids.shape[1]
-    sampler = RowSampler(row_uniforms(keys, params.max_new_tokens).to(device), width, params, greedy)
+    sampler = RowSampler(seed_uniforms(seeds, params.max_new_tokens).to(device), width, params, greedy, processed)
     # A complete config: values left unset would be filled from the model's own generation
     # config (Llama 3.1 ships do_sample=True, temperature 0.6, top_p 0.9). The warpers' values
     # are transformers' neutral defaults, which it does not warn about in greedy mode; the
@@ -227,8 +241,23 @@ def sample_rows(
         tokenizer=tokenizer,
         **kw,
     )
-    seconds = time.perf_counter() - t0
-    gen = out[:, width:].cpu().tolist()  # [R, new]
+    return out[:, width:].cpu().tolist(), sampler, time.perf_counter() - t0
+
+
+def sample_rows(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    keys: list[tuple],
+    params: GenerateParams,
+    eos: list[int],
+    greedy: bool = False,
+    repeats: int = 1,
+) -> tuple[list[Trimmed], list[list[float]], float]:
+    """Rows (prompt ids, random-stream key) sampled in one `generate` call: trimmed answers, their
+    raw token log-probs and the wall time (`generate_raw`)."""
+    seeds = [row_seed(*key) for key in keys]
+    gen, sampler, seconds = generate_raw(model, tokenizer, prompts, seeds, params, eos, greedy, repeats)
     logprobs = sampler.logprobs.cpu()
     trimmed = [trim_answer(tokenizer, g, params.stop, params.max_new_tokens, eos) for g in gen]
     lps = [logprobs[r, : len(t.token_ids)].double().tolist() for r, t in enumerate(trimmed)]
@@ -342,9 +371,14 @@ def generate(
         merged = store.merge(len(units))
     else:
         merged = pl.concat([results[u] for u in range(len(units))], how="vertical")
+    return in_question_order(merged, units)
+
+
+def in_question_order(rows: pl.DataFrame, units: list[list[dict]]) -> pl.DataFrame:
+    """Rows of every unit back in the questions' order, then by sample index."""
     position = {q["id"]: q["position"] for unit in units for q in unit}
     return (
-        merged.with_columns(pl.col("question_id").replace_strict(position, return_dtype=pl.Int64).alias("_pos"))
+        rows.with_columns(pl.col("question_id").replace_strict(position, return_dtype=pl.Int64).alias("_pos"))
         .sort("_pos", "sample_index")
         .drop("_pos")
     )

@@ -168,6 +168,21 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def load_generation_eos(preset: ModelPreset, config) -> list[int]:
+    """The EOS ids of the model's generation config, as `model.generation_config` would hold them,
+    without loading the weights: generation_config.json, or (without one) what transformers derives
+    from the model config. For a sampler that only talks to an endpoint."""
+    from transformers import GenerationConfig
+
+    src, kw = _source_kwargs(preset)
+    try:
+        gen = GenerationConfig.from_pretrained(src, revision=kw.get("revision"))
+    except (OSError, ValueError):  # no generation_config.json
+        gen = GenerationConfig.from_model_config(config)
+    eos = gen.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+
 def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 

@@ -25,8 +25,9 @@ def encode_prompt(tokenizer, question: str, chat_template: bool, template: str =
 
 
 def check_context(model, prompt_lengths: dict[str, int], extra_tokens: int, what: str) -> None:
-    """Fail before any work if a prompt plus `extra_tokens` does not fit the model's context."""
-    limit = context_length(model.config)
+    """Fail before any work if a prompt plus `extra_tokens` does not fit the model's context.
+    `model` is a loaded model or its config (a sampler that only talks to an endpoint loads no weights)."""
+    limit = context_length(getattr(model, "config", model))
     if limit is None:
         return
     over = {q: n for q, n in prompt_lengths.items() if n + extra_tokens > limit}

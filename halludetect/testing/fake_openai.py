@@ -36,6 +36,7 @@ class Fault:
     body: str | None = None  # raw body; None = an OpenAI-style error object
     delay: float = 0.0  # seconds before answering (beyond the server's latency)
     trickle: float = 0.0  # > 0: send the body one byte every `trickle` seconds (a stalling server)
+    cut: int | None = None  # send only this many bytes of the body, then close the connection (a cut body)
 
 
 Responder = Callable[[dict, int], "str | None | Fault"]
@@ -56,6 +57,42 @@ def completion(text: str | None, body: dict, n: int) -> dict:
             "total_tokens": len(prompt.split()) + completion_tokens,
         },
     }
+
+
+def send(
+    handler: BaseHTTPRequestHandler,
+    status: int,
+    body: str,
+    headers: dict | None = None,
+    trickle: float = 0.0,
+    cut: int | None = None,
+) -> None:
+    """Write a JSON response: at once, a byte every `trickle` seconds, or cut off after `cut`
+    bytes of the body (the full length announced, then the connection closed)."""
+    data = body.encode()
+    head = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
+    head_bytes = ("\r\n".join(head) + "\r\n\r\n").encode()
+    try:
+        if cut is not None:
+            handler.wfile.write(head_bytes + data[:cut])
+            handler.wfile.flush()
+            handler.close_connection = True
+            return
+        if not trickle:  # status line, headers and body in one write, as servers do
+            handler.wfile.write(head_bytes + data)
+            return
+        handler.wfile.write(head_bytes)
+        for i in range(len(data)):  # every read gets a byte in time: only a deadline ends it
+            handler.wfile.write(data[i : i + 1])
+            handler.wfile.flush()
+            time.sleep(trickle)
+    except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
+        handler.close_connection = True
 
 
 class _Server(ThreadingHTTPServer):
@@ -102,26 +139,10 @@ class FakeOpenAI:
                 # ACKs adds ~40 ms to replies written in two pieces.
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def _send(self, status: int, body: str, headers: dict | None = None, trickle: float = 0.0) -> None:
-                data = body.encode()
-                head = [
-                    f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-                    "Content-Type: application/json",
-                    f"Content-Length: {len(data)}",
-                    *(f"{k}: {v}" for k, v in (headers or {}).items()),
-                ]
-                head_bytes = ("\r\n".join(head) + "\r\n\r\n").encode()
-                try:
-                    if not trickle:  # status line, headers and body in one write, as servers do
-                        self.wfile.write(head_bytes + data)
-                        return
-                    self.wfile.write(head_bytes)
-                    for i in range(len(data)):  # every read gets a byte in time: only a deadline ends it
-                        self.wfile.write(data[i : i + 1])
-                        self.wfile.flush()
-                        time.sleep(trickle)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
-                    self.close_connection = True
+            def _send(
+                self, status: int, body: str, headers: dict | None = None, trickle: float = 0.0, cut: int | None = None
+            ) -> None:
+                send(self, status, body, headers, trickle, cut)
 
             def do_GET(self):
                 if self.path.rstrip("/").endswith("/stats"):  # for benchmarks in another process
@@ -170,7 +191,9 @@ class FakeOpenAI:
                     err = json.dumps({"error": {"message": f"injected {out.status}", "type": "server_error"}})
                     if out.status == 200 and out.body is None:  # a good reply, delivered slowly
                         err = json.dumps(completion("yes", body, n))
-                    return self._send(out.status, out.body if out.body is not None else err, out.headers, out.trickle)
+                    return self._send(
+                        out.status, out.body if out.body is not None else err, out.headers, out.trickle, out.cut
+                    )
                 time.sleep(srv.latency)
                 self._send(200, json.dumps(completion(out, body, n)))
 

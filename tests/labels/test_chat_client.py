@@ -24,7 +24,7 @@ from support import KEY, SECRET, _stage_inputs, label_inputs, stage, yes_no
 from support import ROOT as REPO
 
 from halludetect.config import ChatParams, ParamsError, Price, parse_params
-from halludetect.labels.call_cache import CallCache
+from halludetect.core.call_cache import CallCache
 from halludetect.labels.chat_client import ApiError, ChatRunner
 from halludetect.labels.judges import get_judge
 from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder

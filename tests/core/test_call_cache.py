@@ -1,4 +1,4 @@
-"""The call cache's claims across processes (halludetect/labels/call_cache.py), the hostile cases: two
+"""The call cache's claims across processes (halludetect/core/call_cache.py), the hostile cases: two
 judge runs at once on one cache pay each request once; a claim whose owner died, or whose lease
 expired, is taken over at once; a live claim by another process is waited for, not sent again."""
 
@@ -11,12 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
-from support import KEY, ROOT, label_inputs, yes_no
+from support import KEY, ROOT, SECRET, label_inputs, yes_no
 
 from halludetect.config import ChatParams
-from halludetect.labels.call_cache import CallCache
+from halludetect.core.call_cache import CallCache
 from halludetect.labels.chat_client import ChatRunner
 from halludetect.testing.fake_openai import FakeOpenAI, rule_responder
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path, monkeypatch):
+    """A call cache of this test's own and the fake API key, as tests/labels/conftest.py sets them."""
+    monkeypatch.setenv("HALLUDETECT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(KEY, SECRET)
 
 
 @pytest.mark.hostile
@@ -70,7 +77,7 @@ def plant_claim(r: ChatRunner, prompt: str, host: str, pid: int, lease_until: fl
 
 @pytest.mark.hostile
 def test_a_claim_whose_owner_died_is_taken_over_at_once(tmp_path):
-    from halludetect.labels.call_cache import HOST
+    from halludetect.core.call_cache import HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a SIGKILLed run's pid: gone, its lease still an hour long
