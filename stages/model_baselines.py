@@ -6,10 +6,13 @@ with its cost per response (the forward pass, timed, and the K - 1 samples it sh
 import json
 from pathlib import Path
 
+import polars as pl
+
 from halludetect.config import MODEL_BASELINES
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.devices import resolve_device
+from halludetect.core.errors import DataError
 from halludetect.core.lookup import lookup
 from halludetect.evaluation.baselines import evaluate_baseline
 from halludetect.evaluation.costs import cost_per_response, sampling_seconds
@@ -42,6 +45,13 @@ def run(args, params):
         batch_size=pp.batch_size,
     )
     write_parquet(args.scores, scores)
+    scored = {r.rsplit("/", 1)[0] for r in scores["rid"].to_list()}
+    for split in ("val", "test"):
+        if not judgments.filter((pl.col("split") == split) & pl.col("question_id").is_in(list(scored))).height:
+            raise DataError(
+                f"{args.baseline}: no {split} answer could be scored ({excluded}): every prompt is longer than the "
+                "model's context or every answer empty; lower generate.max_new_tokens or generate.n_samples"
+            )
     out = {
         "model": args.model,
         "dataset": args.dataset,

@@ -246,6 +246,11 @@ class Scorer:
         inputs = b.meta["inputs"]
         if template_hash(inputs["prompt_template"]) != inputs["prompt_hash"]:
             raise BundleError(f"{b.path}: its prompt template does not match its recorded hash: a damaged bundle")
+        if b.per_question:
+            raise UserError(
+                f"{b.path} holds a '{b.method}' detector, which scores the K answers of a question together "
+                "(EigenScore); halludetect score scores answers one at a time: evaluate it in the DAG"
+            )
         if generate is not None and b.reads_p_sem:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
