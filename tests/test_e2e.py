@@ -150,7 +150,7 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
 def test_the_plugins_bundle_scores_as_the_dag_did_and_eigenscore_is_refused(repo):
     """The docs' plugin, registered by its entry point, scores the test answers from its bundle as
     evaluate scored them; an EigenScore bundle cannot score answers one at a time, and says so."""
-    code = f"""
+    code = """
 import polars as pl, yaml
 from contract_layout import assert_bundle_scores_match_dag
 from halludetect.qa.responses import select_answers
@@ -161,7 +161,7 @@ n = assert_bundle_scores_match_dag(
     pl.read_parquet("data/questions/world.parquet"), dumped, "data/world/model",
     yaml.safe_load(open("params.yaml"))["dump"]["batch_size"])
 try:
-    score_answers("data/bundles/world/world/eigenscore.safetensors", [{{"question": "q?", "answer": "a"}}])
+    score_answers("data/bundles/world/world/eigenscore.safetensors", [{"question": "q?", "answer": "a"}])
 except Exception as e:
     print(n, type(e).__name__, e)
 """
