@@ -148,7 +148,8 @@ def select(
         has = np.asarray([rid in entropy for rid in rids], dtype=bool)
         excluded["no_semantic_entropy"] = int((keep & ~has).sum())
         keep &= has
-    if spec is not None and spec.per_question:
+    if spec is not None and spec.per_question and (split != "train" or spec.fit != "none"):
+        # (an unsupervised method never scores the train split, where only sample 0 is dumped)
         question = np.asarray([r.rsplit("/", 1)[0] for r in rids])
         kept_per_q = pl.DataFrame({"q": question[keep]}).group_by("q").len()
         alone = set(kept_per_q.filter(pl.col("len") < 2)["q"].to_list())
