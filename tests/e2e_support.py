@@ -47,7 +47,13 @@ SMALL = {
     "evaluate": {"bootstrap": 20, "throughput_repeats": 1},
     "analyze": {"steps": 50},
     # one of each kind of stage; every method is covered by the unit tests
-    "grid": {"methods": ["hami", "max"], "sp_methods": ["hami_sp"], "layers": [1, 2]},
+    "grid": {
+        "methods": ["hami", "max"],
+        "sp_methods": ["hami_sp"],
+        "layers": [1, 2],
+        "baselines": ["p_sem", "semantic_entropy", "logprob", "length"],
+        "model_baselines": [],  # test_e2e.py adds the field's baselines; the sharing module needs none
+    },
     "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "max")},
 }
 
