@@ -39,7 +39,14 @@ def run(args, params):
         "family": "detector",
         "seeds": seeds,
     }
-    metrics |= evaluate_detector(per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed)
+    metrics |= evaluate_detector(
+        per_layer,
+        Path(args.scores),
+        seeds,
+        bootstrap=ep.bootstrap,
+        seed=ep.seed,
+        logits=lookup_method(args.method).logits,
+    )
 
     # Throughput of the chosen layer's detector, on its test responses.
     best = metrics["best_layer"]

@@ -163,10 +163,11 @@ n = assert_bundle_scores_match_dag(
 try:
     score_answers("data/bundles/world/world/eigenscore.safetensors", [{"question": "q?", "answer": "a"}])
 except Exception as e:
-    print(n, type(e).__name__, e)
+    print("RESULT", n, type(e).__name__, e)
 """
     out = run([sys.executable, "-c", code], repo, PYTHONPATH=f"{repo}{os.pathsep}{Path(__file__).parent}")
-    n, err = out.strip().splitlines()[-1].split(" ", 1)
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    n, err = line.removeprefix("RESULT ").split(" ", 1)
     assert int(n) > 0 and err.startswith("UserError") and "scores the K answers of a question together" in err
 
 

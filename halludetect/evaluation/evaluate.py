@@ -158,7 +158,7 @@ def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, lis
 
 
 def evaluate_detector(
-    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int
+    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int, logits: bool = True
 ) -> dict:
     """The method's figures: every layer's val/test AUROC (the plot), the layer chosen on
     validation, and its full val/test metrics from its scores (the test AUROC with a bootstrap
@@ -181,6 +181,7 @@ def evaluate_detector(
             seed=seed,
             groups=question_groups(rows["question_id"].to_list()),
             lengths=rows["n_tokens"].to_numpy(),
+            logits=logits,  # a score that is no logit (EigenScore) has no margin
         )
     return {
         "best_layer": best,
