@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_m
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
-from halludetect.methods import ANALYZABLE, METHODS, SP_METHODS
+from halludetect.methods import ANALYZABLE, CLUSTER_METHODS, METHODS, PluginError, load_entry_points, load_factory
 
 
 def _split_fraction(value: float) -> float:
@@ -314,7 +314,9 @@ class ClusterParams(Section):
 
 
 # Scores without hidden states (evaluation/baselines.py registers each).
-BASELINES = ("p_sem", "semantic_entropy", "logprob", "length")
+BASELINES = ("p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets")
+# Baselines that run the model again (stage model_baselines; evaluation/p_true.py).
+MODEL_BASELINES = ("p_true",)
 
 # One section per detection method, derived from the registry in methods/ (each method declares
 # its params class there), so changing one method's setting retrains only that method.
@@ -331,6 +333,14 @@ class BaselinesParams(Section):
 
     p_sem: PSemVariant = "mean"  # baseline 1 - P_sem, which variant
     semantic_entropy: Literal["mean", "sum", "discrete"] = "mean"
+
+
+class PTrueParams(Section):
+    """p(True) (Kadavath et al. 2022, the semantic-entropy code's prompt): one more forward pass per answer."""
+
+    few_shot: Annotated[int, Field(ge=0)] = 0  # labelled train questions shown first (the SE code: 20)
+    batch_size: PositiveInt = 32  # answers per forward pass
+    device: Device = "auto"
 
 
 class TrainParams(Section):
@@ -391,8 +401,9 @@ class GridParams(Section):
     # Layers trained and evaluated (one train stage each); they must have been dumped (dump.layers).
     layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
-    sp_methods: list[str] = []  # detectors that also read P_sem (train_sp@, evaluate_sp@): hami_sp
+    sp_methods: list[str] = []  # detectors that read the clustering (train_sp@, evaluate_sp@): hami_sp, sep_*
     baselines: list[str] = []  # scores without hidden states (baselines@)
+    model_baselines: list[str] = []  # scores that run the model again (model_baselines@): p_true
     analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
 
 
@@ -411,6 +422,7 @@ class Params(Section):
     baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    p_true: PTrueParams = PTrueParams()
     export: ExportParams = ExportParams()
     latency: LatencyParams = LatencyParams()
     analyze: AnalyzeParams = AnalyzeParams()
@@ -418,26 +430,28 @@ class Params(Section):
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
         problems = []
-        hidden = [m for m in DetectorsParams.model_fields if m not in SP_METHODS]
+        hidden = [m for m in METHODS if m not in CLUSTER_METHODS]
         for key, names, choices in (
             ("grid.models", self.grid.models, self.models),
             ("grid.datasets", self.grid.datasets, self.datasets),
             ("grid.methods", self.grid.methods, hidden),
-            ("grid.sp_methods", self.grid.sp_methods, SP_METHODS),
+            ("grid.sp_methods", self.grid.sp_methods, list(CLUSTER_METHODS)),
             ("grid.baselines", self.grid.baselines, BASELINES),
+            ("grid.model_baselines", self.grid.model_baselines, MODEL_BASELINES),
             ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
-                if name in SP_METHODS and key == "grid.methods":
+                if name in CLUSTER_METHODS and key == "grid.methods":
                     problems.append(
-                        f"{key}: '{name}' reads P_sem, so it trains in its own stage: list it under grid.sp_methods"
+                        f"{key}: '{name}' reads the clustering (P_sem or semantic entropy), so it trains in its "
+                        "own stage: list it under grid.sp_methods"
                     )
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
                 elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
                     problems.append(
                         f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
-                        f"grid.{'sp_methods' if name in SP_METHODS else 'methods'} too"
+                        f"grid.{'sp_methods' if name in CLUSTER_METHODS else 'methods'} too"
                     )
         for section, presets in (("models", self.models), ("datasets", self.datasets)):
             for name in presets:
@@ -447,6 +461,13 @@ class Params(Section):
                         f"dvc.yaml's params ({section}.{name}); rename it, e.g. "
                         f"'{name.replace('.', '_')}'"
                     )
+        for name in (*self.grid.methods, *self.grid.sp_methods):
+            m = METHODS.get(name)
+            if m is not None and self.dump.positions not in m.positions:
+                problems.append(
+                    f"grid: '{name}' reads a state that a '{self.dump.positions}' bag does not hold: set "
+                    f"dump.positions: {m.positions[0]} or drop it from the grid"
+                )
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):
@@ -480,9 +501,9 @@ def _lookup(section: str, name: str, presets: dict):
     return presets[name]
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
+def _model_at(loc: tuple, root: type[BaseModel] | None = None) -> type[BaseModel] | None:
     """The pydantic model owning the keys at `loc`, following fields and dict values."""
-    model: Any = Params
+    model: Any = root or Params
     for part in loc:
         if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
             model = model.model_fields[part].annotation
@@ -493,13 +514,13 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
-def format_errors(err: ValidationError, source: str) -> str:
+def format_errors(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after",))
         key = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            owner = _model_at(loc[:-1])
+            owner = _model_at(loc[:-1], root)
             valid = sorted(owner.model_fields) if owner else []
             lines.append(f"{key}: unknown key{_suggest(str(loc[-1]), valid)}")
         elif e["type"] == "missing":
@@ -510,11 +531,58 @@ def format_errors(err: ValidationError, source: str) -> str:
     return f"{source}: {len(lines)} problem(s)\n  " + "\n  ".join(lines)
 
 
+def _plugin_sections(data: dict, source: str) -> dict:
+    """Register the installed plugins (entry points) and the methods params.yaml declares with
+    `detectors.<name>.factory: module:factory` (methods/plugins.py); returns `data` without the
+    factory keys, which belong to no params class."""
+    load_entry_points()
+    detectors = data.get("detectors")
+    if not isinstance(detectors, dict):
+        return data
+    problems, clean = [], {}
+    for name, section in detectors.items():
+        if isinstance(section, dict) and "factory" in section:
+            try:
+                load_factory(str(name), section["factory"])
+            except PluginError as e:
+                problems.append(str(e))
+            section = {k: v for k, v in section.items() if k != "factory"}
+        clean[name] = section
+    if problems:
+        raise ParamsError(f"{source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems))
+    return {**data, "detectors": clean}
+
+
+_MODELS: dict[tuple[str, ...], type[Params]] = {}
+
+
+def params_model() -> type[Params]:
+    """`Params`, with a section for every method registered since this module was imported (plugins)."""
+    extra = tuple(n for n in METHODS if n not in DetectorsParams.model_fields)
+    if not extra:
+        return Params
+    if extra not in _MODELS:
+        fields = {}
+        for n in extra:
+            cls = METHODS[n].params
+            try:
+                fields[n] = (cls, cls())
+            except ValidationError:  # a params class without defaults: its section is required
+                fields[n] = (cls, ...)
+        sections = create_model("DetectorsParams", __base__=DetectorsParams, **fields)
+        _MODELS[extra] = create_model("Params", __base__=Params, detectors=(sections, ...))
+    return _MODELS[extra]
+
+
 def parse_params(data: dict, source: str = "params") -> Params:
+    data = _plugin_sections(data, source)
+    model = params_model()
+    if model is not Params and "detectors" not in data:
+        data = {**data, "detectors": {}}
     try:
-        return Params.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
-        raise ParamsError(format_errors(err, source)) from None
+        raise ParamsError(format_errors(err, source, model)) from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

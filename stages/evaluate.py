@@ -14,6 +14,7 @@ from halludetect.core.devices import resolve_device
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import trained_params
 from halludetect.detectors.data import p_sem_for, split_data
+from halludetect.evaluation.costs import cost_per_response, sampling_seconds
 from halludetect.evaluation.evaluate import (
     detector_throughput,
     evaluate_detector,
@@ -23,6 +24,7 @@ from halludetect.evaluation.evaluate import (
 )
 from halludetect.labels.readers import read_judgments
 from halludetect.methods import SP_METHODS
+from halludetect.methods import method as lookup_method
 from stages import common
 
 
@@ -49,7 +51,14 @@ def run(args, params):
         "family": "detector",
         "seeds": seeds,
     }
-    metrics |= evaluate_detector(per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed)
+    metrics |= evaluate_detector(
+        per_layer,
+        Path(args.scores),
+        seeds,
+        bootstrap=ep.bootstrap,
+        seed=ep.seed,
+        logits=lookup_method(args.method).logits,
+    )
 
     # Throughput of the chosen layer's detector, on its test responses.
     best = metrics["best_layer"]
@@ -58,7 +67,8 @@ def run(args, params):
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     layer_file = Path(args.activations) / layer_filename(best)
     judgments = read_judgments(args.judgments)
-    test = split_data(read_layer(layer_file, dtype=None, expect_layer=best), judgments, "test", str(layer_file), p_sem)
+    layer = read_layer(layer_file, dtype=None, expect_layer=best)
+    test = split_data(layer, judgments, "test", str(layer_file), p_sem, method=args.method)
     models = load_models(detectors, args.method, best, seeds, int(test.tokens.shape[-1]))
     t = metrics["throughput"] = detector_throughput(
         models, test, layer_file, ep.throughput_repeats, resolve_device(ep.device, "evaluate.device")
@@ -76,6 +86,19 @@ def run(args, params):
             json.loads(Path(args.latency).read_text()),
             t["single_response_seconds"],
         )
+    spec = lookup_method(args.method)
+    if metrics.get("cost"):  # HaMI (SP): its K - 1 samples and NLI calls, amortised
+        extra, what = metrics["cost"]["extra_seconds_per_response"], "(K - 1) samples + NLI"
+    elif spec.per_question:  # EigenScore: the states of K - 1 more samples
+        if not args.generation_metrics:
+            raise DataError(f"{args.method}: pass --generation-metrics to charge its K - 1 more samples")
+        k, extra = sampling_seconds(json.loads(Path(args.generation_metrics).read_text()))
+        what = f"{k:g} - 1 more samples (generate's seconds per sample)"
+    else:
+        extra, what = 0.0, ""
+    metrics["cost_per_response"] = cost_per_response(
+        spec.needs, t["preloaded_samples_per_s"], extra_seconds=extra, extra_what=what
+    )
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
     common.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])

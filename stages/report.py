@@ -19,7 +19,13 @@ def run(args, params):
         {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets},
     )
     metrics = load_metrics(
-        args.metrics_dir, g.models, g.datasets, [*g.methods, *g.sp_methods], args.baselines_dir, g.baselines
+        args.metrics_dir,
+        g.models,
+        g.datasets,
+        [*g.methods, *g.sp_methods],
+        args.baselines_dir,
+        g.baselines,
+        g.model_baselines,
     )
     labels = load_per_cell(args.labels_dir, g.models, g.datasets)
     analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from halludetect.activations.layer_reader import read_layer
 from halludetect.core.devices import resolve_device
-from halludetect.detectors.build import section
-from halludetect.detectors.data import SPLITS, p_sem_for, split_data
+from halludetect.detectors.build import build_detector, section
+from halludetect.detectors.data import SPLITS, entropy_for, p_sem_for, split_data
 from halludetect.detectors.training import train_layer
 from halludetect.labels.readers import read_judgments
 from stages import common
@@ -20,9 +20,22 @@ def run(args, params):
     device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
     p_sem = p_sem_for(args.method, args.clusters, method_params)
+    entropy = entropy_for(args.method, args.clusters, method_params)
     judgments = read_judgments(args.judgments)
     layer = read_layer(args.activations, dtype=None, expect_layer=args.layer)
-    data = {s: split_data(layer, judgments, s, str(args.activations), p_sem) for s in SPLITS}
+    build_detector(args.method, layer.states.shape[1], method_params)  # a plugin's build is checked before any work
+    data = {
+        s: split_data(
+            layer,
+            judgments,
+            s,
+            str(args.activations),
+            p_sem,
+            method=args.method,
+            entropy=entropy if s == "train" else None,
+        )
+        for s in SPLITS
+    }
     del layer
     train_layer(
         args.method,

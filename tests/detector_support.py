@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from halludetect.activations.bags import Bags
-from halludetect.detectors.build import build_detector, params_for
+from halludetect.detectors.build import DETECTORS, build_detector, params_for
 
 D = 6  # hidden size of the random bags
 
@@ -27,7 +27,8 @@ def random_bags(lengths, seed=0) -> Bags:
 
 def model(method, seed=0):
     torch.manual_seed(seed)
-    params = params_for(method, {} if method == "probe" else {"dim": 8})
+    fields = DETECTORS[method].params.model_fields
+    params = params_for(method, {"dim": 8} if "dim" in fields else {"hidden": [8, 4]} if "hidden" in fields else {})
     m = build_detector(method, D, params)
     for mod in m.modules():  # non-trivial batch-norm statistics, so eval mode is really tested
         if isinstance(mod, torch.nn.BatchNorm1d):

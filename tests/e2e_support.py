@@ -47,7 +47,13 @@ SMALL = {
     "evaluate": {"bootstrap": 20, "throughput_repeats": 1},
     "analyze": {"steps": 50},
     # one of each kind of stage; every method is covered by the unit tests
-    "grid": {"methods": ["hami", "max"], "sp_methods": ["hami_sp"], "layers": [1, 2]},
+    "grid": {
+        "methods": ["hami", "max"],
+        "sp_methods": ["hami_sp"],
+        "layers": [1, 2],
+        "baselines": ["p_sem", "semantic_entropy", "logprob", "length"],
+        "model_baselines": [],  # test_e2e.py adds the field's baselines; the sharing module needs none
+    },
     "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "max")},
 }
 
@@ -86,9 +92,9 @@ def ran(log: str) -> set[str]:
     return {line.split("'")[1] for line in log.splitlines() if line.startswith("Running stage '")}
 
 
-def build_repo(repo: Path, *updates: dict) -> Path:
-    """Copy the pipeline into `repo`, apply SMALL and then `updates` to its params, commit, run the
-    whole DAG and commit its results."""
+def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
+    """Copy the pipeline into `repo`, apply SMALL and then `updates` to its params, `prepare(repo)`
+    (adding files, say), commit, run the whole DAG and commit its results."""
     for rel in COPY:
         src = ROOT / rel
         if src.exists():
@@ -98,6 +104,8 @@ def build_repo(repo: Path, *updates: dict) -> Path:
         shutil.rmtree(pycache)
     for params in (SMALL, *updates):
         set_params(repo, params)
+    if prepare is not None:
+        prepare(repo)
     run(["git", "init", "-q"], repo)
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], repo)

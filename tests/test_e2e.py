@@ -29,34 +29,77 @@ from e2e_support import build_repo, changed, ran, run, set_params
 pytestmark = pytest.mark.e2e
 
 LAYERS = (1, 2)
-METHODS = ("hami", "max")
+# The paper's two kinds of detector, two of the field's baselines that take paths of their own
+# (EigenScore: a question's answers together, nothing fitted; the SE probe: fitted in closed form
+# to the semantic entropy, in train_sp), and the plugin of docs/detectors.md "Your own detector",
+# registered by an entry point of a package in the repository's root.
+METHODS = ("hami", "max", "eigenscore", "wide_max")
+SP_METHODS = ("hami_sp", "sep_slt")
 DETECTOR_STAGES = (
     {f"train@world-world-{m}-{layer}" for m in METHODS for layer in LAYERS}
     | {f"{kind}@world-world-{m}" for m in METHODS for kind in ("evaluate", "export")}
-    | {f"train_sp@world-world-hami_sp-{layer}" for layer in LAYERS}
-    | {"evaluate_sp@world-world-hami_sp", "export_sp@world-world-hami_sp"}
+    | {f"train_sp@world-world-{m}-{layer}" for m in SP_METHODS for layer in LAYERS}
+    | {f"{kind}@world-world-{m}" for m in SP_METHODS for kind in ("evaluate_sp", "export_sp")}
 )
-SP_STAGES = {s for s in DETECTOR_STAGES if "hami_sp" in s}
+SP_STAGES = {s for s in DETECTOR_STAGES if any(m in s for m in SP_METHODS)}
+FIELD = {
+    "grid": {
+        "methods": list(METHODS),
+        "sp_methods": list(SP_METHODS),
+        "baselines": ["p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets"],
+        "model_baselines": ["p_true"],
+    },
+    "detectors": {"wide_max": {"dim": 16}},
+}
+
+
+def add_plugin(repo: Path) -> None:
+    """The docs' plugin as an installed distribution in the repository's root (on the stages' path),
+    then `make deps`: its file is code of the stages that run methods/."""
+    from support import doc_blocks
+
+    (repo / "my_detectors").mkdir()
+    (repo / "my_detectors" / "__init__.py").write_text("")
+    (repo / "my_detectors" / "wide.py").write_text(doc_blocks("docs/detectors.md", "Your own detector")["python"][0])
+    dist = repo / "my_detectors-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-detectors\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[halludetect.detectors]\nwide_max = my_detectors.wide:make\n")
+    run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    return build_repo(tmp_path_factory.mktemp("repo"))
+    return build_repo(tmp_path_factory.mktemp("repo"), FIELD, prepare=add_plugin)
 
 
 def test_dag_writes_the_comparison_table(repo):
     table = (repo / "metrics/tables/detection_auroc.md").read_text()
     assert "world / world" in table
-    for name in (
-        "HaMI",
-        "Max pooling",
-        "HaMI (SP)",
-        "P_sem",
-        "Semantic entropy",
-        "Mean token log-prob",
-        "Answer length",
-    ):
+    for name in ("HaMI", "Max pooling", "HaMI (SP)", "P_sem"):
         assert f"| {name} |" in table
+    for name in (  # the field's baselines and the plugin, each with what it needs
+        "EigenScore [sampling, hidden states]",
+        "SEP (SLT) [SE labels (sampling + NLI) to train, hidden states]",
+        "Semantic entropy [sampling + NLI]",
+        "Mean token log-prob [token log-probs]",
+        "Answer length [the answer only]",
+        "Lexical similarity (ROUGE-L) [sampling]",
+        "Number of semantic sets [sampling + NLI]",
+        "p(True) [sampling, a forward pass]",
+        "Wide max pooling [labels, hidden states]",
+    ):
+        for t in ("detection_auroc", "detection_prr", "detection_fpr95", "auroc", "throughput"):
+            assert f"| {name} |" in (repo / f"metrics/tables/{t}.md").read_text(), (name, t)
+    main = (repo / "metrics/tables/auroc.md").read_text()
+    assert main.index("| Max pooling |") < main.index("| EigenScore [") < main.index("| Wide max pooling [")
+    assert "s/resp." in main  # the cost per response of the field's baselines
+    p_true = json.loads((repo / "metrics/baselines/world/world/p_true.json").read_text())
+    assert p_true["cost_per_response"]["seconds"] > 0 and p_true["test"]["n"] > 0
+    sep = json.loads((repo / "metrics/layers/world/world/sep_slt/layer_1.json").read_text())
+    assert "too_short" in sep["excluded"]["train"]
+    eigen = json.loads((repo / "metrics/eval/world/world/eigenscore.json").read_text())
+    assert eigen["test"]["margin"] is None and eigen["cost_per_response"]["extra_seconds"] > 0
     for name in ("auroc", "margin", "throughput", "label_distribution", "expected_c_int_world_test"):
         assert (repo / f"metrics/tables/{name}.md").exists() and (repo / f"metrics/tables/{name}.tex").exists()
     for method in ("hami_sp", "hami"):
@@ -71,7 +114,7 @@ def test_dag_writes_the_comparison_table(repo):
         "sensitivity_hami_sp.png",
         "sensitivity_hami.png",
     }
-    for method in (*METHODS, "hami_sp"):
+    for method in (*METHODS, *SP_METHODS):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
         assert 0.0 <= m["test"]["auroc"]["mean"] <= 1.0 and m["best_layer"] in LAYERS
         assert [r["layer"] for r in m["layers"]] == list(LAYERS)
@@ -102,6 +145,30 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
         batch_size,
     )
     assert n > 0
+
+
+def test_the_plugins_bundle_scores_as_the_dag_did_and_eigenscore_is_refused(repo):
+    """The docs' plugin, registered by its entry point, scores the test answers from its bundle as
+    evaluate scored them; an EigenScore bundle cannot score answers one at a time, and says so."""
+    code = """
+import polars as pl, yaml
+from contract_layout import assert_bundle_scores_match_dag
+from halludetect.qa.responses import select_answers
+from halludetect.scoring.scorer import score_answers
+dumped, _ = select_answers(pl.read_parquet("data/generations/world/world.parquet"))
+n = assert_bundle_scores_match_dag(
+    "data/bundles/world/world/wide_max.safetensors", "data/scores/world/world/wide_max",
+    pl.read_parquet("data/questions/world.parquet"), dumped, "data/world/model",
+    yaml.safe_load(open("params.yaml"))["dump"]["batch_size"])
+try:
+    score_answers("data/bundles/world/world/eigenscore.safetensors", [{"question": "q?", "answer": "a"}])
+except Exception as e:
+    print("RESULT", n, type(e).__name__, e)
+"""
+    out = run([sys.executable, "-c", code], repo, PYTHONPATH=f"{repo}{os.pathsep}{Path(__file__).parent}")
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    n, err = line.removeprefix("RESULT ").split(" ", 1)
+    assert int(n) > 0 and err.startswith("UserError") and "scores the K answers of a question together" in err
 
 
 def test_training_param_reruns_only_training_and_after(repo):
@@ -184,6 +251,7 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
 
 
 def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
+    """...or the semantic entropy (the SE probe); the baselines of the clustering are re-evaluated."""
     set_params(repo, {"cluster": {"equivalence": "strict"}})
     assert changed(repo) == {"cluster@world-world", "latency@world-world"}  # latency makes the NLI calls itself
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
@@ -195,7 +263,7 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
     # the bundles record the position convention their detectors read
     assert changed(repo) == {"dump@world-world"} | {f"export@world-world-{m}" for m in METHODS} | {
-        "export_sp@world-world-hami_sp"
+        f"export_sp@world-world-{m}" for m in SP_METHODS
     }
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"dump@world-world"}

@@ -38,7 +38,7 @@ def module_file(name: str) -> Path:
 def test_every_stage_lists_exactly_the_code_it_runs(name):
     """dvc.yaml's code deps are the stage's import closure (`make deps` writes them)."""
     stage = stages()[name]
-    listed = sorted(d for d in stage.get("deps", []) if d.split("/")[0] in code_deps.PACKAGES)
+    listed = sorted(d for d in stage.get("deps", []) if d.split("/")[0] in code_deps.code_dirs())
     runs = [code_deps.relative(p) for p in code_deps.closure(stage_module(stage))]
     missing, unused = sorted(set(runs) - set(listed)), sorted(set(listed) - set(runs))
     assert not missing, f"{name}: dvc.yaml does not list {missing}, which the stage runs: run `make deps`"

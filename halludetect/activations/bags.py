@@ -18,12 +18,15 @@ import torch
 class Bags:
     """B bags: tokens [N, d] packed in bag order, lengths [B] (every bag >= 1 token).
 
-    `p_sem` [B] is the semantic probability of each response, for the methods that read it.
+    `p_sem` [B] is the semantic probability of each response, for the methods that read it;
+    `groups` [B] the question of each response (an integer id), for the methods that score a
+    question's answers together (EigenScore).
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     p_sem: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.lengths.numel() and int(self.lengths.min()) < 1:
@@ -54,6 +57,17 @@ class Bags:
         """[B] the packed row of each bag's last token."""
         return torch.cumsum(self.lengths, 0) - 1
 
+    def token_rows(self, index: int) -> torch.Tensor:
+        """[B] the packed row of token `index` of every bag: 0 the first, -1 the last, -2 the one
+        before it. A bag too short to have that token is an error, never another bag's token."""
+        need = index + 1 if index >= 0 else -index
+        if len(self) and int(self.lengths.min()) < need:
+            raise ValueError(
+                f"a bag of {int(self.lengths.min())} token(s) has no token {index}: bags shorter than "
+                f"{need} must be left out before batching"
+            )
+        return self.last - self.lengths + 1 + index if index >= 0 else self.last + 1 + index
+
     def pad(self, u: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-token values u [N, ...] -> [B, T, ...], `fill` at padded positions."""
         out = u.new_full((len(self), self.width, *u.shape[1:]), fill)
@@ -65,9 +79,11 @@ class Bags:
         return v[self.bag_of_token]
 
     @classmethod
-    def from_padded(cls, x: torch.Tensor, mask: torch.Tensor, p_sem: torch.Tensor | None = None) -> Bags:
+    def from_padded(
+        cls, x: torch.Tensor, mask: torch.Tensor, p_sem: torch.Tensor | None = None, groups: torch.Tensor | None = None
+    ) -> Bags:
         """x [B, T, d] with mask [B, T]: what is under a False is dropped, whatever it holds."""
-        return cls(x[mask], mask.sum(1), p_sem)
+        return cls(x[mask], mask.sum(1), p_sem, groups)
 
 
 def gather_rows(offsets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,16 @@ is only a docstring (most package `__init__.py`), which cannot change a result; 
 imports its own modules by discovery (`pkgutil.iter_modules(__path__)`, as methods/ does) brings
 all of them; and config.py's import of methods/, which only validates params, is not followed
 (VALIDATION_ONLY says why).
+
+Plugins (detectors registered from a user's package, methods/plugins.py) are code of every stage
+that runs methods/: a stage whose closure holds methods/ gets the closure of each plugin module
+too, found without importing anything (the installed entry points of the group
+`halludetect.detectors`, and params.yaml's `detectors.<name>.factory`). dvc.yaml can list only
+files inside the repository, so a plugin kept in the repository (a folder on the path, or an
+editable install of one) is listed and an edit to it re-runs what runs it, as for methods/; a
+plugin installed from elsewhere is a library like torch, which DVC does not see (docs/detectors.md
+says what to do after upgrading one). The resume fingerprints (`code_digest`) hash every plugin
+file wherever it lives.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ import hashlib
 import re
 import sys
 from functools import cache
+from importlib.machinery import PathFinder
+from importlib.metadata import entry_points
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding halludetect/ (and stages/ in a checkout)
@@ -44,11 +56,21 @@ FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
 VALIDATION_ONLY = {"halludetect.config": ("halludetect.methods",)}
 
 
+PLUGIN_GROUP = "halludetect.detectors"  # methods/plugins.py's entry-point group
+METHODS_INIT = ROOT / "halludetect" / "methods" / "__init__.py"
+_plugin_roots: dict[str, Path] = {}  # a plugin's top-level package -> the directory holding it
+
+
 def module_file(name: str) -> Path | None:
-    """The file of a dotted module name of ours, or None when it is not a module of ours."""
-    if name.split(".")[0] not in PACKAGES:
+    """The file of a dotted module name of ours (or of a plugin's package), or None otherwise."""
+    top = name.split(".")[0]
+    if top in PACKAGES:
+        root = ROOT
+    elif top in _plugin_roots:
+        root = _plugin_roots[top]
+    else:
         return None
-    base = ROOT.joinpath(*name.split("."))
+    base = root.joinpath(*name.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
@@ -87,8 +109,60 @@ def imports_of(path: Path, package: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def closure(module: str) -> list[Path]:
-    """Every file of ours that runs when `python -m module` runs (or `import module`), sorted."""
+def plugin_modules(params_file: Path | None = None) -> list[str]:
+    """The modules that define plugin detectors, read without importing anything: the installed
+    entry points of PLUGIN_GROUP and params.yaml's detectors.<name>.factory ('module:factory')."""
+    import yaml
+
+    found = {ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
+    path = ROOT / "params.yaml" if params_file is None else Path(params_file)
+    try:
+        detectors = (yaml.safe_load(path.read_text()) or {}).get("detectors") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        detectors = {}  # no or a broken params file: the stages say what is wrong with it
+    if isinstance(detectors, dict):
+        found |= {
+            str(s["factory"]).partition(":")[0].strip()
+            for s in detectors.values()
+            if isinstance(s, dict) and "factory" in s
+        }
+    return sorted(m for m in found if m)
+
+
+def plugin_root(module: str) -> Path | None:
+    """The directory holding a module's top-level package, found on sys.path without running it
+    (None: not on the path, which the stages report when they register the plugin)."""
+    spec = PathFinder.find_spec(module.split(".")[0])
+    if spec is None or spec.origin in (None, "namespace", "built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    return origin.parent.parent if spec.submodule_search_locations else origin.parent
+
+
+def plugin_files(params_file: Path | None = None) -> list[Path]:
+    """Every file the plugin modules run (their import closure within their own packages)."""
+    files: set[Path] = set()
+    for module in plugin_modules(params_file):
+        root = plugin_root(module)
+        if root is None or module.split(".")[0] in PACKAGES:
+            continue
+        _plugin_roots[module.split(".")[0]] = root
+        if module_file(module) is not None:
+            files |= set(_closure(module))
+    return sorted(files)
+
+
+def closure(module: str, *, plugins: bool = True) -> list[Path]:
+    """Every file of ours that runs when `python -m module` runs (or `import module`), sorted; for a
+    module that runs methods/, the plugins' files too (those inside the repository: the ones
+    dvc.yaml can list; `code_digest` takes them all)."""
+    files = _closure(module)
+    if plugins and METHODS_INIT in files:
+        files = sorted(set(files) | {p for p in plugin_files() if p.is_relative_to(ROOT)})
+    return files
+
+
+def _closure(module: str) -> list[Path]:
     if module_file(module) is None:
         raise ValueError(f"no module '{module}' under {ROOT} (expected one of the packages {', '.join(PACKAGES)})")
     seen: set[Path] = set()
@@ -120,14 +194,33 @@ def relative(path: Path) -> str:
 
 
 def code_digest(module: str) -> dict[str, str]:
-    """sha256 of every file `module` runs, by repository path: an edit to any of them changes it."""
-    return {relative(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in closure(module)}
+    """sha256 of every file `module` runs, by repository path (a plugin outside the repository: by
+    its absolute path): an edit to any of them changes it."""
+    files = set(closure(module))
+    if METHODS_INIT in files:
+        files |= set(plugin_files())
+    return {_name(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(files)}
+
+
+def _name(path: Path) -> str:
+    return relative(path) if path.is_relative_to(ROOT) else str(path)
+
+
+def code_dirs() -> tuple[str, ...]:
+    """The top-level folders of the repository whose files are code deps: ours and in-repo plugins'."""
+    extra = {p.relative_to(ROOT).parts[0] for p in plugin_files() if p.is_relative_to(ROOT)}
+    return (*PACKAGES, *sorted(extra - set(PACKAGES)))
 
 
 # ------------------------------------------------------------------------------ dvc.yaml
 STAGE = re.compile(r"^  ([\w-]+):\s*(#.*)?$")  # a stage's key, under `stages:`
-CODE_DEP = re.compile(r"^(\s+)- ((?:halludetect|stages)/\S+)\s*(#.*)?$")
 MODULE = re.compile(r"python -m (stages\.\w+)")
+
+
+def code_dep_line() -> re.Pattern:
+    """A code dep's line in dvc.yaml: a path under one of `code_dirs()`."""
+    dirs = "|".join(re.escape(d) for d in code_dirs())
+    return re.compile(rf"^(\s+)- ((?:{dirs})/\S+)\s*(#.*)?$")
 
 
 def stage_modules(dvc_yaml: str) -> dict[str, str]:
@@ -147,11 +240,12 @@ def render(dvc_yaml: str) -> str:
     """dvc.yaml with each stage's code deps replaced by its closure, where its first code dep was;
     every other line (data deps, comments, params, outs) is kept as it is."""
     modules = stage_modules(dvc_yaml)
+    code_dep = code_dep_line()
     out, stage, written = [], None, False
     for line in dvc_yaml.splitlines(keepends=True):
         if m := STAGE.match(line):
             stage, written = m.group(1), False
-        dep = CODE_DEP.match(line)
+        dep = code_dep.match(line)
         if stage in modules and dep:
             if not written:
                 out += [f"{dep.group(1)}- {relative(p)}\n" for p in closure(modules[stage])]
@@ -166,9 +260,10 @@ def stale_stages(dvc_yaml: str) -> list[str]:
     import yaml
 
     stages = yaml.safe_load(dvc_yaml)["stages"]
+    dirs = code_dirs()
     stale = []
     for name, module in stage_modules(dvc_yaml).items():
-        listed = sorted(d for d in stages[name].get("deps", []) if d.split("/")[0] in PACKAGES)
+        listed = sorted(d for d in stages[name].get("deps", []) if d.split("/")[0] in dirs)
         if listed != [relative(p) for p in closure(module)]:
             stale.append(name)
     return stale

@@ -13,7 +13,7 @@ from torch import nn
 
 from halludetect.core.artifacts import damaged, load_safetensors, safetensors_metadata
 from halludetect.detectors import networks
-from halludetect.methods import METHODS
+from halludetect.methods import METHODS, PluginError
 from halludetect.methods import method as lookup_method
 
 WHAT = "detector file (safetensors)"
@@ -22,8 +22,23 @@ DETECTORS = METHODS  # name -> its Method (halludetect/methods/): params class, 
 
 def build_detector(method: str, d: int, params) -> nn.Module:
     """The untrained network of `method` for states of width d; `params` is its section of
-    params.yaml (detectors.<method>)."""
-    return lookup_method(method).build(networks, d, params)
+    params.yaml (detectors.<method>). A plugin whose build returns anything but an nn.Module is
+    refused here, naming where it was registered."""
+    spec = lookup_method(method)
+    net = spec.build(networks, d, params)
+    if not isinstance(net, nn.Module):
+        where = "halludetect/methods/" if spec.origin is None else spec.origin.describe()
+        raise PluginError(
+            f"detector '{method}' (from {where}): build returned a {type(net).__name__}, not a torch.nn.Module "
+            "mapping Bags to one score per answer; fix its build"
+        )
+    return net
+
+
+def origin_meta(method: str) -> dict | None:
+    """What a detector file or bundle records of a plugin method's origin (None: built in)."""
+    o = lookup_method(method).origin
+    return None if o is None else {"factory": o.factory, "via": o.via, "distribution": o.distribution}
 
 
 def section(detectors, method: str):
@@ -74,9 +89,27 @@ def trained_params(directory, method: str):
     return params_for(method, read_meta(files[0])["params"])
 
 
+def check_known(meta: dict, path) -> None:
+    """A detector of a plugin this process has not registered: say which plugin, and how to register
+    it (a file never makes us import code)."""
+    name, origin = meta["method"], meta.get("origin")
+    if name in METHODS or origin is None:
+        return
+    try:
+        lookup_method(name)  # an installed entry point registers itself here
+    except KeyError:
+        raise PluginError(
+            f"{path}: its detector '{name}' comes from the plugin factory '{origin['factory']}' "
+            f"({origin['via']}), which is not registered here: install its package (an entry point of "
+            f"the group halludetect.detectors), or in Python call halludetect.methods.load_factory("
+            f"'{name}', '{origin['factory']}') first"
+        ) from None
+
+
 def load_detector(path) -> tuple[nn.Module, dict]:
     """A trained detector from its safetensors file, rebuilt from the metadata saved with it."""
     meta = read_meta(path)
+    check_known(meta, path)
     model = build_detector(meta["method"], int(meta["d"]), params_for(meta["method"], meta["params"]))
     try:
         model.load_state_dict(load_safetensors(path, "train", WHAT))

@@ -5,6 +5,12 @@ that read it) give one `SplitData` per split: tokens [N, d], offsets [B + 1], y 
 without tokens, or without P_sem when it is needed, are left out and counted. Bad input stops
 here, before any training: labels without states, a split with one class, non-finite states,
 layer files from different dumps.
+
+Per method (methods/): bags too short for the token it reads are left out (`too_short`); a method
+that scores a question's answers together gets each bag's question (`groups`, bags ordered by
+question) and loses questions with one evaluated answer (`one_answer`); a method trained on the
+semantic entropy gets it per train response (`entropy`), and loses train responses whose question
+has none (`no_semantic_entropy`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from halludetect.activations.bags import Bags, gather_rows
 from halludetect.activations.layer_reader import Layer
 from halludetect.core.errors import DataError
 from halludetect.labels.readers import read_clusters
-from halludetect.methods import SP_METHODS
+from halludetect.methods import CLUSTER_METHODS, SP_METHODS
+from halludetect.methods import method as lookup_method
 from halludetect.metrics import check_two_classes
 from halludetect.qa.responses import response_ids
 
@@ -38,6 +45,8 @@ class SplitData:
     p_sem: torch.Tensor | None = None  # [B], for the methods that read it
     excluded: dict = field(default_factory=dict)  # reason -> count of labelled responses left out
     layer_index: np.ndarray | None = None  # [B] each bag's position in the layer file
+    groups: torch.Tensor | None = None  # [B] each bag's question (ids 0..), for per-question methods
+    entropy: torch.Tensor | None = None  # [B] its question's semantic entropy, for methods trained on it
 
     def __len__(self) -> int:
         return len(self.y)
@@ -50,24 +59,43 @@ class SplitData:
         """Bags `index` (any order), gathered into a packed batch."""
         rows, lengths = gather_rows(self.offsets, index)
         p = None if self.p_sem is None else self.p_sem[index]
-        return Bags(self.tokens[rows], lengths, p)
+        g = None if self.groups is None else self.groups[index]
+        return Bags(self.tokens[rows], lengths, p, g)
 
     def slice(self, start: int, stop: int) -> Bags:
         """Bags start..stop-1 in order: a view, no copy."""
         a, b = int(self.offsets[start]), int(self.offsets[stop])
         p = None if self.p_sem is None else self.p_sem[start:stop]
-        return Bags(self.tokens[a:b], self.lengths[start:stop], p)
+        g = None if self.groups is None else self.groups[start:stop]
+        return Bags(self.tokens[a:b], self.lengths[start:stop], p, g)
+
+    def batches(self, batch_size: int) -> list[tuple[int, int]]:
+        """Contiguous (start, stop) ranges of about `batch_size` bags; with `groups`, a question's
+        answers (contiguous: select orders them) always share a batch."""
+        n, out, a = len(self), [], 0
+        while a < n:
+            b = min(a + batch_size, n)
+            if self.groups is not None:
+                while b < n and self.groups[b] == self.groups[b - 1]:
+                    b += 1
+            out.append((a, b))
+            a = b
+        return out
 
     def to(self, device) -> SplitData:
-        p = None if self.p_sem is None else self.p_sem.to(device)
+        def move(t):
+            return None if t is None else t.to(device)
+
         return SplitData(
             self.tokens.to(device),
             self.offsets.to(device),
             self.y.to(device),
             self.response_ids,
-            p,
+            move(self.p_sem),
             self.excluded,
             self.layer_index,
+            move(self.groups),
+            move(self.entropy),
         )
 
 
@@ -96,17 +124,42 @@ def select(
     split: str,
     source: str,
     p_sem: dict[str, float] | None = None,
+    *,
+    method: str | None = None,
+    entropy: dict[str, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, list[str], dict]:
     """The responses of `split` a detector can use: labelled, with tokens, with P_sem when it
-    is needed. Returns positions, labels, ids and the counts left out, by reason."""
+    is needed, and what `method` needs (module docstring). Returns positions, labels, ids and the
+    counts left out, by reason."""
     index, y, rids = labelled_index(ids, judgments, split, source)
-    keep = np.diff(offsets)[index] > 0
+    lengths = np.diff(offsets)[index]
+    keep = lengths > 0
     excluded = {"empty_bag": int((~keep).sum())}
+    spec = None if method is None else lookup_method(method)
+    if spec is not None and spec.min_tokens > 1:
+        short = keep & (lengths < spec.min_tokens)
+        excluded["too_short"] = int(short.sum())
+        keep &= ~short
     if p_sem is not None:
         has = np.asarray([rid in p_sem for rid in rids], dtype=bool)
         excluded["no_p_sem"] = int((keep & ~has).sum())
         keep &= has
+    if entropy is not None:
+        has = np.asarray([rid in entropy for rid in rids], dtype=bool)
+        excluded["no_semantic_entropy"] = int((keep & ~has).sum())
+        keep &= has
+    if spec is not None and spec.per_question and (split != "train" or spec.fit != "none"):
+        # (an unsupervised method never scores the train split, where only sample 0 is dumped)
+        question = np.asarray([r.rsplit("/", 1)[0] for r in rids])
+        kept_per_q = pl.DataFrame({"q": question[keep]}).group_by("q").len()
+        alone = set(kept_per_q.filter(pl.col("len") < 2)["q"].to_list())
+        lonely = keep & np.isin(question, list(alone))
+        excluded["one_answer"] = int(lonely.sum())
+        keep &= ~lonely
     index, y, rids = index[keep], y[keep], [r for r, k in zip(rids, keep) if k]
+    if spec is not None and spec.per_question:  # a question's answers side by side (batches keep them together)
+        order = sorted(range(len(rids)), key=lambda i: (rids[i].rsplit("/", 1)[0], int(rids[i].rsplit("/", 1)[1])))
+        index, y, rids = index[order], y[order], [rids[i] for i in order]
     check_two_classes(y, split)
     return index, y, rids, excluded
 
@@ -118,11 +171,21 @@ def p_sem_table(clusters: pl.DataFrame, variant: str) -> dict[str, float]:
 
 
 def split_data(
-    layer: Layer, judgments: pl.DataFrame, split: str, source: str = "layer", p_sem: dict[str, float] | None = None
+    layer: Layer,
+    judgments: pl.DataFrame,
+    split: str,
+    source: str = "layer",
+    p_sem: dict[str, float] | None = None,
+    *,
+    method: str | None = None,
+    entropy: dict[str, float] | None = None,
 ) -> SplitData:
     """The packed, checked data of one split. Responses without tokens, or (when `p_sem` is
-    given) without a semantic probability, are left out and counted in `excluded`."""
-    index, y, rids, excluded = select(layer.response_ids, layer.offsets, judgments, split, source, p_sem)
+    given) without a semantic probability, are left out and counted in `excluded`; so are those
+    `method` cannot score, and (when `entropy` is given) those without a semantic entropy."""
+    index, y, rids, excluded = select(
+        layer.response_ids, layer.offsets, judgments, split, source, p_sem, method=method, entropy=entropy
+    )
     offsets = torch.from_numpy(layer.offsets)
     rows, lengths = gather_rows(offsets, torch.from_numpy(index))
     tokens = torch.from_numpy(np.asarray(layer.states[rows.numpy()], dtype=np.float32))
@@ -141,16 +204,36 @@ def split_data(
         p_sem=None if p_sem is None else torch.tensor([p_sem[r] for r in rids], dtype=torch.float32),
         excluded=excluded,
         layer_index=index,
+        groups=_groups(rids) if method is not None and lookup_method(method).per_question else None,
+        entropy=None if entropy is None else torch.tensor([entropy[r] for r in rids], dtype=torch.float64),
     )
+
+
+def _groups(rids: list[str]) -> torch.Tensor:
+    """[B] an integer id per question, from the response ids ("question_id/sample_index")."""
+    _, ids = np.unique(np.asarray([r.rsplit("/", 1)[0] for r in rids]), return_inverse=True)
+    return torch.from_numpy(ids.astype(np.int64))
 
 
 def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[str, float] | None:
     """P_sem by response id for the methods that read it (None for the others); a missing or
     unexpected --clusters fails here, before any file of states is read."""
-    if method in SP_METHODS:
+    if method in CLUSTER_METHODS:
         if not clusters:
-            raise DataError(f"{method} reads P_sem: pass --clusters (the train_sp stage does)")
-        return p_sem_table(read_clusters(clusters), method_params.p_sem)
+            raise DataError(f"{method} reads the clustering: pass --clusters (the train_sp stage does)")
+        return p_sem_table(read_clusters(clusters), method_params.p_sem) if method in SP_METHODS else None
     if clusters:
-        raise DataError(f"{method} does not read P_sem: train it without --clusters (the train stage)")
+        raise DataError(f"{method} does not read the clustering: train it without --clusters (the train stage)")
     return None
+
+
+def entropy_for(method: str, clusters: str | Path | None, method_params) -> dict[str, float] | None:
+    """Semantic entropy by response id (each answer gets its question's) for the methods trained
+    on it, None for the others."""
+    if lookup_method(method).target != "semantic_entropy":
+        return None
+    if not clusters:
+        raise DataError(f"{method} is trained on the semantic entropy: pass --clusters (the train_sp stage does)")
+    ok = read_clusters(clusters).filter(pl.col("valid"))
+    column = f"semantic_entropy_{method_params.entropy}"
+    return dict(zip(ok.select(response_ids(ok)).to_series().to_list(), ok[column].to_list()))

@@ -1,4 +1,4 @@
-"""Batched inference of a detector over a packed split: one logit per bag, in order."""
+"""Batched inference of a detector over a packed split: one score per bag, in order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from torch import nn
 
 @torch.no_grad()
 def score(model: nn.Module, data, batch_size: int = 2048) -> np.ndarray:
-    """Logits for every bag of a split, in eval mode, in order (contiguous slices, no copy)."""
+    """Scores for every bag of a split, in eval mode, in order (contiguous slices, no copy; a
+    question's answers share a batch when the split carries its questions)."""
     model.eval()
-    out = [model(data.slice(a, min(a + batch_size, len(data)))) for a in range(0, len(data), batch_size)]
+    out = [model(data.slice(a, b)) for a, b in data.batches(batch_size)]
     return torch.cat(out).cpu().numpy()

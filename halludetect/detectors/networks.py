@@ -9,7 +9,9 @@ segment (pooling.py), so no padded [B, T, D] tensor is ever built. Two families,
   embedding-based  mean, max            u_i = ReLU(W h_i), bag = w^T pool(u)
                    raw_mean, raw_max    bag = MLP(pool(h))
                    attention, gated     bag = MLP(sum_i a_i h_i), a = ABMIL attention weights
-and the last-token linear probe as a baseline.
+and the field's baselines on one token of the bag (`Bags.token_rows`): the last-token linear
+probe, SAPLMA's MLP, the semantic-entropy probes' logistic regression, and EigenScore over a
+question's answers (methods/ says which token each reads under each position convention).
 """
 
 from __future__ import annotations
@@ -135,3 +137,70 @@ class LastTokenProbe(nn.Module):
 
     def forward(self, bags: Bags) -> torch.Tensor:
         return self.linear(bags.tokens[bags.last]).squeeze(-1)
+
+
+class TokenLinear(nn.Module):
+    """A linear logit on one token of each bag (`index`: 0 first, -1 last, -2 second-to-last): the
+    semantic-entropy probes, fitted in closed form (detectors/fitting.py) rather than by SGD."""
+
+    def __init__(self, d: int, index: int):
+        super().__init__()
+        self.linear = nn.Linear(d, 1)
+        self.index = index
+
+    def features(self, bags: Bags) -> torch.Tensor:
+        """[B, d] the state each bag is scored from."""
+        return bags.tokens[bags.token_rows(self.index)]
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        return self.linear(self.features(bags)).squeeze(-1)
+
+
+class TokenMLP(nn.Module):
+    """SAPLMA: Linear(d, h1)-ReLU-...-Linear(h_k, 1) on one token of each bag."""
+
+    def __init__(self, d: int, hidden: list[int], dropout: float, index: int):
+        super().__init__()
+        layers, width = [], d
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(), Dropout(dropout)]
+            width = h
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.index = index
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        return self.net(bags.tokens[bags.token_rows(self.index)]).squeeze(-1)
+
+
+class EigenScore(nn.Module):
+    """INSIDE's EigenScore of each bag's question (methods/eigenscore.py): no parameters.
+
+    Per question with K answers: Z [K, d] their states at token `index`, Sigma = Z_c Z_c^T / (d - 1)
+    with each row centred over its d features (torch.cov of the K rows), score =
+    mean_k log10(eig_k(Sigma + alpha I)). Batched by question size (a loop over the distinct K,
+    not over questions), in float64 as the INSIDE code's numpy.
+    """
+
+    def __init__(self, alpha: float, index: int):
+        super().__init__()
+        self.alpha, self.index = alpha, index
+
+    def forward(self, bags: Bags) -> torch.Tensor:
+        if bags.groups is None:
+            raise ValueError("EigenScore scores a question's answers together: the bags need their questions (groups)")
+        z = bags.tokens[bags.token_rows(self.index)].double()  # [B, d]
+        _, group, size = torch.unique(bags.groups, return_inverse=True, return_counts=True)  # [B], [G]
+        if len(size) and int(size.min()) < 2:
+            raise ValueError("EigenScore needs at least two answers per question: leave the others out first")
+        out = z.new_empty(len(bags))  # [B]
+        d = z.shape[1]
+        for k in torch.unique(size).tolist():
+            idx = torch.nonzero(size[group] == k).squeeze(1)  # bags of the questions with k answers
+            idx = idx[torch.argsort(group[idx], stable=True)]  # grouped by question
+            zk = z[idx].view(-1, k, d)  # [G_k, k, d]
+            zc = zk - zk.mean(-1, keepdim=True)
+            cov = zc @ zc.transpose(1, 2) / (d - 1)  # [G_k, k, k]
+            eye = torch.eye(k, dtype=cov.dtype, device=cov.device)
+            score = torch.log10(torch.linalg.eigvalsh(cov + self.alpha * eye)).mean(-1)  # [G_k]
+            out[idx] = score.repeat_interleave(k)
+        return out

@@ -27,10 +27,11 @@ from torch import nn
 from halludetect.activations.bags import Bags
 from halludetect.core import numerics
 from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
-from halludetect.detectors.build import build_detector, save_detector
+from halludetect.detectors.build import build_detector, origin_meta, save_detector
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.inference import score
 from halludetect.detectors.pooling import topk_mean
+from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc, split_metrics
 
 
@@ -92,7 +93,13 @@ def train_detector(
     device: str = "cpu",
 ) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
-    best epoch by validation AUROC. Deterministic for a seed on a given device."""
+    best epoch by validation AUROC. Deterministic for a seed on a given device. A method fitted
+    otherwise (`Method.fit`: a closed-form probe, an unsupervised score) goes to fitting.py."""
+    if lookup_method(method).fit != "sgd":
+        from halludetect.detectors.fitting import fit_detector
+
+        state, val_auroc, info = fit_detector(method, method_params, train, val, device)
+        return TrainResult(state, 1, val_auroc, [info])
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     train, val = train.to(device), val.to(device)
@@ -236,7 +243,9 @@ SCORES_SCHEMA = {
 }
 
 
-def layer_metrics(splits: dict[str, SplitData], results: list, *, n_train: int, excluded: dict) -> dict:
+def layer_metrics(
+    splits: dict[str, SplitData], results: list, *, n_train: int, excluded: dict, method: str | None = None
+) -> dict:
     """A layer's figures: val and test metrics over seeds (no bootstrap: that is for the chosen
     layer only), each seed's best epoch, and what was left out."""
     out = {
@@ -245,8 +254,9 @@ def layer_metrics(splits: dict[str, SplitData], results: list, *, n_train: int, 
         "excluded": excluded,
         "best_epoch": {str(r.seed): r.result.best_epoch for r in results},
     }
+    logits = lookup_method(method).logits if method else True
     for split, data in splits.items():
-        out[split] = split_metrics(data.y.numpy(), [r.scores[split] for r in results])
+        out[split] = split_metrics(data.y.numpy(), [r.scores[split] for r in results], logits=logits)
     return out
 
 
@@ -292,6 +302,7 @@ def train_layer(
                     "best_epoch": r.result.best_epoch,
                     "d": int(data["train"].tokens.shape[-1]),
                     "params": method_params.model_dump(),
+                    **({"origin": o} if (o := origin_meta(method)) else {}),
                 },
             )
             curves[f"seed_{r.seed}"] = r.result.curve
@@ -310,7 +321,11 @@ def train_layer(
             "method": method,
             "layer": layer,
             **layer_metrics(
-                scored, results, n_train=len(data["train"]), excluded={s: d.excluded for s, d in data.items()}
+                scored,
+                results,
+                n_train=len(data["train"]),
+                excluded={s: d.excluded for s, d in data.items()},
+                method=method,
             ),
         },
     )

@@ -61,16 +61,18 @@ def throughput(model, data: SplitData, repeats: int = 5, batch_size: int = 1024,
 @torch.no_grad()
 def single_response_seconds(model, data: SplitData, n: int = 256, device="cpu") -> float:
     """Median seconds to score one response alone (batch of one), over the first `n` responses:
-    the detector's share of a one-request-at-a-time service."""
+    the detector's share of a one-request-at-a-time service. A method that scores a question's
+    answers together needs them all for one: one question's answers are one batch."""
     device = torch.device(device)
     model = model.to(device).eval()
     data = data.to(device)
-    model(data.slice(0, 1))  # warm-up
+    alone = data.batches(1)[:n]  # (i, i + 1), or a question's answers
+    model(data.slice(*alone[0]))  # warm-up
     times = []
-    for i in range(min(n, len(data))):
+    for a, b in alone:
         _sync(device)
         t0 = time.perf_counter()
-        model(data.slice(i, i + 1))
+        model(data.slice(a, b))
         _sync(device)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
@@ -85,21 +87,26 @@ def end_to_end_throughput(
     repeats: int = 3,
     batch_size: int = 1024,
     device="cpu",
+    ranges: list[tuple[int, int]] | None = None,
+    groups: torch.Tensor | None = None,
 ) -> float:
-    """Samples/s from opening the HDF5 layer file to the last logit on `device` (best of `repeats`)."""
+    """Samples/s from opening the HDF5 layer file to the last logit on `device` (best of `repeats`).
+    `ranges`: the batches (SplitData.batches, which keep a question's answers together)."""
     device = torch.device(device)
     model = model.to(device).eval()
+    ranges = ranges or [(a, min(a + batch_size, len(index))) for a in range(0, len(index), batch_size)]
     best = math.inf
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
         with LayerReader(path) as layer:
-            for a in range(0, len(index), batch_size):
-                bags = layer.packed(index[a : a + batch_size])
+            for a, b in ranges:
+                bags = layer.packed(index[a:b])
                 bags = type(bags)(
                     bags.tokens.to(device),
                     bags.lengths.to(device),
-                    None if p_sem is None else p_sem[a : a + batch_size].to(device),
+                    None if p_sem is None else p_sem[a:b].to(device),
+                    None if groups is None else groups[a:b].to(device),
                 )
                 model(bags)
         _sync(device)
@@ -178,7 +185,7 @@ def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, lis
 
 
 def evaluate_detector(
-    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int
+    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int, logits: bool = True
 ) -> dict:
     """The method's figures: every layer's val/test AUROC (the plot), the layer chosen on
     validation, and its full val/test metrics from its scores (the test AUROC with a bootstrap
@@ -201,6 +208,7 @@ def evaluate_detector(
             seed=seed,
             groups=question_groups(rows["question_id"].to_list()),
             lengths=rows["n_tokens"].to_numpy(),
+            logits=logits,  # a score that is no logit (EigenScore) has no margin
         )
     return {
         "best_layer": best,
@@ -214,7 +222,7 @@ def evaluate_detector(
                 "val_auroc": m["val"]["auroc"]["mean"],
                 "test_auroc": m["test"]["auroc"]["mean"],
                 "test_auprc": m["test"]["auprc"]["mean"],
-                "test_margin": m["test"]["margin"]["mean"],
+                "test_margin": m["test"]["margin"]["mean"] if m["test"]["margin"] else None,
             }
             for layer, m in sorted(per_layer.items())
         ],
@@ -229,7 +237,13 @@ def detector_throughput(models: list, test: SplitData, layer_file: Path, repeats
     return {
         "preloaded_samples_per_s": throughput(models[0], test, repeats, device=device),
         "end_to_end_samples_per_s": end_to_end_throughput(
-            models[0], layer_file, test.layer_index, test.p_sem, device=device
+            models[0],
+            layer_file,
+            test.layer_index,
+            test.p_sem,
+            device=device,
+            ranges=test.batches(1024),
+            groups=test.groups,
         ),
         "single_response_seconds": single_response_seconds(models[0], test, device=device),
         "n": len(test),

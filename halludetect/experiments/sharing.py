@@ -27,7 +27,7 @@ from halludetect.activations.layer_format import layer_filename
 from halludetect.config import Params
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
-from halludetect.methods import SP_METHODS
+from halludetect.methods import CLUSTER_METHODS
 
 
 class SharingError(UserError):
@@ -36,7 +36,7 @@ class SharingError(UserError):
 
 def train_stage_name(model: str, dataset: str, method: str, layer: int) -> str:
     """The DVC stage that trains `method` on one layer (train_sp for the methods that read P_sem)."""
-    kind = "train_sp" if method in SP_METHODS else "train"
+    kind = "train_sp" if method in CLUSTER_METHODS else "train"
     return f"{kind}@{model}-{dataset}-{method}-{layer}"
 
 

@@ -13,4 +13,6 @@ class ProbeParams(Section):
     weight_decay: Decay = 0.0
 
 
-register(Method("probe", "Last-token probe", ProbeParams, build=lambda net, d, p: net.LastTokenProbe(d)))
+register(
+    Method("probe", "Last-token probe", ProbeParams, family="field", build=lambda net, d, p: net.LastTokenProbe(d))
+)

@@ -19,14 +19,25 @@ each column (within each family where the paper compares families separately, as
   sweep tables        tab:dim_max_*                sweep_table(), for sweep results given to it
 and, beyond the paper: every method and baseline by AUROC, PRR and FPR at 95% TPR, and the
 margins by answer length. The table model and its Markdown/LaTeX rendering are in tables.py.
+
+The field's baselines (SAPLMA, the semantic-entropy probes, EigenScore, p(True), lexical
+similarity, the number of semantic sets, semantic entropy, ...) and a user's own detectors
+(plugins) stand in blocks of their own under the paper's methods in the main comparison
+(`auroc`), in the PRR and FPR@95 tables and in the throughput table, each row marked with what
+it needs [labels, sampling, NLI, hidden states] and each cell with its cost per response (the
+`cost_per_response` its stage measured: its own scoring plus the samples, NLI calls or forward
+pass it needs, amortised).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from halludetect.config import MODEL_BASELINES
+from halludetect.evaluation.baselines import BASELINE_SCORES
 from halludetect.methods import METHODS
 from halludetect.report import paper
 from halludetect.report.paper import Figure
@@ -70,18 +81,101 @@ def _published(figures: dict, grid: Grid, m: str, d: str) -> Figure | None:
     return figures.get(key) if key else None
 
 
-# Row names: a detector's is declared with its method (methods/); the baselines' are the paper's.
-BASELINE_NAMES = {
-    "p_sem": "P_sem",
-    "semantic_entropy": "Semantic entropy",
-    "logprob": "Mean token log-prob",
-    "length": "Answer length",
-}
-NAMES = {**{name: m.display for name, m in METHODS.items()}, **BASELINE_NAMES}
+# Row names: a detector's is declared with its method (methods/), a baseline's with it
+# (evaluation/baselines.py); a live view, so that a plugin registered after import is named too.
+MODEL_BASELINE_NAMES = {"p_true": "p(True)"}
+BASELINE_NAMES = {**{n: b.display for n, b in BASELINE_SCORES.items()}, **MODEL_BASELINE_NAMES}
+assert set(MODEL_BASELINE_NAMES) == set(MODEL_BASELINES)
+
+
+class _Names(Mapping):
+    def _all(self) -> dict[str, str]:
+        return {**{name: m.display for name, m in METHODS.items()}, **BASELINE_NAMES}
+
+    def __getitem__(self, key: str) -> str:
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+NAMES = _Names()
+
+
+def family(method: str) -> str:
+    """The report's block of a method or baseline: paper, field or yours (a plugin)."""
+    if method in METHODS:
+        return METHODS[method].family
+    b = BASELINE_SCORES.get(method)
+    return b.family if b is not None else "field"
+
+
+def marked(method: str, metrics: dict) -> str:
+    """A row name with what the method needs, from its metrics (cost_per_response) or its declaration."""
+    needs = next(
+        (e["cost_per_response"]["needs"] for k, e in metrics.items() if k[2] == method and e.get("cost_per_response")),
+        None,
+    )
+    if needs is None:
+        needs = METHODS[method].needs if method in METHODS else ()
+    return f"{NAMES.get(method, method)} [{', '.join(needs) or 'the answer only'}]"
+
+
+def per_response(seconds: float) -> str:
+    """A cost per response as the tables print it: 12 µs, 3.4 ms, 1.2 s."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs/resp."
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms/resp."
+    return f"{seconds:.3g} s/resp."
+
+
+def blocks(methods: list[str], metrics: dict, *, rule_first: bool = False) -> list[tuple[str, str | None, bool, str]]:
+    """Rows (method, ranking group, rule before, label) of the methods present: the paper's, then
+    the field's baselines, then the user's own detectors, each block after a rule; the last two
+    marked with what they need."""
+    out = []
+    present = {k[2] for k in metrics}
+    for fam in ("paper", "field", "yours"):
+        mine = [m for m in methods if family(m) == fam and m in present]
+        for i, m in enumerate(mine):
+            label = NAMES.get(m, m) if fam == "paper" else marked(m, metrics)
+            out.append((m, "all", i == 0 and (bool(out) or rule_first), label))
+    return out
+
+
+def cost_rows(metrics: dict, grid: Grid, methods: list[str]) -> list[Row]:
+    """The throughput table's block of the field's baselines and plugins: responses per second with
+    everything each needs (its cost per response, amortised), the cost itself in the note."""
+    rows = []
+    for method in methods:
+        if family(method) == "paper" or not any((m, d, method) in metrics for m, d in grid.cells):
+            continue
+        cells = []
+        for m, d in grid.cells:
+            c = (metrics.get((m, d, method)) or {}).get("cost_per_response")
+            cells.append(
+                Cell(paper=None, fmt="rate")
+                if c is None
+                else Cell(c["samples_per_s"], note=per_response(c["seconds"]), fmt="rate")
+            )
+        rows.append(Row(marked(method, metrics), cells, not rows))
+    return rows
 
 
 def _stat_cell(
-    entry: dict | None, key: str, published: Figure | None, *, with_ci=False, err="stderr", group="all", layer=True
+    entry: dict | None,
+    key: str,
+    published: Figure | None,
+    *,
+    with_ci=False,
+    err="stderr",
+    group="all",
+    layer=True,
+    cost=False,
 ) -> Cell:
     if entry is None:
         return Cell(paper=published, group=group)
@@ -90,6 +184,8 @@ def _stat_cell(
         return Cell(paper=published, group=None)
     ci = tuple(entry["test"]["auroc_ci95"]) if with_ci and entry["test"].get("auroc_ci95") else None
     note = f"L{entry['best_layer']}" if layer and entry.get("best_layer") is not None else ""
+    if cost and entry.get("cost_per_response"):
+        note = ", ".join(x for x in (note, per_response(entry["cost_per_response"]["seconds"])) if x)
     return Cell(stat["mean"], stat.get(err), ci, note, published, group=group)
 
 
@@ -98,19 +194,21 @@ def method_table(
     caption: str,
     metrics: dict,
     grid: Grid,
-    rows: list[tuple[str, str | None, bool]],
+    rows: list[tuple],
     key: str,
     published: dict,
     *,
     with_ci=False,
     notes=(),
 ) -> Table | None:
-    """Methods as rows (method, ranking group, rule before), grid cells as columns."""
+    """Methods as rows (method, ranking group, rule before[, label]), grid cells as columns. A row
+    with its own label (a block of the field's baselines or of plugins) shows each cell's cost
+    per response beside the best layer."""
     present = [r for r in rows if any((m, d, r[0]) in metrics for m, d in grid.cells)]
     if not present:
         return None
     out = []
-    for method, group, rule in present:
+    for method, group, rule, *label in present:
         cells = [
             _stat_cell(
                 metrics.get((m, d, method)),
@@ -118,10 +216,11 @@ def method_table(
                 _published(published.get(method, {}), grid, m, d),
                 with_ci=with_ci,
                 group=group,
+                cost=bool(label) and family(method) != "paper",
             )
             for m, d in grid.cells
         ]
-        out.append(Row(NAMES.get(method, method), cells, rule))
+        out.append(Row(label[0] if label else NAMES.get(method, method), cells, rule))
     return rank(Table(name, caption, "Method", grid.groups(), out, paper.PAPER_TABLES.get(name), list(notes)))
 
 
@@ -158,7 +257,7 @@ def sd_table(name: str, caption: str, metrics: dict, grid: Grid, key: str, publi
 
 
 def throughput_table(
-    name: str, caption: str, metrics: dict, grid: Grid, methods: list[str], published: dict
+    name: str, caption: str, metrics: dict, grid: Grid, methods: list[str], published: dict, others: list[str] = ()
 ) -> Table | None:
     rows = []
     for method in methods:
@@ -187,12 +286,22 @@ def throughput_table(
                 note = t.get("device", "")
                 cells.append(Cell(value, note=note, paper=pub, fmt="rate"))
             rows.append(Row(NAMES[method] + suffix, cells, method in ("mean", "attention")))
+    if others and (more := cost_rows(metrics, grid, list(others))):
+        rows += more
     if not rows:
         return None
     notes = [
         "samples/s of detector inference on the best layer's test responses (preloaded tensors); the "
         "paper's figures are one A100's. HaMI (SP) adds K - 1 more samples and the NLI calls per response: "
-        "amortised over batched rounds, or paid one response at a time (sequential)"
+        "amortised over batched rounds, or paid one response at a time (sequential)",
+        *(
+            [
+                "the field's baselines and your detectors: responses/s with all each needs [in brackets], "
+                "amortised: its own scoring plus the K - 1 more samples, NLI calls or forward pass it needs"
+            ]
+            if others
+            else []
+        ),
     ]
     return rank(Table(name, caption, "Method", grid.groups(), rows, paper.PAPER_TABLES.get(name), notes))
 
@@ -435,8 +544,11 @@ def load_metrics(
     methods: list[str],
     baselines_dir: str | Path | None = None,
     baselines: list[str] = (),
+    model_baselines: list[str] = (),
 ) -> dict:
-    """Metrics of exactly the grid's cells: a missing file is an error, a stale one is ignored."""
+    """Metrics of exactly the grid's cells: a missing file is an error, a stale one is ignored.
+    Baselines: `<baselines_dir>/<m>/<d>.json` (stage baselines), and those that run the model,
+    `<baselines_dir>/<m>/<d>/<name>.json` (stage model_baselines)."""
     out, missing = {}, []
     for m in models:
         for d in datasets:
@@ -454,6 +566,12 @@ def load_metrics(
                         out[(m, d, name)] = found[name]
                     else:
                         missing.append(f"{path} [{name}]")
+            for name in model_baselines:
+                path = Path(baselines_dir) / m / d / f"{name}.json"
+                if path.exists():
+                    out[(m, d, name)] = json.loads(path.read_text())
+                else:
+                    missing.append(str(path))
     if missing:
         raise FileNotFoundError(
             f"metrics missing for {len(missing)} grid cell(s): {missing[:5]}; run evaluate and baselines first"
@@ -489,6 +607,8 @@ def load_analysis(eval_dir: str | Path, models: list[str], datasets: list[str], 
 def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis: dict | None = None) -> list[Table]:
     detectors = sorted({k[2] for k, e in metrics.items() if e.get("family") == "detector"})
     baselines = sorted({k[2] for k, e in metrics.items() if e.get("family") == "baseline"})
+    everything = [*detectors, *baselines]
+    others = [m for m in everything if family(m) != "paper"]
     four = [
         ("hami", "instance", False),
         ("hami_sp", "instance", False),
@@ -502,10 +622,13 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
             "interval, questions resampled]",
             metrics,
             grid,
-            [(m, "all", rule) for m, _, rule in four],
+            [(m, "all", rule) for m, _, rule in four] + blocks(others, metrics, rule_first=True),
             "auroc",
             paper.AUROC,
             with_ci=True,
+            notes=["below the rule: the field's baselines and your detectors, [what each needs], cost per response"]
+            if others
+            else (),
         ),
         method_table(
             "raw_vs_extracted",
@@ -538,6 +661,7 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
             grid,
             ["hami", "hami_sp", "mean", "max"],
             paper.THROUGHPUT,
+            others,
         ),
         throughput_table(
             "pooling_speed",
@@ -570,7 +694,7 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
             "Test AUROC of every detector and baseline, mean ± standard error over seeds [bootstrap 95% interval]",
             metrics,
             grid,
-            [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+            blocks(everything, metrics),
             "auroc",
             {},
             with_ci=True,
@@ -581,7 +705,7 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
             "rejected), mean ± standard error over seeds",
             metrics,
             grid,
-            [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+            blocks(everything, metrics),
             "prr",
             {},
         ),
@@ -592,7 +716,7 @@ def build_tables(metrics: dict, grid: Grid, labels: dict | None = None, analysis
                 "mean ± standard error over seeds",
                 metrics,
                 grid,
-                [(m, "all", m == baselines[0] if baselines else False) for m in [*detectors, *baselines]],
+                blocks(everything, metrics),
                 "fpr_at_95_tpr",
                 {},
             )

@@ -61,8 +61,9 @@ from halludetect.config import threshold_name
 from halludetect.core.atomic_io import atomic_path, file_sha256
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import UnknownName
-from halludetect.detectors.build import build_detector, load_detector, params_for
+from halludetect.detectors.build import build_detector, check_known, load_detector, origin_meta, params_for
 from halludetect.methods import SP_METHODS
+from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
 
@@ -234,6 +235,11 @@ class Bundle:
     @property
     def seeds(self) -> list[int]:
         return list(self.meta["seeds"])
+
+    @property
+    def per_question(self) -> bool:
+        """EigenScore: a question's answers are scored together, never one answer alone."""
+        return lookup_method(self.method).per_question
 
     @property
     def reads_p_sem(self) -> bool:
@@ -421,6 +427,7 @@ def load_bundle(path: str | Path) -> Bundle:
         raise BundleError(f"{path}: the bundle metadata is not valid JSON ({e}): damaged; {RE_EXPORT}") from None
     meta = check_meta(path, meta)
     warnings = check_tensors(path, meta, tensors)
+    check_known(meta, path)  # a plugin's method: registered here, or named with how to register it
     detectors = {}
     try:
         method_params = params_for(meta["method"], meta["params"])
@@ -530,6 +537,7 @@ def export_bundle(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "method": metrics["method"],
+        **({"origin": o} if (o := origin_meta(metrics["method"])) else {}),
         "params": params,
         "d": d,
         "layer": layer,

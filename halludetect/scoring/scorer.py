@@ -313,6 +313,11 @@ class Scorer:
         inputs = b.meta["inputs"]
         for warning in b.warnings:
             log(f"warning: {warning}")
+        if b.per_question:
+            raise UserError(
+                f"{b.path} holds a '{b.method}' detector, which scores the K answers of a question together "
+                "(EigenScore); halludetect score scores answers one at a time: evaluate it in the DAG"
+            )
         if generate is not None and b.reads_p_sem:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "

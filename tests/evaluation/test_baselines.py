@@ -34,3 +34,40 @@ def test_baselines_score_with_a_fixed_sign_and_count_what_they_cannot_score():
     one_class = labels.with_columns(pl.when(pl.col("split") == "val").then(1).otherwise(pl.col("label")).alias("label"))
     with pytest.raises(DataError, match=r"split 'val' has one class only \(40 hallucinated of 40 kept\)"):
         evaluate_baseline(scores, one_class, bootstrap=0, seed=0)
+
+
+def test_lexical_similarity_is_one_minus_the_mean_pairwise_rouge_l_by_hand():
+    """Answers "The cat sat." / "the cats sat" / "A dog ran": pairs (1, 2) ROUGE-L F 1 (lower case,
+    punctuation dropped, "cats" stemmed to "cat"), (1, 3) and (2, 3) 0; score 1 - 1/3. A question
+    with one non-empty answer is left out (lm-polygraph needs two samples)."""
+    from halludetect.evaluation.baselines import lexical_dissimilarity, rouge_l
+
+    assert rouge_l("The cat sat.", "the cats sat") == 1.0
+    assert rouge_l("the cat sat on the mat", "the cat") == pytest.approx(2 * 1.0 * (2 / 6) / (1.0 + 2 / 6))
+    assert lexical_dissimilarity(["The cat sat.", "the cats sat", "A dog ran"]) == pytest.approx(2 / 3)
+    gens = pl.DataFrame(
+        {
+            "question_id": ["a", "a", "a", "b", "b"],
+            "sample_index": [0, 1, 2, 0, 1],
+            "text": ["The cat sat.", "the cats sat", "A dog ran", "yes", ""],
+            "n_tokens": [3, 3, 3, 1, 0],
+        }
+    ).with_columns(pl.col("sample_index").cast(pl.Int32))
+    got = baseline_scores("lexical_similarity", gens, None, BaselinesParams()).sort("rid")
+    assert got["rid"].to_list() == ["a/0", "a/1", "a/2"]  # b has one non-empty answer: no score
+    assert got["score"].to_list() == pytest.approx([2 / 3] * 3)
+
+
+def test_the_number_of_semantic_sets_is_the_questions_cluster_count():
+    """Question a: answers in clusters 0, 0, 1 (two sets); question b: did not cluster (no score)."""
+    clusters = pl.DataFrame(
+        {
+            "question_id": ["a", "a", "a", "b", "b"],
+            "sample_index": [0, 1, 2, 0, 1],
+            "valid": [True, True, True, False, False],
+            "semantic_id": [0, 0, 1, None, None],
+            "n_clusters": [2, 2, 2, None, None],
+        }
+    ).with_columns(pl.col("sample_index").cast(pl.Int32))
+    got = baseline_scores("semantic_sets", None, clusters, BaselinesParams()).sort("rid")
+    assert got["rid"].to_list() == ["a/0", "a/1", "a/2"] and got["score"].to_list() == [2.0, 2.0, 2.0]

@@ -95,6 +95,10 @@ def test_baselines_reject_a_clusters_table_with_p_sem_outside_0_1_naming_the_row
         str(tmp_path / "j.parquet"),
         "--clusters",
         str(tmp_path / "c.parquet"),
+        "--timings",
+        str(tmp_path / "t.parquet"),
+        "--generation-metrics",
+        str(tmp_path / "g.json"),
         "--out",
         str(tmp_path / "b.json"),
     )

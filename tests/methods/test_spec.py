@@ -7,7 +7,7 @@ import pytest
 from halludetect.config import DetectorsParams
 from halludetect.core.lookup import UnknownName
 from halludetect.detectors.build import DETECTORS
-from halludetect.methods import ANALYZABLE, METHODS, SP_METHODS, method, register
+from halludetect.methods import ANALYZABLE, CLUSTER_METHODS, METHODS, SP_METHODS, method, register
 
 
 def test_registry_covers_every_params_section():
@@ -25,14 +25,15 @@ def test_an_unknown_method_suggests_the_closest_and_lists_every_method():
     with pytest.raises(
         UnknownName,
         match=r"^unknown detector 'gated-attention'; did you mean 'gated_attention'\? "
-        r"valid: attention, gated_attention, hami, hami_sp, max, mean, probe, "
-        r"raw_max, raw_mean$",
+        r"valid: attention, eigenscore, gated_attention, hami, hami_sp, max, mean, probe, "
+        r"raw_max, raw_mean, saplma, sep_slt, sep_tbg$",
     ):
         method("gated-attention")
     assert method("hami_sp").name == "hami_sp"
 
 
 def test_trait_lists_are_the_papers():
-    assert SP_METHODS == ("hami_sp",)
+    assert list(SP_METHODS) == ["hami_sp"]
+    assert list(CLUSTER_METHODS) == ["hami_sp", "sep_tbg", "sep_slt"]  # SEP trains on the semantic entropy
     assert sorted(ANALYZABLE) == ["hami", "hami_sp"]
     assert len({m.display for m in METHODS.values()}) == len(METHODS)  # the report's row names are distinct

@@ -164,14 +164,19 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
         "methods": ["hami", "max"],
         "sp_methods": [],
         "baselines": ["p_sem"],
+        "model_baselines": ["p_true"],
         "analyze": ["hami"],
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    cost = {"needs": ["sampling", "a forward pass"], "seconds": 0.0123, "samples_per_s": 81.3}
+    (tmp_path / "base" / "my-llama" / "tqa").mkdir(parents=True)
+    (tmp_path / "base" / "my-llama" / "tqa" / "p_true.json").write_text(
+        json.dumps(entry(0.61, family="baseline", cost_per_response=cost))
+    )
     for method in ("hami", "max"):
         path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(entry()))
-    (tmp_path / "base" / "my-llama").mkdir(parents=True)
     (tmp_path / "base" / "my-llama" / "tqa.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
     cls = {"n": 10, "p_sem": 0.5, "c": -2.0, "p_sem_c": -1.0}
     mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
@@ -234,6 +239,14 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
         assert {f"{table}.md", f"{table}.tex"} <= names, table
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
     assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
+    # p(True) (stage model_baselines) in the block of the field's baselines, under the paper's methods
+    main = (tmp_path / "tables" / "auroc.md").read_text()
+    assert "| p(True) [sampling, a forward pass] | <u>0.610</u> ± 0.005 [0.590, 0.630] 12.3 ms/resp. |" in main
+    assert main.index("| Max pooling |") < main.index("| p(True) [")
+    assert (
+        "| p(True) [sampling, a forward pass] | <u>81.3</u> 12.3 ms/resp. |"
+        in (tmp_path / "tables" / "throughput.md").read_text()
+    )
     assert "0.800" in (tmp_path / "tables" / "p_sem_auroc.md").read_text()
     assert json.loads((tmp_path / "summary.json").read_text())["my-llama/tqa/max"]["test_prr"] == 0.5
     assert "n/a: E[P_sem C] <= 0" in (tmp_path / "tables" / "expected_c_int_my-llama_test.md").read_text()

@@ -82,5 +82,5 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
         "none",
         *outs,
     )
-    assert res.returncode == 2 and "hami_sp reads P_sem: pass --clusters" in res.stderr
+    assert res.returncode == 2 and "hami_sp reads the clustering: pass --clusters" in res.stderr
     assert not (tmp_path / "out").exists()
