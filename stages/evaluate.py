@@ -43,6 +43,7 @@ def run(args, params):
     best = metrics["best_layer"]
     detectors = Path(args.detectors) / f"layer_{best}"
     method_params = trained_params(detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
+    metrics["params"] = method_params.model_dump()  # the report's captions name e.g. the P_sem variant
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     layer_file = Path(args.activations) / layer_filename(best)
     judgments = read_judgments(args.judgments)

@@ -36,6 +36,7 @@ def run(args, params):
         out_dir=Path(args.out),
         scores_path=Path(args.scores),
         metrics_path=Path(args.metrics),
+        recipe=tp.recipe,
         log=common.log.info,
     )
 

@@ -181,6 +181,7 @@ def evaluate_detector(
         "val": figures["val"],
         "test": figures["test"],
         "excluded": per_layer[best]["excluded"],
+        **training_figures(per_layer, best),
         "layers": [
             {
                 "layer": layer,
@@ -192,6 +193,26 @@ def evaluate_detector(
             for layer, m in sorted(per_layer.items())
         ],
     }
+
+
+def training_figures(per_layer: dict[int, dict], best: int) -> dict:
+    """What training did at the best layer (layer files written before these keys existed give
+    none): the recipe, the last epoch's AUROC and margin (the paper reads its margins after the
+    last epoch, its AUROCs at the best), the margins by epoch, and the training time, also
+    summed over every layer (one seed's epochs per layer, as the paper's appendix totals it)."""
+    m = per_layer[best]
+    out = {k: m[k] for k in ("train", "last_epoch", "margin_by_epoch") if k in m}
+    if all("training_time" in p for p in per_layer.values()):
+        out["training_time"] = {
+            **m["training_time"],
+            "layer": best,
+            "all_layers_mean_seconds_per_seed": float(
+                sum(p["training_time"]["mean_seconds_per_seed"] for p in per_layer.values())
+            ),
+            "all_layers_wall_seconds": float(sum(p["training_time"]["wall_seconds"] for p in per_layer.values())),
+            "layers": len(per_layer),
+        }
+    return out
 
 
 def detector_throughput(models: list, test: SplitData, layer_file: Path, repeats: int, device: str = "cpu") -> dict:

@@ -78,6 +78,34 @@ def test_best_layer_is_chosen_on_validation_and_metrics_are_complete(trained_cel
     assert speed["preloaded_samples_per_s"] > 0 and speed["end_to_end_samples_per_s"] > 0
 
 
+def test_the_last_epoch_the_margins_by_epoch_and_the_training_time_of_the_best_layer(trained_cell):
+    """The paper reads its margins after the last epoch: the best layer's last-epoch figures are
+    those of the last epoch's weights (curves.json's last row), beside the margins by epoch."""
+    root, labels = trained_cell
+    layers = per_layer(root)
+    m = evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0)
+    assert m["train"] == {"recipe": "paper", "epochs": 10, "batch_size": 32}
+    last = m["last_epoch"]
+    assert last["epoch"] == 10 and len(last["test"]["margin"]["per_seed"]) == 2
+    curves = json.loads((root / "dets" / "layer_1" / "curves.json").read_text())
+    for key in ("train", "val"):
+        assert len(m["margin_by_epoch"][key]) == 10
+        per_epoch = np.mean([[row[f"{key}_margin"] for row in curves[f"seed_{s}"]] for s in (0, 1)], axis=0)
+        np.testing.assert_allclose(m["margin_by_epoch"][key], per_epoch)
+    assert last["val"]["margin"]["mean"] == pytest.approx(m["margin_by_epoch"]["val"][-1])
+    best = {
+        s: curves[f"seed_{s}"][json.loads((root / "layers" / "layer_1.json").read_text())["best_epoch"][str(s)] - 1]
+        for s in (0, 1)
+    }
+    assert m["val"]["margin"]["mean"] == pytest.approx(np.mean([b["val_margin"] for b in best.values()]))
+    t = m["training_time"]
+    assert t["layer"] == 1 and t["layers"] == 2 and t["parallel_workers"] == 2 and t["device"] == "cpu"
+    assert t["all_layers_mean_seconds_per_seed"] == pytest.approx(
+        sum(p["training_time"]["mean_seconds_per_seed"] for p in layers.values())
+    )
+    assert set(t["seconds_per_seed"]) == {"0", "1"} and all(v > 0 for v in t["seconds_per_seed"].values())
+
+
 def test_missing_seed_wrong_method_and_layers_from_other_dumps_are_named(trained_cell, tmp_path):
     root, _ = trained_cell
     with pytest.raises(FileNotFoundError, match="seed_7.safetensors is missing"):
