@@ -30,8 +30,8 @@ def clusters_for(labels: pl.DataFrame) -> pl.DataFrame:
     p = np.clip(np.where(labels["label"].to_numpy() == 1, 0.4, 0.9) + 0.1 * rng.normal(size=labels.height), 0.05, 1)
     return labels.select("question_id", "sample_index", "split").with_columns(
         pl.lit(True).alias("valid"),
-        pl.Series("p_sem_mean", p),
-        pl.lit(0.5).alias("p_sem_sum"),
+        pl.Series("p_sem_sum", p),  # the default variant, which the detectors are trained with
+        pl.lit(0.5).alias("p_sem_mean"),
         pl.lit(0.5).alias("p_sem_count"),
         *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum", "discrete")),
     )
@@ -47,7 +47,7 @@ def cell(tmp_path_factory):
     labels.write_parquet(root / "judgments.parquet")
     clusters.write_parquet(root / "clusters.parquet")
     p_sem = dict(
-        zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()], clusters["p_sem_mean"])
+        zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()], clusters["p_sem_sum"])
     )
     params = HaMISPParams(dim=16, lr=1e-2)
     for index in (0, 1):  # as the per-layer train stage lays them out: layer_<L>/seed_<S>.safetensors
