@@ -294,7 +294,7 @@ def throughput_table(
     if not rows:
         return None
     notes = [
-        "samples/s of detector inference on the best layer's test responses (preloaded tensors); the "
+        "samples/s of the first seed's detector on the best layer's test responses (preloaded tensors); the "
         "paper's figures are one A100's. HaMI (SP) adds K - 1 more samples and the NLI calls per response: "
         "amortised over batched rounds, or paid one response at a time (sequential)"
     ]
@@ -379,6 +379,7 @@ EXPECTED_COLUMNS = [
     ("Condition", ["|S_neg|/|S_pos|", "holds"]),
     ("Margin mean(y Z)", ["widens", "change", "predicted"]),
 ]  # the tolerance of the path identity is analyze.path_tolerance (the analysis JSON's path_check)
+TOP_K_SHORT = {"c_int": "top-k re-ranked along the path", "c0": "top-k of the unscaled logits"}
 TOP_K = {
     "c_int": "C_B^int averages the slope along the path, its top-k set re-ranked at every step from the "
     "unscaled (p = 0) to the scaled logits (p = p_B)",
@@ -424,8 +425,9 @@ def expected_tables(analysis: dict, grid: Grid) -> list[Table]:
                 tables.append(
                     Table(
                         f"expected_{variant}_{m}_{split}",
-                        f"Empirical expected values for {m} ({split}), sensitivity {what}, at each detector's best "
-                        f"layer on validation (in the row), mean over seeds ({_analysis_conventions(used)})",
+                        f"Empirical expected values for {m} ({split}), sensitivity {what} ({TOP_K_SHORT[variant]}), "
+                        f"at each detector's best layer on validation (in the row), mean over seeds "
+                        f"({_analysis_conventions(used)})",
                         "Dataset",
                         EXPECTED_COLUMNS,
                         rows,
