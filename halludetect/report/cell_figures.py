@@ -112,7 +112,7 @@ def draw_cell(
     figures.save_png(
         figures.class_panels(
             response_panels,
-            f"Answer length and P_sem by class, {cell}",
+            f"Answer length and P_sem ({baselines.p_sem}: baselines.p_sem) by class, {cell}",
             {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels},
             cols=2,
             discrete=tuple(k for k in response_panels if k.startswith("answer")),
