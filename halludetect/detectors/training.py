@@ -41,6 +41,7 @@ from torch import nn
 from halludetect.activations.bags import Bags
 from halludetect.core import numerics
 from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
+from halludetect.core.errors import DataError
 from halludetect.detectors.build import build_detector, save_detector
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.inference import score
@@ -64,6 +65,18 @@ RECIPES = {
         "authors", pos_weight=0.3, plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7}, drop_last=True
     ),
 }
+
+
+def check_recipe(recipe: str | Recipe, method_params, n_train: int, batch_size: int) -> None:
+    """A recipe that drops the last partial batch trains nothing on fewer bags than one batch:
+    refused before any training (the MIL loss draws full batches of pairs and is not affected)."""
+    rec = recipe_of(recipe)
+    if rec.drop_last and getattr(method_params, "loss", "logistic") != "mil" and n_train < batch_size:
+        raise DataError(
+            f"train.recipe '{rec.name}' drops the last partial batch, and the training split has {n_train} "
+            f"responses, fewer than train.batch_size {batch_size}: no step would run; lower train.batch_size "
+            "or use train.recipe: paper"
+        )
 
 
 def recipe_of(recipe: str | Recipe) -> Recipe:
@@ -168,11 +181,7 @@ def train_detector(
     # The recipe's extras belong to the logistic-loss loop; the MIL loss keeps the HaMI code's.
     pos_weight = None if mil else rec.pos_weight
     drop_last = rec.drop_last and not mil
-    if drop_last and len(train) < batch_size:
-        raise ValueError(
-            f"train.recipe '{rec.name}' drops the last partial batch, and the training split has {len(train)} "
-            f"responses, fewer than train.batch_size {batch_size}: no step would run; lower train.batch_size"
-        )
+    check_recipe(rec, method_params, len(train), batch_size)
     plateau = None
     if rec.plateau and not mil:
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", **rec.plateau)
@@ -395,6 +404,7 @@ def train_layer(
     three outputs: `out_dir/seed_<S>.safetensors` (+ curves.json, summary.json), the val/test
     scores of every seed (Parquet), and the layer's figures (JSON, with the training time). Each
     is written atomically."""
+    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any worker starts
     t0 = time.perf_counter()
     results = train_seeds(
         method,

@@ -127,7 +127,7 @@ def draw_cell(
         figures.margins_by_epoch(
             by_epoch,
             best,
-            f"Margins after every epoch at the best layer, mean over seeds, {cell} "
+            f"Margins after every epoch at the best layer, mean over seeds, {cell}\n"
             "(Theorem 1: training expands them; the paper: faster for max than mean)",
         ),
         figs / "margins_by_epoch.png",

@@ -21,6 +21,7 @@ from halludetect.detectors.training import (
     hami_mil_loss,
     logistic_loss,
     train_detector,
+    train_layer,
 )
 from halludetect.methods import SP_METHODS
 from halludetect.methods.pooling import PoolingParams
@@ -168,11 +169,37 @@ def test_drop_last_leaves_out_the_partial_batch_of_the_same_shuffle():
     dropped = epoch_batches(70, 32, g2, drop_last=True)
     assert [len(b) for b in full] == [32, 32, 6] and [len(b) for b in dropped] == [32, 32]
     assert torch.equal(torch.cat(dropped), torch.cat(full)[:64])
+
+
+@pytest.mark.hostile
+def test_authors_recipe_refuses_a_training_split_smaller_than_one_batch(tmp_path):
+    """drop_last would leave no step at all: one line naming train.batch_size, before training."""
+    from halludetect.core.errors import DataError
+
     train, val = data_and_params()
-    with pytest.raises(ValueError, match="fewer than train.batch_size"):
-        train_detector(
-            "max", params_for("max", FAST), train, val, epochs=1, batch_size=10_000, seed=0, recipe="authors"
+    big = {"epochs": 1, "batch_size": 10_000, "seed": 0, "recipe": "authors"}
+    with pytest.raises(DataError, match="fewer than train.batch_size 10000: no step would run"):
+        train_detector("max", params_for("max", FAST), train, val, **big)
+    layer, labels = synthetic()
+    data = {s: split_data(layer, labels, s) for s in ("train", "val", "test")}
+    with pytest.raises(DataError, match="train.recipe 'authors' drops the last partial batch"):
+        train_layer(
+            "max",
+            params_for("max", FAST),
+            data,
+            [0],
+            layer=0,
+            epochs=1,
+            batch_size=10_000,
+            device="cpu",
+            out_dir=tmp_path / "d",
+            scores_path=tmp_path / "s.parquet",
+            metrics_path=tmp_path / "m.json",
+            recipe="authors",
         )
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+    # the MIL loss draws full batches of pairs: not refused
+    train_detector("hami", params_for("hami", FAST), train, val, **big)
 
 
 def test_the_positive_class_weight_scales_the_hallucinated_terms_only():
