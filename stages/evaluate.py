@@ -30,6 +30,12 @@ def run(args, params):
                 "(grid.layers lists the layers evaluated)"
             )
         per_layer[layer] = json.loads(path.read_text())
+    # each layer's training time, kept apart from its figures (wall times differ on every run)
+    timing = {
+        layer: json.loads(t.read_text())
+        for layer in params.grid.layers
+        if (t := Path(args.layer_metrics) / f"layer_{layer}.timing.json").exists()
+    }
     metrics = {
         "model": args.model,
         "dataset": args.dataset,
@@ -37,7 +43,9 @@ def run(args, params):
         "family": "detector",
         "seeds": seeds,
     }
-    metrics |= evaluate_detector(per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed)
+    metrics |= evaluate_detector(
+        per_layer, Path(args.scores), seeds, bootstrap=ep.bootstrap, seed=ep.seed, timing=timing
+    )
 
     # Throughput of the chosen layer's detector, on its test responses.
     best = metrics["best_layer"]

@@ -43,6 +43,7 @@ def trained_cell(tmp_path_factory):
             out_dir=root / "dets" / f"layer_{index}",
             scores_path=root / "scores" / f"layer_{index}.parquet",
             metrics_path=root / "layers" / f"layer_{index}.json",
+            timing_path=root / "timing" / f"layer_{index}.json",
             log=lambda *_: None,
         )
     return root, labels
@@ -83,7 +84,10 @@ def test_the_last_epoch_the_margins_by_epoch_and_the_training_time_of_the_best_l
     those of the last epoch's weights (curves.json's last row), beside the margins by epoch."""
     root, labels = trained_cell
     layers = per_layer(root)
-    m = evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0)
+    timing = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (root / "timing").glob("*.json")}
+    assert all("training_time" not in m and "seconds" not in json.dumps(m) for m in layers.values())  # kept apart
+    assert "training_time" not in evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0)
+    m = evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0, timing=timing)
     assert m["train"] == {"recipe": "paper", "epochs": 10, "batch_size": 32}
     last = m["last_epoch"]
     assert last["epoch"] == 10 and len(last["test"]["margin"]["per_seed"]) == 2
@@ -101,7 +105,7 @@ def test_the_last_epoch_the_margins_by_epoch_and_the_training_time_of_the_best_l
     t = m["training_time"]
     assert t["layer"] == 1 and t["layers"] == 2 and t["parallel_workers"] == 2 and t["device"] == "cpu"
     assert t["all_layers_mean_seconds_per_seed"] == pytest.approx(
-        sum(p["training_time"]["mean_seconds_per_seed"] for p in layers.values())
+        sum(p["mean_seconds_per_seed"] for p in timing.values())
     )
     assert set(t["seconds_per_seed"]) == {"0", "1"} and all(v > 0 for v in t["seconds_per_seed"].values())
 
