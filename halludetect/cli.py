@@ -78,12 +78,13 @@ def _score(args) -> None:
 
 
 def _show(args) -> None:
-    from halludetect.scoring.bundle import load_bundle
+    from halludetect.scoring.bundle import load_bundle, p_sem_requirement
 
     b = load_bundle(args.bundle)  # a damaged bundle is an error here, as when scoring
     for warning in b.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    print(json.dumps({"sha256": b.sha256, **b.meta}, indent=2, sort_keys=True))
+    needs = p_sem_requirement(b.meta)  # hami_sp: the P_sem variant and K its input rows must follow
+    print(json.dumps({"sha256": b.sha256, **b.meta, **({"needs": needs} if needs else {})}, indent=2, sort_keys=True))
 
 
 def _train_layer(args) -> None:

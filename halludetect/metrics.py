@@ -6,7 +6,8 @@ Labels: hallucination = 1 (the positive class); a higher score means "more likel
   margin              mean(y z), y in {-1, +1}, z the bag logit: the paper's logit-space margin
   margin_by_length    the same within answer-length buckets (<= 5, 6-30, > 30 tokens)
   prr, prr_0.5        prediction-rejection ratio as lm-polygraph defines it (normalised area under
-                      the prediction-rejection curve, up to 100% / 50% rejected)
+                      the prediction-rejection curve, up to 100% / 50% rejected), averaged over
+                      the orders of tied scores
   fpr_at_95_tpr       share of correct answers flagged when 95% of hallucinations are caught
   auroc_ci95          bootstrap interval of the seed-mean AUROC, resampling *questions*: a
                       question's K responses share its difficulty, so resampling them one by one
@@ -103,13 +104,20 @@ def prediction_rejection_area(score: np.ndarray, quality: np.ndarray, max_reject
     """lm-polygraph's PredictionRejectionArea: mean quality of the kept answers, averaged over
     rejection rates from 0 to `max_rejection`, rejecting the highest scores first.
 
-    quality: higher = better (here 1 - label), min-max normalised as lm-polygraph does. Ties in
-    `score` are broken by position (a stable sort), so the figure is deterministic.
+    quality: higher = better (here 1 - label), min-max normalised as lm-polygraph does. Answers
+    with equal scores are rejected in no order of their own, so the area is averaged over every
+    order of each tie, exactly: the area is linear in the kept answers' prefix sums, and over
+    the orders of a tie each of its positions holds the tie's mean quality in expectation. So
+    each answer's quality is replaced by its tie group's mean (P_sem and the answer length have
+    many ties; lm-polygraph's stable sort would let the input order decide them).
     """
     q = _normalise(quality)
     n = len(q)
     n_rej = int(max_rejection * n)
-    kept_in_order = q[np.argsort(score, kind="stable")]  # least uncertain first
+    s = np.asarray(score, dtype=np.float64)
+    _, group = np.unique(s, return_inverse=True)
+    q = (np.bincount(group, weights=q) / np.bincount(group))[group]  # each answer: its tie group's mean
+    kept_in_order = q[np.argsort(s, kind="stable")]  # least uncertain first
     cumsum = np.cumsum(kept_in_order)[-n_rej:]  # the n - n_rej + 1 .. n least uncertain
     return float(np.sum(cumsum / np.arange(n - n_rej + 1, n + 1)) / n_rej)
 

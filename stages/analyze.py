@@ -61,6 +61,8 @@ def run(args, params):
         "best_layer": best,
         "seeds": seeds,
         "classes": "neg = correct (label 0), pos = hallucinated (label 1)",
+        "top_k": "C_B: the top-k tokens of the unscaled logits (p = 0); C_B^int: re-ranked at every step of "
+        "the path from the unscaled (p = 0) to the scaled logits (p = p_B)",
         "layers": {},
     }
     frames = []
@@ -73,7 +75,7 @@ def run(args, params):
         out["layers"][str(layer)] = {}
         for split in ap.splits:
             split_set = split_data(data, judgments, split, str(path), p_sem)
-            rows, summary = analyze_split(models, split_set, lam, ap.steps)
+            rows, summary = analyze_split(models, split_set, lam, ap.steps, tolerance=ap.path_tolerance)
             summary["excluded"] = split_set.excluded
             out["layers"][str(layer)][split] = summary
             frames.append(rows.with_columns(pl.lit(split).alias("split"), pl.lit(layer).alias("layer")))
@@ -89,6 +91,18 @@ def run(args, params):
                 m["class_ratio"],
                 *m["condition_holds_seeds"],
             )
+            check = summary["path_check"]
+            if not check["within_tolerance"]:
+                common.log.warning(
+                    "%s layer %d %s: the path identity Z(p_B) = Z(0) - p_B C_B^int misses by up to %.3g logits, "
+                    "more than analyze.path_tolerance %.3g: raise analyze.steps (now %d)",
+                    args.method,
+                    layer,
+                    split,
+                    check["max_abs_identity_gap"],
+                    check["tolerance"],
+                    ap.steps,
+                )
         del data
     rows = pl.concat(frames)
     write_parquet(args.responses, rows)

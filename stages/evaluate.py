@@ -44,6 +44,12 @@ def run(args, params):
     per_layer = {}
     for layer in params.grid.layers:
         per_layer[layer] = json.loads((Path(args.layer_metrics) / f"layer_{layer}.json").read_text())
+    # each layer's training time, kept apart from its figures (wall times differ on every run)
+    timing = {
+        layer: json.loads(t.read_text())
+        for layer in params.grid.layers
+        if (t := Path(args.layer_metrics) / f"layer_{layer}.timing.json").exists()
+    }
     metrics = {
         "model": args.model,
         "dataset": args.dataset,
@@ -58,12 +64,14 @@ def run(args, params):
         bootstrap=ep.bootstrap,
         seed=ep.seed,
         logits=lookup_method(args.method).logits,
+        timing=timing,
     )
 
     # Throughput of the chosen layer's detector, on its test responses.
     best = metrics["best_layer"]
     detectors = Path(args.detectors) / f"layer_{best}"
     method_params = trained_params(detectors, args.method)  # e.g. hami_sp's lam and P_sem variant
+    metrics["params"] = method_params.model_dump()  # the report's captions name e.g. the P_sem variant
     p_sem = p_sem_for(args.method, args.clusters, method_params)
     layer_file = Path(args.activations) / layer_filename(best)
     judgments = read_judgments(args.judgments)

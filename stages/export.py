@@ -14,6 +14,20 @@ from halludetect.scoring.bundle import export_bundle
 from stages import common
 
 
+def p_sem_input(args) -> dict | None:
+    """How the P_sem of a method that reads it was made: K answers per question (generate's
+    metrics), the clustering's equivalence rule and NLI backend (cluster's metrics)."""
+    if not (args.generation_metrics and args.cluster_metrics):
+        return None
+    gen = json.loads(Path(args.generation_metrics).read_text())
+    clu = json.loads(Path(args.cluster_metrics).read_text())
+    return {
+        "samples_per_question": gen["samples"] / gen["questions"],
+        "equivalence": clu["equivalence"],
+        "backend": clu["backend"],
+    }
+
+
 def run(args, params):
     metrics = json.loads(Path(args.metrics).read_text())
     manifest = json.loads(Path(args.manifest).read_text())
@@ -28,6 +42,7 @@ def run(args, params):
         prompt_template=GENERATION,
         fpr_targets=params.export.fpr_targets,
         default_threshold=params.export.threshold,
+        p_sem_input=p_sem_input(args),
     )
     ev = meta["evaluation"]
     common.log.info(
@@ -49,4 +64,6 @@ if __name__ == "__main__":
     p.add_argument("--scores", required=True, help="the method's scores directory (layer_LL.parquet)")
     p.add_argument("--manifest", required=True, help="model manifest JSON (what pins the base model)")
     p.add_argument("--out", required=True, help="bundle file (.safetensors)")
+    p.add_argument("--generation-metrics", help="generate's metrics JSON (K answers per question), for hami_sp")
+    p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp")
     common.main(run, p)

@@ -49,6 +49,8 @@ def run(args, params):
         out_dir=Path(args.out),
         scores_path=Path(args.scores),
         metrics_path=Path(args.metrics),
+        timing_path=Path(args.timing) if args.timing else None,
+        recipe=tp.recipe,
         log=common.log.info,
     )
 
@@ -63,4 +65,7 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True, help="output directory: seed_<S>.safetensors, curves.json, summary.json")
     p.add_argument("--scores", required=True, help="Parquet: every val/test response's logit, per seed")
     p.add_argument("--metrics", required=True, help="the layer's val/test figures (JSON)")
+    p.add_argument(
+        "--timing", help="the layer's training time (JSON, apart from the figures: wall times differ per run)"
+    )
     common.main(run, p)

@@ -193,18 +193,26 @@ def dumped_rows(questions: pl.DataFrame, dumped: pl.DataFrame, token_ids: bool =
 
 
 def assert_bundle_scores_match_dag(
-    bundle_path: Path, scores_dir: Path, questions: pl.DataFrame, dumped: pl.DataFrame, model_dir: Path, batch_size: int
+    bundle_path: Path,
+    scores_dir: Path,
+    questions: pl.DataFrame,
+    dumped: pl.DataFrame,
+    model_dir: Path,
+    batch_size: int,
+    p_sem: dict[str, float] | None = None,
 ) -> int:
     """Score every dumped answer from scratch through the bundle (question, answer and its token
-    ids), in the dump's order and batch size, so that the model sees the inputs the dump gave
-    it: each test answer gets each seed's evaluate logit at the bundle's layer (`scores_dir/
-    layer_LL.parquet`), up to the float noise of the detector's batch shape. Returns how many
-    (answer, seed) pairs were compared."""
+    ids; for a bundle that reads P_sem, each answer's `p_sem` by response id), in the dump's order
+    and batch size, so that the model sees the inputs the dump gave it: each test answer gets each
+    seed's evaluate logit at the bundle's layer (`scores_dir/layer_LL.parquet`), up to the float
+    noise of the detector's batch shape. Returns how many (answer, seed) pairs were compared."""
     from halludetect.scoring.bundle import load_bundle
     from halludetect.scoring.scorer import score_answers
 
     b = load_bundle(bundle_path)
     rows = dumped_rows(questions, dumped)
+    if p_sem is not None:  # answers whose clustering failed have none: the DAG scored them neither
+        rows = [{**r, "p_sem": p_sem[r["id"]]} for r in rows if r["id"] in p_sem]
     df = score_answers(bundle_path, rows, model=str(model_dir), per_seed=True, device="cpu", batch_size=batch_size)
     assert df["reason"].null_count() == df.height == len(rows)
     by_id = dict(zip(df["id"], df["seed_scores"]))

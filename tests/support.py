@@ -154,8 +154,8 @@ def world_like_tables():
                         "question_id": qid,
                         "sample_index": s,
                         "valid": qid != "test0",
-                        "p_sem_mean": 0.9 - 0.5 * y + 0.1 * rng.random(),
-                        "p_sem_sum": 0.5,
+                        "p_sem_mean": 0.5,
+                        "p_sem_sum": 0.9 - 0.5 * y + 0.1 * rng.random(),  # the default variant: informative
                         "p_sem_count": 0.5,
                         "semantic_entropy_mean": 0.2 + y,
                         "semantic_entropy_sum": 0.0,

@@ -1,5 +1,5 @@
 """The `halludetect` command (halludetect/cli.py): bad input is one line on stderr and exit status 2,
-and `show` prints a bundle's metadata."""
+and `show` prints a bundle's metadata (for hami_sp, what its P_sem input must be)."""
 
 import json
 
@@ -109,3 +109,30 @@ def test_a_swept_parameter_that_does_not_exist_is_one_line_naming_the_valid_ones
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: the swept parameter detectors.max.width is not a parameter of params.yaml; ")
     assert "The keys of detectors.max: detectors.max.dim, detectors.max.dropout" in err
+
+
+def test_show_says_which_p_sem_variant_and_how_many_answers_a_hami_sp_bundle_needs(bundle_path, tmp_path, capsys):
+    from halludetect import cli as console
+    from halludetect.detectors.build import build_detector, params_for
+    from halludetect.scoring.bundle import load_bundle, p_sem_inputs, save_bundle
+
+    b = load_bundle(bundle_path)
+    meta = json.loads(json.dumps(b.meta))
+    params = params_for("hami_sp", {"dim": 8}).model_dump()
+    made = {"samples_per_question": 5.0, "equivalence": "paper", "backend": "openai"}
+    meta |= {"method": "hami_sp", "params": params}
+    meta["inputs"] |= p_sem_inputs("hami_sp", params, made)
+    assert meta["inputs"]["p_sem"] == {"variant": "sum", "lam": 1.0, **made}
+    out = tmp_path / "sp.safetensors"
+    save_bundle(
+        out, {s: build_detector("hami_sp", 32, params_for("hami_sp", params)).state_dict() for s in b.seeds}, meta
+    )
+    console.main(["show", str(out)])
+    needs = json.loads(capsys.readouterr().out)["needs"]
+    assert "K = 5.0 answers per question" in needs and "P_sem variant 'sum'" in needs
+    assert "paper equivalence rule (openai NLI)" in needs and "(1 + 1.0 p_sem)" in needs
+    console.main(["show", str(bundle_path)])  # a bundle that reads no P_sem needs nothing more
+    assert "needs" not in json.loads(capsys.readouterr().out)
+    with pytest.raises(Exception, match="must say how P_sem was made"):
+        p_sem_inputs("hami_sp", params, None)
+    assert p_sem_inputs("max", {}, None) == {}

@@ -113,6 +113,7 @@ def test_dag_writes_the_comparison_table(repo):
         "responses.png",
         "sensitivity_hami_sp.png",
         "sensitivity_hami.png",
+        "margins_by_epoch.png",
     }
     for method in (*METHODS, *SP_METHODS):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
@@ -169,6 +170,66 @@ except Exception as e:
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
     n, err = line.removeprefix("RESULT ").split(" ", 1)
     assert int(n) > 0 and err.startswith("UserError") and "scores the K answers of a question together" in err
+
+
+def test_hami_sp_bundle_scores_equal_the_dag_evaluate_scores(repo):
+    """HaMI (SP)'s bundle, given each answer's P_sem of the variant its params name (from the DAG's
+    clustering), scores the test answers as evaluate did; `show` says what it needs."""
+    from contract_layout import assert_bundle_scores_match_dag
+
+    from halludetect.qa.responses import select_answers
+    from halludetect.scoring.bundle import load_bundle, p_sem_requirement
+
+    bundle = repo / "data/bundles/world/world/hami_sp.safetensors"
+    meta = load_bundle(bundle).meta
+    variant = meta["params"]["p_sem"]
+    assert variant == "sum" and meta["inputs"]["p_sem"]["samples_per_question"] == 3  # SMALL: K = 3
+    clusters = pl.read_parquet(repo / "data/labels/world/world/clusters.parquet").filter(pl.col("valid"))
+    p_sem = {
+        f"{q}/{s}": v for q, s, v in clusters.select("question_id", "sample_index", f"p_sem_{variant}").iter_rows()
+    }
+    dumped, _ = select_answers(pl.read_parquet(repo / "data/generations/world/world.parquet"))
+    batch_size = yaml.safe_load((repo / "params.yaml").read_text())["dump"]["batch_size"]
+    n = assert_bundle_scores_match_dag(
+        bundle,
+        repo / "data/scores/world/world/hami_sp",
+        pl.read_parquet(repo / "data/questions/world.parquet"),
+        dumped,
+        repo / "data/world/model",
+        batch_size,
+        p_sem=p_sem,
+    )
+    assert n > 0
+    assert "K = 3.0 answers per question" in p_sem_requirement(meta)
+
+
+def test_the_tables_state_their_conventions_and_training_is_measured_by_epoch(repo):
+    """The paper's conventions in the captions (P_sem variant, seeds), the margins after the last
+    epoch beside the best epoch's, the margin growth and the training time; every method's
+    per-epoch margins in curves.json."""
+    tables = repo / "metrics/tables"
+    auroc = (tables / "auroc.md").read_text()
+    assert "ours over 1 seed per cell" in auroc and "HaMI (SP) scales by (1 + λ P_sem), λ = 1, P_sem summed" in auroc
+    margin = (tables / "margin.md").read_text()
+    assert "| HaMI, after epoch 8 |" in margin and "| Max pooling, at the best validation epoch |" in margin
+    assert "| HaMI (SP) over HaMI, % (after epoch 8) |" in margin
+    assert "P_sem summed" in (tables / "p_sem_auroc.md").read_text()
+    expected = (tables / "expected_c_int_world_test.md").read_text()
+    assert "| the paper (range over its cells) |" in expected and "P_sem summed" in expected
+    for name in ("margin_growth", "training_time"):
+        assert (tables / f"{name}.md").exists() and (tables / f"{name}.tex").exists()
+    for method in (*METHODS, *SP_METHODS):
+        m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
+        assert m["train"]["recipe"] == "paper" and m["training_time"]["layers"] == len(LAYERS)
+        if method in ("eigenscore", "sep_slt"):  # fitted in one step: one "epoch", no per-epoch margins
+            assert m["last_epoch"]["epoch"] == 1 and "margin_by_epoch" not in m
+            continue
+        assert m["last_epoch"]["epoch"] == 8 and len(m["margin_by_epoch"]["train"]) == 8
+        for layer in LAYERS:
+            curves = json.loads((repo / f"data/detectors/world/world/{method}/layer_{layer}/curves.json").read_text())
+            assert {"train_margin", "val_margin", "lr"} <= set(curves["seed_0"][0])
+    epochs = pl.read_csv(repo / "metrics/plots/epochs/world/world.csv")
+    assert {"max (train)", "max (val)", "hami_sp (train)"} <= set(epochs["series"])
 
 
 def test_training_param_reruns_only_training_and_after(repo):

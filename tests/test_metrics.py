@@ -50,6 +50,26 @@ def test_prr_matches_its_definition():
         prr(np.ones(4), np.arange(4.0))
 
 
+def test_prr_with_ties_is_the_mean_over_every_order_of_the_ties():
+    """P_sem and the answer length have many ties: the area is averaged over the orders of each
+    tie (exactly, by their mean quality), so it never depends on the input order."""
+    from halludetect.metrics import prediction_rejection_area
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, 40)
+    score = rng.integers(0, 4, 40).astype(float)  # four values: big ties
+    quality = 1.0 - y
+    for max_rejection in (1.0, 0.5):
+        n_rej, draws = int(max_rejection * 40), []
+        for _ in range(3000):  # break the ties at random: a random order, then a stable sort by score
+            perm = rng.permutation(40)
+            kept = quality[perm[np.argsort(score[perm], kind="stable")]]  # least uncertain first
+            draws.append(np.mean([kept[: 40 - r].mean() for r in range(n_rej)]))  # the definition
+        assert prediction_rejection_area(score, quality, max_rejection) == pytest.approx(np.mean(draws), abs=2e-3)
+    shuffled = rng.permutation(40)
+    assert prr(y[shuffled], score[shuffled]) == pytest.approx(prr(y, score), abs=1e-12)
+
+
 def test_fpr_at_95_tpr_on_a_hand_built_case():
     # catching 95% of 4 hallucinations means all 4: threshold 0.1 flags 3 of 4 correct answers
     y = np.array([1, 1, 1, 1, 0, 0, 0, 0])

@@ -12,6 +12,7 @@ to the readers never re-runs the dump stage.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,8 +49,47 @@ def _decoder_layers(model) -> nn.ModuleList:
     raise ValueError(f"cannot find the {n} decoder blocks of {type(model).__name__}")
 
 
+_FINAL_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its final norm (or None)
+
+
+@torch.no_grad()
 def _final_norm(model) -> nn.Module | None:
-    return getattr(_base(model), "norm", None)
+    """The module whose output is the top hidden state (`hidden_states[-1]`) when that is not the
+    last block's output: the final norm, wherever the architecture puts it and whatever it is
+    called (Llama's `model.norm`, GPT-2's `transformer.ln_f`, OPT's `decoder.final_layer_norm`,
+    registered before its blocks). Found by what the model computes, not by a name: one forward
+    pass of one token with every module outside the blocks hooked, keeping the last one whose
+    output equals `hidden_states[-1]`. None when the top block's own output is that state."""
+    if model in _FINAL_NORMS:
+        return _FINAL_NORMS[model]
+    blocks = _decoder_layers(model)
+    inside = {id(m) for b in blocks for m in b.modules()} | {id(blocks)}
+    outputs: list[tuple[nn.Module, torch.Tensor]] = []
+
+    def keep(module):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) and output else output  # a block may return a tuple
+            if isinstance(out, torch.Tensor):
+                outputs.append((module, out))
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(m)) for m in model.modules() if id(m) not in inside and m is not model]
+    handles.append(blocks[-1].register_forward_hook(keep(blocks[-1])))
+    try:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=input_device(model))  # token 0: in every vocabulary
+        top = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states[-1]
+    finally:
+        for h in handles:
+            h.remove()
+    found = None
+    for module, out in outputs:  # in call order: the last match is what the model returned
+        if out.shape == top.shape and torch.equal(out, top):
+            found = module
+    if found is blocks[-1]:
+        found = None  # no final norm: the top state is the last block's output
+    _FINAL_NORMS[model] = found
+    return found
 
 
 def layer_module(model, layer: int, n_layers: int | None = None) -> nn.Module:

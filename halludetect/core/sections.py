@@ -21,5 +21,7 @@ Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 LearningRate = Annotated[float, Field(gt=0)]
 DropoutRate = Annotated[float, Field(ge=0, lt=1)]  # 1 would zero every feature
 Decay = Annotated[float, Field(ge=0)]
-# Which P_sem of clusters.parquet: length-normalised (mean), summed (sum) or the cluster count share.
-PSemVariant = Literal["mean", "sum", "count"]
+# Which P_sem of clusters.parquet: sum (the paper's formula: each answer's likelihood P(A|q), the
+# product of its token probabilities), mean (length-normalised: exp(mean token log-prob)) or count
+# (cluster size / K, the HaMI code's).
+PSemVariant = Literal["sum", "mean", "count"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from halludetect.activations.bags import Bags
-from halludetect.detectors.pooling import POOLINGS, segment_softmax, segment_sum, topk_mean
+from halludetect.detectors.pooling import POOLINGS, segment_softmax, segment_sum, topk_mean, topk_sigmoid_logit
 
 
 class Dropout(nn.Module):
@@ -45,18 +45,26 @@ class Dropout(nn.Module):
         return f"p={self.p}"
 
 
+BAG_SCORES = ("logits", "sigmoid")
+
+
 class HaMI(nn.Module):
     """Token MLP Linear(d, D)-BN-ReLU-Dropout-Linear(D, 1) (the HaMI code's network, without
     its final sigmoid: the bag logit is the top-k mean of token logits, the paper's Z_B).
 
     `lam` > 0 is HaMI (SP): each token state is scaled by (1 + lam * P_sem) of its response.
     Batch norm sees real tokens only, because it runs on the packed rows.
+    `bag_score="sigmoid"` scores a bag as the HaMI code does, by the top-k mean of the tokens'
+    sigmoid scores; the bag logit is then logit(that mean), so that sigmoid(z) is the HaMI code's
+    score and z ranks bags as it does. The top-k set is the same either way (sigmoid is monotone).
     """
 
-    def __init__(self, d: int, dim: int, dropout: float, k_ratio: float, lam: float = 0.0):
+    def __init__(self, d: int, dim: int, dropout: float, k_ratio: float, lam: float = 0.0, bag_score: str = "logits"):
         super().__init__()
+        if bag_score not in BAG_SCORES:
+            raise ValueError(f"unknown bag_score '{bag_score}'; choose from {BAG_SCORES}")
         self.net = nn.Sequential(nn.Linear(d, dim), nn.BatchNorm1d(dim), nn.ReLU(), Dropout(dropout), nn.Linear(dim, 1))
-        self.k_ratio, self.lam = k_ratio, lam
+        self.k_ratio, self.lam, self.bag_score = k_ratio, lam, bag_score
 
     def token_logits(self, bags: Bags) -> torch.Tensor:
         """[N] one logit per real token."""
@@ -69,6 +77,8 @@ class HaMI(nn.Module):
 
     def forward(self, bags: Bags) -> torch.Tensor:
         s = bags.pad(self.token_logits(bags))  # [B, T]
+        if self.bag_score == "sigmoid":
+            return topk_sigmoid_logit(s, bags.mask, self.k_ratio)
         return topk_mean(s, bags.mask, self.k_ratio)
 
 

@@ -10,6 +10,7 @@ token scores to [B, T] and masks: whatever a padded position holds never reaches
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as nn_functional
 
 from halludetect.activations.bags import Bags
 
@@ -74,6 +75,19 @@ def topk_mean(s: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor
     top = torch.topk(s.masked_fill(~mask, float("-inf")), int(k.max()), dim=1).values  # [B, kmax]
     keep = torch.arange(top.shape[1], device=s.device)[None, :] < k[:, None]  # [B, kmax]
     return torch.where(keep, top, 0).sum(1) / k.to(s.dtype)
+
+
+def topk_sigmoid_logit(s: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    """s [B, T] token logits, mask [B, T] -> [B]: logit(m), m the mean of sigmoid(s) over each bag's
+    top-k tokens (the HaMI code's bag score), computed in log space so that it stays finite where
+    m rounds to 0 or 1: log m - log(1 - m) = logsumexp_top log sigmoid(s) - logsumexp_top log sigmoid(-s)."""
+    k = topk_count(mask.sum(1), ratio)  # [B]
+    top = torch.topk(s.masked_fill(~mask, float("-inf")), int(k.max()), dim=1).values  # [B, kmax]
+    keep = torch.arange(top.shape[1], device=s.device)[None, :] < k[:, None]  # [B, kmax]
+    safe = torch.where(keep, top, 0)  # padded ranks out of the logsumexp below, and no inf in the graph
+    up = torch.where(keep, nn_functional.logsigmoid(safe), float("-inf")).logsumexp(1)  # log(k m)
+    down = torch.where(keep, nn_functional.logsigmoid(-safe), float("-inf")).logsumexp(1)  # log(k (1 - m))
+    return up - down
 
 
 POOLINGS = {"mean": segment_mean, "max": segment_max}

@@ -10,13 +10,27 @@ Losses:
             hallucinated as correct bags, pairs them in order, and minimises
             mean_i (1 - topk_mean(s_hal_i)^2 + topk_mean(s_ok_i)^2)
             + w * sum over bags longer than `smooth_min_len` of sum_t (s_t - s_t+1)^2 / pairs.
+
+Recipes (`train.recipe`): `paper` is the protocol the paper states (Adam at the method's fixed
+learning rate, every batch of a shuffled pass). `authors` adds what the authors' training code
+(github.com/FUJI1229/Hallucination_Detection, Detection/) does beyond it: a weight of 0.3 on the
+hallucinated class in the logistic loss, ReduceLROnPlateau on the validation loss (factor 0.5,
+patience 3, min lr 1e-7, stepped after every epoch) and dropping the last partial batch. That
+code trains the embedding-based detectors with the logistic loss; HaMI's paired MIL loss is the
+HaMI code's own loop (balanced pairs, no partial batch), which the recipe leaves as it is.
+
+Per epoch, beside the loss and the validation AUROC, `curves.json` holds the margins mean(y z)
+of the training and validation sets in eval mode (epoch_margins): the paper's Theorem 1 says
+training expands them. The weights of the last epoch are scored too (the paper's margin table
+is read after its 100 epochs; the AUROC tables at the best validation epoch).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +41,72 @@ from torch import nn
 from halludetect.activations.bags import Bags
 from halludetect.core import numerics
 from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
+from halludetect.core.errors import DataError
 from halludetect.detectors.build import build_detector, origin_meta, save_detector
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.inference import score
 from halludetect.detectors.pooling import topk_mean
 from halludetect.methods import method as lookup_method
-from halludetect.metrics import auroc, split_metrics
+from halludetect.metrics import auroc, margin, mean_se, split_metrics
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a training loop adds to the paper's protocol, for the logistic loss (module docstring)."""
+
+    name: str
+    pos_weight: float | None = None  # weight of the hallucinated class (y = 1) in the logistic loss
+    plateau: dict | None = None  # ReduceLROnPlateau(mode="min", **plateau) on the validation loss
+    drop_last: bool = False  # drop the last partial batch of every epoch
+
+
+RECIPES = {
+    "paper": Recipe("paper"),
+    "authors": Recipe(
+        "authors", pos_weight=0.3, plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7}, drop_last=True
+    ),
+}
+
+
+def check_recipe(recipe: str | Recipe, method_params, n_train: int, batch_size: int) -> None:
+    """A recipe that drops the last partial batch trains nothing on fewer bags than one batch:
+    refused before any training (the MIL loss draws full batches of pairs and is not affected)."""
+    rec = recipe_of(recipe)
+    if rec.drop_last and getattr(method_params, "loss", "logistic") != "mil" and n_train < batch_size:
+        raise DataError(
+            f"train.recipe '{rec.name}' drops the last partial batch, and the training split has {n_train} "
+            f"responses, fewer than train.batch_size {batch_size}: no step would run; lower train.batch_size "
+            "or use train.recipe: paper"
+        )
+
+
+def recipe_of(recipe: str | Recipe) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown training recipe '{recipe}'; choose from {sorted(RECIPES)}")
+    return RECIPES[recipe]
+
+
+def logistic_loss(z: torch.Tensor, y: torch.Tensor, pos_weight: float | None = None) -> torch.Tensor:
+    """Mean over bags of log(1 + exp(-y z)), y in {-1, 1} (BCE with logits on y in {0, 1}), the
+    hallucinated bags' terms weighted by `pos_weight` when given (the authors' 0.3)."""
+    weight = None if pos_weight is None else torch.tensor([pos_weight], dtype=z.dtype, device=z.device)
+    return nn.functional.binary_cross_entropy_with_logits(z, y, pos_weight=weight)
+
+
+def epoch_batches(n: int, batch_size: int, gen: torch.Generator, drop_last: bool) -> list[torch.Tensor]:
+    """One shuffled pass over n bags in batches; with drop_last the last partial batch is left out."""
+    perm = torch.randperm(n, generator=gen)
+    if drop_last:
+        perm = perm[: n - n % batch_size]
+    return list(perm.split(batch_size))
+
+
+def epoch_margins(train_y: np.ndarray, train_z: np.ndarray, val_y: np.ndarray, val_z: np.ndarray) -> dict:
+    """The margins mean(y z), y in {-1, 1}, of the training and validation sets after an epoch
+    (eval mode): the quantity the paper's Theorem 1 says logistic-loss updates expand."""
+    return {"train_margin": margin(train_y, train_z), "val_margin": margin(val_y, val_z)}
 
 
 def hami_mil_loss(model: nn.Module, bags: Bags, y: torch.Tensor, params) -> torch.Tensor:
@@ -78,7 +152,8 @@ class TrainResult:
     state_dict: dict[str, torch.Tensor]
     best_epoch: int  # 1-based
     best_val_auroc: float
-    curve: list[dict]  # per epoch: epoch, train_loss, val_auroc
+    curve: list[dict]  # per epoch: epoch, train_loss, val_auroc, lr, train_margin, val_margin (+ val_loss)
+    last_state_dict: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights after the last epoch
 
 
 def train_detector(
@@ -91,15 +166,18 @@ def train_detector(
     batch_size: int,
     seed: int,
     device: str = "cpu",
+    recipe: str | Recipe = "paper",
 ) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
-    best epoch by validation AUROC. Deterministic for a seed on a given device. A method fitted
+    best epoch by validation AUROC; `recipe` adds the authors' code's extras to the logistic
+    loss (module docstring). Deterministic for a seed on a given device. A method fitted
     otherwise (`Method.fit`: a closed-form probe, an unsupervised score) goes to fitting.py."""
     if lookup_method(method).fit != "sgd":
         from halludetect.detectors.fitting import fit_detector
 
         state, val_auroc, info = fit_detector(method, method_params, train, val, device)
-        return TrainResult(state, 1, val_auroc, [info])
+        return TrainResult(state, 1, val_auroc, [info], last_state_dict=state)  # one fit: the last is the best
+    rec = recipe_of(recipe)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     train, val = train.to(device), val.to(device)
@@ -107,28 +185,41 @@ def train_detector(
     opt = torch.optim.Adam(model.parameters(), lr=method_params.lr, weight_decay=method_params.weight_decay)
     mil = getattr(method_params, "loss", "logistic") == "mil"
     sampler = PairedSampler(train.y.cpu(), batch_size, gen) if mil else None
-    # log(1 + exp(-y z)) with y in {-1, 1} equals BCE-with-logits with y in {0, 1}.
-    bce = nn.BCEWithLogitsLoss()
+    # The recipe's extras belong to the logistic-loss loop; the MIL loss keeps the HaMI code's.
+    pos_weight = None if mil else rec.pos_weight
+    drop_last = rec.drop_last and not mil
+    check_recipe(rec, method_params, len(train), batch_size)
+    plateau = None
+    if rec.plateau and not mil:
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", **rec.plateau)
     best = TrainResult({}, 0, -1.0, [])
-    val_y = val.y.cpu().numpy()
+    val_y, train_y = val.y.cpu().numpy(), train.y.cpu().numpy()
     for epoch in range(1, epochs + 1):
+        lr = opt.param_groups[0]["lr"]
         model.train()
         total, n = 0.0, 0
-        steps = sampler.epoch() if mil else torch.randperm(len(train), generator=gen).split(batch_size)
+        steps = sampler.epoch() if mil else epoch_batches(len(train), batch_size, gen, drop_last)
         for batch in steps:
             batch = batch.to(device)
             bags, y = train.bags(batch), train.y[batch]
-            loss = hami_mil_loss(model, bags, y, method_params) if mil else bce(model(bags), y)
+            loss = hami_mil_loss(model, bags, y, method_params) if mil else logistic_loss(model(bags), y, pos_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += loss.item() * len(batch)
             n += len(batch)
-        val_auroc = float(auroc(val_y, score(model, val)))
-        best.curve.append({"epoch": epoch, "train_loss": total / n, "val_auroc": val_auroc})
+        val_z = score(model, val)
+        val_auroc = float(auroc(val_y, val_z))
+        row = {"epoch": epoch, "train_loss": total / n, "val_auroc": val_auroc, "lr": lr}
+        row |= epoch_margins(train_y, score(model, train), val_y, val_z)
+        if plateau is not None:  # the authors' code steps it on the validation loss, every epoch
+            row["val_loss"] = float(logistic_loss(torch.from_numpy(val_z), val.y.cpu(), pos_weight))
+            plateau.step(row["val_loss"])
+        best.curve.append(row)
         if val_auroc > best.best_val_auroc:
             best.best_val_auroc, best.best_epoch = val_auroc, epoch
             best.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    best.last_state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return best
 
 
@@ -138,6 +229,8 @@ class SeedResult:
     seed: int
     result: TrainResult
     scores: dict[str, np.ndarray]  # split -> [B] logits of the best epoch's weights, in the split's order
+    last_scores: dict[str, np.ndarray] = field(default_factory=dict)  # the same for the last epoch's weights
+    seconds: float = 0.0  # wall time of this seed's training (its epochs, with their evaluations)
 
 
 _JOB: dict = {}  # what forked workers read: set before the pool starts, inherited copy-on-write
@@ -146,6 +239,7 @@ _JOB: dict = {}  # what forked workers read: set before the pool starts, inherit
 def _train_one(seed: int) -> SeedResult:
     job = _JOB
     with numerics.fixed_threads(1):  # a seed's numbers never depend on how many run beside it
+        t0 = time.perf_counter()
         res = train_detector(
             job["method"],
             job["params"],
@@ -155,11 +249,15 @@ def _train_one(seed: int) -> SeedResult:
             batch_size=job["batch_size"],
             seed=seed,
             device=job["device"],
+            recipe=job["recipe"],
         )
+        seconds = time.perf_counter() - t0
         model = build_detector(job["method"], job["train"].tokens.shape[-1], job["params"])
-        model.load_state_dict(res.state_dict)
-        scores = {split: score(model, data) for split, data in job["score"].items()}
-    return SeedResult(seed, res, scores)
+        scores = {}
+        for which, state in (("best", res.state_dict), ("last", res.last_state_dict)):
+            model.load_state_dict(state)
+            scores[which] = {split: score(model, data) for split, data in job["score"].items()}
+    return SeedResult(seed, res, scores["best"], scores["last"], seconds)
 
 
 def train_seeds(
@@ -174,6 +272,7 @@ def train_seeds(
     batch_size: int,
     device: str = "cpu",
     workers: int | None = None,
+    recipe: str | Recipe = "paper",
 ) -> list[SeedResult]:
     """`train_detector` for every seed, then each seed's best weights scored on `score_splits`.
 
@@ -192,6 +291,7 @@ def train_seeds(
         epochs=epochs,
         batch_size=batch_size,
         device=device,
+        recipe=recipe,
     )
     try:
         n = min(len(seeds), workers or len(seeds))
@@ -247,7 +347,8 @@ def layer_metrics(
     splits: dict[str, SplitData], results: list, *, n_train: int, excluded: dict, method: str | None = None
 ) -> dict:
     """A layer's figures: val and test metrics over seeds (no bootstrap: that is for the chosen
-    layer only), each seed's best epoch, and what was left out."""
+    layer only), each seed's best epoch, the last epoch's AUROC and margin, the margins by epoch,
+    and what was left out."""
     out = {
         "seeds": [r.seed for r in results],
         "n_train": n_train,
@@ -257,7 +358,44 @@ def layer_metrics(
     logits = lookup_method(method).logits if method else True
     for split, data in splits.items():
         out[split] = split_metrics(data.y.numpy(), [r.scores[split] for r in results], logits=logits)
+    out |= epoch_figures(splits, results, logits=logits)
     return out
+
+
+def epoch_figures(splits: dict[str, SplitData], results: list, logits: bool = True) -> dict:
+    """What the paper reads after its last epoch and what training did epoch by epoch:
+    `last_epoch` (AUROC and margin of the last epoch's weights per split, over seeds; the paper's
+    margin table is this, after 100 epochs) and `margin_by_epoch` (train and val margins, mean
+    over seeds, one value per epoch: Theorem 1's expansion). A method fitted in one step (SEP,
+    EigenScore) has one epoch and no per-epoch margins; a score that is no logit has no margin."""
+    last = {"epoch": len(results[0].result.curve)}
+    for split, data in splits.items():
+        y = data.y.numpy()
+        last[split] = {
+            "auroc": mean_se([auroc(y, r.last_scores[split]) for r in results]),
+            "margin": mean_se([margin(y, r.last_scores[split]) for r in results]) if logits else None,
+        }
+    rows = [row for r in results for row in r.result.curve]
+    if not logits or not all("train_margin" in row for row in rows):
+        return {"last_epoch": last}
+    by_epoch = {
+        key: np.mean([[row[f"{key}_margin"] for row in r.result.curve] for r in results], axis=0).tolist()
+        for key in ("train", "val")
+    }
+    return {"last_epoch": last, "margin_by_epoch": by_epoch}
+
+
+def training_time(results: list, wall_seconds: float, workers: int, device: str) -> dict:
+    """How long a layer's training took: each seed's own wall time, and all seeds' together."""
+    return {
+        "seconds_per_seed": {str(r.seed): r.seconds for r in results},
+        "mean_seconds_per_seed": float(np.mean([r.seconds for r in results])),
+        "wall_seconds": wall_seconds,
+        "parallel_workers": workers,
+        "device": device,
+        "what": "wall time of each seed's epochs with their per-epoch evaluations (seeds run side by side in "
+        "parallel_workers processes on the CPU, so a seed's time includes sharing the cores), and of all seeds",
+    }
 
 
 def train_layer(
@@ -273,11 +411,18 @@ def train_layer(
     out_dir: Path,
     scores_path: Path,
     metrics_path: Path,
+    timing_path: Path | None = None,
+    recipe: str = "paper",
     log=print,
 ) -> list[SeedResult]:
     """Train every seed on one layer's train split (best epoch on val), then write the layer's
-    three outputs: `out_dir/seed_<S>.safetensors` (+ curves.json, summary.json), the val/test
-    scores of every seed (Parquet), and the layer's figures (JSON). Each is written atomically."""
+    outputs: `out_dir/seed_<S>.safetensors` (+ curves.json, summary.json), the val/test scores of
+    every seed (Parquet), the layer's figures (JSON) and, to `timing_path`, its training time
+    (JSON: wall times differ on every run, so they are kept apart from the figures, which give
+    the same bytes on every run, as the clustering keeps its times apart). Each is written
+    atomically."""
+    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any worker starts
+    t0 = time.perf_counter()
     results = train_seeds(
         method,
         method_params,
@@ -288,7 +433,9 @@ def train_layer(
         epochs=epochs,
         batch_size=batch_size,
         device=device,
+        recipe=recipe,
     )
+    wall = time.perf_counter() - t0
     curves, summary = {}, {}
     with atomic_path(out_dir, is_dir=True) as tmp:
         for r in results:
@@ -303,6 +450,7 @@ def train_layer(
                     "d": int(data["train"].tokens.shape[-1]),
                     "params": method_params.model_dump(),
                     **({"origin": o} if (o := origin_meta(method)) else {}),
+                    "recipe": recipe,
                 },
             )
             curves[f"seed_{r.seed}"] = r.result.curve
@@ -320,6 +468,7 @@ def train_layer(
         {
             "method": method,
             "layer": layer,
+            "train": {"recipe": recipe, "epochs": epochs, "batch_size": batch_size},
             **layer_metrics(
                 scored,
                 results,
@@ -329,4 +478,7 @@ def train_layer(
             ),
         },
     )
+    if timing_path is not None:
+        workers = 1 if device != "cpu" else len(seeds)
+        write_json(timing_path, training_time(results, wall, workers, device))
     return results

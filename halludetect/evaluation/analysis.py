@@ -9,7 +9,13 @@ Which scaling is analysed:
            value all the paper's sensitivity tables use) and `analyze.hami_p_sem`.
 
 Outputs: per-response rows (p_sem, Z(0), Z(p_B), C_B, C_B^int, the exact value) and, per layer
-and split, per-seed class expectations with their mean over seeds.
+and split, per-seed class expectations with their mean over seeds, the margin without and with the
+scaling (measured, and predicted from C_B^int), and a check of the path identity
+Z(p_B) = Z(0) - p_B C_B^int against a tolerance (analyze.path_tolerance, in logits).
+
+Which top-k set: C_B is the derivative at p = 0, so its top-k tokens are those of the unscaled
+logits; C_B^int re-ranks the top-k at every step of the path, from the unscaled logits (p = 0) to
+the scaled ones (p = p_B) that HaMI (SP) scores with.
 """
 
 from __future__ import annotations
@@ -23,14 +29,41 @@ from halludetect.evaluation.plot_data import class_histogram_data
 from halludetect.evaluation.sensitivity import bag_sensitivity, class_expectations, margin_change, ratios
 
 VARIANTS = ("c0", "c_int")  # C_B at p = 0, and the path-integrated C_B^int
+MARGIN_KEYS = ("unscaled", "scaled", "change", "change_from_c_int", "change_from_c0")
+
+
+def path_identity(s, steps: int, tolerance: float) -> dict:
+    """How far the path-integrated sensitivities are from the exact change: the identity
+    Z(p_B) = Z(0) - p_B C_B^int holds exactly for the integral, so its gap on a bag is the
+    discretisation error of N steps (largest where the active or top-k set changes often)."""
+    scaled = s.p > 0
+    gap = np.abs(s.c_int - s.c_exact)[scaled]
+    identity = np.abs(s.z_p - (s.z0 - s.p * s.c_int))  # [B] in logits
+    worst = float(identity.max()) if identity.size else 0.0
+    return {
+        "steps": steps,
+        "max_abs_c_int_minus_exact": float(gap.max()) if gap.size else None,
+        "mean_abs_c_int_minus_exact": float(gap.mean()) if gap.size else None,
+        "max_abs_identity_gap": worst,
+        "tolerance": tolerance,
+        "within_tolerance": bool(worst <= tolerance),
+        "bags_over_tolerance": int((identity > tolerance).sum()),
+        "bags_with_p_zero": int((~scaled).sum()),
+    }
 
 
 def analyze_split(
-    models: dict[int, torch.nn.Module], data: SplitData, lam: float, steps: int, batch_size: int = 1024
+    models: dict[int, torch.nn.Module],
+    data: SplitData,
+    lam: float,
+    steps: int,
+    batch_size: int = 1024,
+    tolerance: float = 0.01,
 ) -> tuple[pl.DataFrame, dict]:
     """Every seed's sensitivities on one split of one layer: (per-response rows, summary).
 
-    models: seed -> trained HaMI network; data: the split with P_sem of every bag.
+    models: seed -> trained HaMI network; data: the split with P_sem of every bag; tolerance: the
+    largest gap of the path identity, in logits, that passes without a warning.
     """
     if data.p_sem is None:
         raise ValueError("the analysis needs P_sem of every response (SplitData.p_sem)")
@@ -46,18 +79,11 @@ def analyze_split(
             for a in range(0, len(data), batch_size)
         ]
         s = type(parts[0])(*(np.concatenate([getattr(p, f) for p in parts]) for f in parts[0].__dataclass_fields__))
-        scaled = s.p > 0
-        gap = np.abs(s.c_int - s.c_exact)[scaled]
         per_seed[str(seed)] = {
             "c0": class_expectations(p_sem, s.c0, y),
             "c_int": class_expectations(p_sem, s.c_int, y),
             "margin": margin_change(s, y),
-            "path_check": {
-                "steps": steps,
-                "max_abs_c_int_minus_exact": float(gap.max()) if gap.size else None,
-                "mean_abs_c_int_minus_exact": float(gap.mean()) if gap.size else None,
-                "bags_with_p_zero": int((~scaled).sum()),
-            },
+            "path_check": path_identity(s, steps, tolerance),
             "positive_c_int_share": float(np.mean(s.c_int > 0)),
         }
         frames.append(
@@ -77,11 +103,18 @@ def analyze_split(
                 }
             )
         )
+    checks = [r["path_check"] for r in per_seed.values()]
     summary = {
         "n": len(data),
         "n_hallucinated": int(y.sum()),
         "per_seed": per_seed,
         "mean": {v: mean_over_seeds([r[v] for r in per_seed.values()]) for v in VARIANTS},
+        "margin": {k: float(np.mean([r["margin"][k] for r in per_seed.values()])) for k in MARGIN_KEYS},
+        "path_check": {
+            "max_abs_identity_gap": max(c["max_abs_identity_gap"] for c in checks),
+            "tolerance": tolerance,
+            "within_tolerance": all(c["within_tolerance"] for c in checks),
+        },
     }
     return pl.concat(frames), summary
 

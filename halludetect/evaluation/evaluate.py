@@ -185,11 +185,18 @@ def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, lis
 
 
 def evaluate_detector(
-    per_layer: dict[int, dict], scores_dir: Path, seeds: list[int], *, bootstrap: int, seed: int, logits: bool = True
+    per_layer: dict[int, dict],
+    scores_dir: Path,
+    seeds: list[int],
+    *,
+    bootstrap: int,
+    seed: int,
+    logits: bool = True,
+    timing: dict[int, dict] | None = None,
 ) -> dict:
     """The method's figures: every layer's val/test AUROC (the plot), the layer chosen on
     validation, and its full val/test metrics from its scores (the test AUROC with a bootstrap
-    interval)."""
+    interval); with every layer's training time (`timing`), the method's."""
     counts = {layer: (m["val"]["n"], m["test"]["n"]) for layer, m in per_layer.items()}
     if len(set(counts.values())) > 1:
         raise DataError(
@@ -216,6 +223,7 @@ def evaluate_detector(
         "val": figures["val"],
         "test": figures["test"],
         "excluded": per_layer[best]["excluded"],
+        **training_figures(per_layer, best, timing),
         "layers": [
             {
                 "layer": layer,
@@ -227,6 +235,25 @@ def evaluate_detector(
             for layer, m in sorted(per_layer.items())
         ],
     }
+
+
+def training_figures(per_layer: dict[int, dict], best: int, timing: dict[int, dict] | None = None) -> dict:
+    """What training did at the best layer (layer files written before these keys existed give
+    none): the recipe, the last epoch's AUROC and margin (the paper reads its margins after the
+    last epoch, its AUROCs at the best), the margins by epoch, and, given every layer's training
+    time, the best layer's, also summed over every layer (one seed's epochs per layer, as the
+    paper's appendix totals it)."""
+    m = per_layer[best]
+    out = {k: m[k] for k in ("train", "last_epoch", "margin_by_epoch") if k in m}
+    if timing and set(timing) >= set(per_layer):
+        out["training_time"] = {
+            **timing[best],
+            "layer": best,
+            "all_layers_mean_seconds_per_seed": float(sum(timing[k]["mean_seconds_per_seed"] for k in per_layer)),
+            "all_layers_wall_seconds": float(sum(timing[k]["wall_seconds"] for k in per_layer)),
+            "layers": len(per_layer),
+        }
+    return out
 
 
 def detector_throughput(models: list, test: SplitData, layer_file: Path, repeats: int, device: str = "cpu") -> dict:

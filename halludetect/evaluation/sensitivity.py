@@ -277,7 +277,8 @@ def ratios(neg: dict, pos: dict) -> dict:
 
 def margin_change(sens: BagSensitivity, y: np.ndarray) -> dict:
     """The margin mean(y Z), y in {-1, 1}, without and with the scaling, measured from the
-    logits, beside its prediction from the path-integrated sensitivities."""
+    logits, beside its predictions: from the path-integrated sensitivities (exact up to the
+    discretisation) and from C_B at p = 0 (first order, the paper's invariant-active-set form)."""
     sign = 2 * np.asarray(y, dtype=np.float64) - 1
     unscaled, scaled = float(np.mean(sign * sens.z0)), float(np.mean(sign * sens.z_p))
     return {
@@ -285,4 +286,5 @@ def margin_change(sens: BagSensitivity, y: np.ndarray) -> dict:
         "scaled": scaled,
         "change": scaled - unscaled,
         "change_from_c_int": float(np.mean(-sign * sens.p * sens.c_int)),
+        "change_from_c0": float(np.mean(-sign * sens.p * sens.c0)),
     }

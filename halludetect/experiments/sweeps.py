@@ -9,8 +9,9 @@ Rows are the parameter's values, columns the grid cells (model / dataset), each 
 test metric (mean ± standard error over seeds, at the layer chosen on validation) read from that
 experiment's `metrics/eval/<model>/<dataset>/<method>.json`. The committed baseline counts as a
 sweep point too. For `detectors.max.dim` the paper's published figure stands beside ours (its D
-tables). Nothing here tracks experiments: `dvc exp show`, `dvc exp push`/`pull` and
-`dvc exp remove` manage them; this only reads them.
+tables); for `detectors.mean.dim` its mean-pooling figure at D = 256 (it sweeps D for max only).
+Nothing here tracks experiments: `dvc exp show`, `dvc exp push`/`pull` and `dvc exp remove`
+manage them; this only reads them.
 
 Every experiment of the parameter is in the table: one that failed is a row marked `failed`,
 with the first line of its error from the queue's log in the notes (`dvc queue logs NAME` has

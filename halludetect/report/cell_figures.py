@@ -2,7 +2,7 @@
 
 Reads each detector's evaluate metrics (its best layer, chosen on validation), train's
 per-response test scores at that layer (checked: its seeds are train.seeds), the baselines'
-scores on the same test responses, and the labelled answers' lengths and P_sem; draws the four
+scores on the same test responses, and the labelled answers' lengths and P_sem; draws the five
 PNGs of figures.py and writes their data as DVC plots. (The sensitivity distributions of the
 analysed HaMI detectors are the analyze stage's.)
 """
@@ -112,13 +112,27 @@ def draw_cell(
     figures.save_png(
         figures.class_panels(
             response_panels,
-            f"Answer length and P_sem by class, {cell}",
+            f"Answer length and P_sem ({baselines.p_sem}: baselines.p_sem) by class, {cell}",
             {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels},
             cols=2,
             discrete=tuple(k for k in response_panels if k.startswith("answer")),
         ),
         figs / "responses.png",
     )
+    # Margins after every epoch at the best layer (evaluate copies them from the layer's figures).
+    by_epoch = {m: e["margin_by_epoch"] for m, e in evals.items() if e.get("margin_by_epoch")}
+    if missing := [m for m in detectors if m not in by_epoch]:
+        raise DataError(f"{cell}: no margins by epoch in the evaluation of {missing}: re-run their train stages")
+    figures.save_png(
+        figures.margins_by_epoch(
+            by_epoch,
+            best,
+            f"Margins after every epoch at the best layer, mean over seeds, {cell}\n"
+            "(Theorem 1: training expands them; the paper: faster for max than mean)",
+        ),
+        figs / "margins_by_epoch.png",
+    )
+    figures.save_csv(figures.margins_by_epoch_data(by_epoch), plots / "epochs" / model / f"{dataset}.csv")
     figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / model / f"{dataset}.csv")
     figures.save_csv(figures.roc_data(curves), plots / "roc" / model / f"{dataset}.csv")
     for sub, data in (("scores", score_data), ("responses", response_data)):

@@ -7,6 +7,9 @@
   responses          answer length and P_sem by class, per split (the paper's appendix figures)
   sensitivity_<m>    C_B^int and P_sem C_B^int by class, per split, for an analysed HaMI detector
                      (drawn by the analyze stage)
+  margins_by_epoch   the train and validation margins mean(y z) after every epoch at each
+                     method's best layer, mean over seeds: the paper's Theorem 1 (training expands
+                     them) and its claim that max pooling expands them faster than mean pooling
 
 PNGs are drawn with matplotlib's object API on the Agg canvas (no display, no global pyplot
 state) and written atomically without the Software/date metadata, so the same data gives the same
@@ -174,6 +177,50 @@ def sensitivity(rows: pl.DataFrame, title: str) -> Figure:
         panels[f"C_B^int ({split})"] = (r["c_int"].to_numpy(), y)
         panels[f"P_sem C_B^int ({split})"] = ((r["p_sem"] * r["c_int"]).to_numpy(), y)
     return class_panels(panels, title, {k: k.split(" (")[0] for k in panels}, cols=2, counted="responses x seeds")
+
+
+# ------------------------------------------------------------------------- margins by epoch
+# Panels of methods whose logits share a scale (the paper compares margins within a family only).
+MARGIN_FAMILIES = (("embedding-based", ("mean", "max")), ("instance-based", ("hami", "hami_sp")))
+
+
+def margins_by_epoch_data(curves: dict[str, dict[str, list[float]]]) -> pl.DataFrame:
+    """{method: {"train": [...], "val": [...]}} (evaluate's margin_by_epoch) -> long frame:
+    epoch, series (method, split), margin."""
+    return pl.DataFrame(
+        [
+            {"epoch": i + 1, "series": f"{m} ({split})", "margin": v}
+            for m, by in curves.items()
+            for split, values in by.items()
+            for i, v in enumerate(values)
+        ],
+        schema={"epoch": pl.Int64, "series": pl.String, "margin": pl.Float64},
+    )
+
+
+def margins_by_epoch(curves: dict[str, dict[str, list[float]]], best: dict[str, int], title: str) -> Figure:
+    """One panel per family present, train margin solid and validation margin dashed per method."""
+    panels = [(name, [m for m in methods if m in curves]) for name, methods in MARGIN_FAMILIES]
+    panels = [(name, ms) for name, ms in panels if ms]
+    if not panels:  # the file is a declared output: say why it is empty
+        fig = Figure(figsize=(6, 2), layout="constrained")
+        fig.subplots().text(0.5, 0.5, "no mean, max, hami or hami_sp in the grid", ha="center", va="center")
+        fig.suptitle(title)
+        return fig
+    fig, axes = _grid(len(panels), 2, size=(5.2, 3.8))
+    colors = dict(zip([m for _, ms in panels for m in ms], _palette(sum(len(ms) for _, ms in panels))))
+    for ax, (name, methods) in zip(axes, panels):
+        for m in methods:
+            for split, ls in (("train", "-"), ("val", "--")):
+                y = curves[m][split]
+                label = f"{m} (layer {best[m]}), {split}: {y[0]:.2f} → {y[-1]:.2f}"
+                ax.plot(range(1, len(y) + 1), y, ls=ls, lw=1.5, color=colors[m], label=label)
+        ax.set(title=name, xlabel="epoch", ylabel="margin mean(y z), logit space")
+        ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return fig
 
 
 def _palette(n: int) -> list:

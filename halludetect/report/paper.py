@@ -382,3 +382,12 @@ EXPECTED = {
         },
     ),
 }
+
+# The range of 1/gamma the paper's text quotes over all its cells: for C_B^int (appendix "Summary of
+# Expected Values via Path Integration") and for C_B ("Summary of Expected Values"). Its tables
+# reach 0.35 (C_B^int, LLaMA-3.1-8B SQuAD train): the report prints both.
+INV_GAMMA_QUOTED = {"c_int": ("0.37", "0.52"), "c0": ("0.37", "0.50")}
+
+# Total training time the appendix gives per model (one A100, excluding generation and labelling),
+# in seconds; it does not break it down by method or layer.
+TRAINING_SECONDS = {"llama3.1-8b": "140", "mistral-nemo-12b": "155", "llama3.3-70b": "220"}

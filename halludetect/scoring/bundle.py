@@ -17,7 +17,10 @@ One safetensors file:
                                    sha256 of every file of a local model (its manifest),
                                    hidden_size, num_hidden_layers, the full preset
       inputs                       positions convention, prompt template text and hash,
-                                   chat_template flag, the dtype the states were stored in
+                                   chat_template flag, the dtype the states were stored in;
+                                   for a method that reads P_sem (hami_sp), `p_sem`: the
+                                   variant, lam, K answers per question and the clustering
+                                   (equivalence rule, NLI backend) its P_sem came from
       seeds, combine               "mean_logit": the score is the mean of the seeds' logits
       thresholds, default_threshold  chosen on validation: at target false-positive rates
                                    (`fpr_0.05`, ...) and at the best F1 (`best_f1`)
@@ -486,6 +489,44 @@ def check_scores_match_metrics(scores: pl.DataFrame, metrics: dict, layer: int, 
         )
 
 
+def p_sem_inputs(method: str, params: dict, given: dict | None) -> dict:
+    """{"p_sem": ...} for a method that reads P_sem: which variant and lam (its params), and how
+    many answers per question and which clustering made it (`given`); {} for the others."""
+    if method not in SP_METHODS:
+        return {}
+    if not given or "samples_per_question" not in given:
+        raise DataError(
+            f"'{method}' reads P_sem: its bundle must say how P_sem was made (K answers per question, "
+            "the clustering); pass p_sem_input"
+        )
+    return {"p_sem": {"variant": params["p_sem"], "lam": params["lam"], **given}}
+
+
+def p_sem_requirement(meta: dict) -> str | None:
+    """What a bundle's input rows need as p_sem, in words (None: the method reads none)."""
+    if meta.get("method") not in SP_METHODS:
+        return None
+    info = meta.get("inputs", {}).get("p_sem") or {}
+    variant = info.get("variant", meta.get("params", {}).get("p_sem", "?"))
+    k = info.get("samples_per_question")
+    how = {
+        "sum": "summed likelihoods P(A|q), the product of the token probabilities (the paper's formula)",
+        "mean": "length-normalised likelihoods exp(mean token log-prob)",
+        "count": "the cluster's share of the answers (the HaMI code's)",
+    }.get(variant, variant)
+    answers = f"K = {k} answers per question" if k else "K not recorded (re-export the bundle)"
+    clustering = (
+        f", clustered with the {info['equivalence']} equivalence rule ({info['backend']} NLI)"
+        if info.get("equivalence")
+        else ""
+    )
+    return (
+        f"each row's p_sem: its semantic cluster's probability over {answers}{clustering}, each answer "
+        f"weighted by its {how} (P_sem variant '{variant}'); the detector scales states by "
+        f"(1 + {info.get('lam', meta.get('params', {}).get('lam', '?'))} p_sem)"
+    )
+
+
 def export_bundle(
     out: str | Path,
     *,
@@ -498,10 +539,13 @@ def export_bundle(
     prompt_template: str,
     fpr_targets: list[float],
     default_threshold: str,
+    p_sem_input: dict | None = None,
 ) -> dict:
     """The bundle of an evaluated method's best layer, from the DAG's outputs:
     detectors `<detectors_dir>/layer_LL/seed_S.safetensors`, scores `<scores_dir>/layer_LL.parquet`
-    (val and test rows per seed), the evaluation metrics and the model manifest. Returns its metadata."""
+    (val and test rows per seed), the evaluation metrics and the model manifest; for a method that
+    reads P_sem, `p_sem_input` says how its P_sem was made (K answers per question, the
+    clustering; the variant and lam are added from the detector's params). Returns its metadata."""
     layer = int(metrics["best_layer"])
     seeds = [int(s) for s in metrics["seeds"]]
     weights, params, d = {}, None, None
@@ -558,6 +602,7 @@ def export_bundle(
             "prompt_hash": template_hash(prompt_template),
             "chat_template": bool(preset["chat_template"]),
             "states_dtype": states_dtype,
+            **p_sem_inputs(metrics["method"], params, p_sem_input),
         },
         "seeds": seeds,
         "combine": COMBINE,

@@ -61,6 +61,53 @@ def test_capture_equals_output_hidden_states_and_removes_hooks(tiny):
     assert hooks() == before  # removed on error too
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_the_top_layer_is_the_final_norm_found_from_the_architecture(arch):
+    """The top hidden state carries the final norm whatever it is called and wherever it is
+    registered (GPT-2's transformer.ln_f, OPT's decoder.final_layer_norm before its blocks,
+    Llama's model.norm): found by what the model computes, not by an attribute named `norm`."""
+    import transformers
+
+    torch.manual_seed(0)
+    config, cls = {
+        "gpt2": (dict(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32), "GPT2"),
+        "opt": (
+            dict(
+                num_hidden_layers=2,
+                hidden_size=16,
+                ffn_dim=32,
+                num_attention_heads=2,
+                vocab_size=50,
+                max_position_embeddings=32,
+                word_embed_proj_dim=16,
+            ),
+            "OPT",
+        ),
+        "llama": (
+            dict(
+                num_hidden_layers=2,
+                hidden_size=16,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=50,
+            ),
+            "Llama",
+        ),
+    }[arch]
+    model_cls = getattr(transformers, f"{cls}ForCausalLM" if arch != "gpt2" else "GPT2LMHeadModel")
+    conf = getattr(transformers, f"{cls}Config")(**config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = model_cls(conf).eval()
+    ids = torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states
+        with capture(model, [1, 2]) as store:
+            model(ids)
+    torch.testing.assert_close(store[1], ref[1])
+    torch.testing.assert_close(store[2], ref[2])  # block 2 + the final norm
+    assert not torch.allclose(ref[2], store[1])
+
+
 @pytest.mark.parametrize("positions", ["predicting", "generated"])
 def test_dump_equals_unbatched_forward(tiny, tmp_path, positions):
     model, tok = tiny

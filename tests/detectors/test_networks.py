@@ -118,3 +118,22 @@ def test_dropout_zeroes_a_p_share_scales_the_rest_and_is_seeded():
     assert torch.equal(drop.eval()(x), x)
     with pytest.raises(ValueError, match="not in"):
         Dropout(1.0)
+
+
+def test_hami_bag_score_sigmoid_is_the_hami_codes_top_k_mean_of_sigmoid_token_scores():
+    from halludetect.detectors.build import build_detector, params_for
+    from halludetect.detectors.pooling import topk_mean
+
+    bags = random_bags([3, 12, 1, 25])
+    logits = model("hami")
+    sig = build_detector("hami", D, params_for("hami", {"dim": 8, "bag_score": "sigmoid"}))
+    sig.load_state_dict(logits.state_dict())
+    sig.eval()
+    with torch.no_grad():
+        s = bags.pad(logits.token_logits(bags))  # [B, T]
+        torch.testing.assert_close(logits(bags), topk_mean(s, bags.mask, 0.1))  # the paper's Z_B
+        torch.testing.assert_close(torch.sigmoid(sig(bags)), topk_mean(torch.sigmoid(s), bags.mask, 0.1))
+    with pytest.raises(ValueError, match="bag_score"):
+        from halludetect.detectors.networks import HaMI
+
+        HaMI(D, 8, 0.0, 0.1, bag_score="softmax")

@@ -5,7 +5,7 @@ import torch
 from detector_support import random_bags
 
 from halludetect.activations.bags import Bags
-from halludetect.detectors.pooling import segment_max, segment_softmax, topk_count, topk_mean
+from halludetect.detectors.pooling import segment_max, segment_softmax, topk_count, topk_mean, topk_sigmoid_logit
 
 
 def test_segment_softmax_is_stable_for_large_scores():
@@ -37,3 +37,17 @@ def test_segment_max_gradient_matches_padded_max():
     u2 = bags.tokens.clone().requires_grad_(True)
     bags.pad(u2, float("-inf")).amax(1).pow(2).sum().backward()
     torch.testing.assert_close(u.grad, u2.grad)
+
+
+def test_topk_sigmoid_logit_is_the_logit_of_the_hami_codes_bag_score():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 4, 9, 20])
+    s = torch.randn(4, 20, generator=g) * 3
+    mask = torch.arange(20)[None, :] < lengths[:, None]
+    z = topk_sigmoid_logit(s.masked_fill(~mask, float("nan")), mask, 0.1)  # what padding holds never matters
+    torch.testing.assert_close(torch.sigmoid(z), topk_mean(torch.sigmoid(s), mask, 0.1))
+    # finite where the mean sigmoid rounds to 0 or 1 in float32, and still ordered
+    big = torch.tensor([[200.0, 300.0], [-300.0, -200.0], [30.0, 40.0]])
+    z = topk_sigmoid_logit(big, torch.ones_like(big, dtype=torch.bool), 0.5)
+    assert torch.isfinite(z).all() and z[0] > z[2] > 0 > z[1]
+    torch.testing.assert_close(z[0], torch.tensor(200.0 + torch.log(torch.tensor(2.0)).item()), atol=1e-3, rtol=0)

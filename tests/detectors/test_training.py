@@ -1,6 +1,7 @@
 """Training (halludetect/detectors/training.py) on synthetic bags: every method learns and is
-deterministic for a seed, the paired sampler balances the classes, and the MIL loss equals the
-HaMI code's bag by bag."""
+deterministic for a seed, the paired sampler balances the classes, the MIL loss equals the
+HaMI code's bag by bag, the authors' recipe changes the logistic loop and nothing else, and every
+epoch records the margins of its weights."""
 
 import pytest
 import torch
@@ -9,11 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import synthetic
 
-from halludetect.detectors.build import DETECTORS, params_for
+from halludetect.detectors.build import DETECTORS, build_detector, params_for
 from halludetect.detectors.data import split_data
-from halludetect.detectors.training import PairedSampler, hami_mil_loss, train_detector
+from halludetect.detectors.inference import score
+from halludetect.detectors.training import (
+    RECIPES,
+    PairedSampler,
+    Recipe,
+    epoch_batches,
+    hami_mil_loss,
+    logistic_loss,
+    train_detector,
+    train_layer,
+)
 from halludetect.methods import SP_METHODS
 from halludetect.methods.pooling import PoolingParams
+from halludetect.metrics import margin
 
 
 def test_max_pooling_learns_a_single_token_signal():
@@ -110,3 +122,141 @@ def test_mil_loss_equals_the_hami_code_bag_by_bag(lengths, seed):
     per_bag = [s[bags.bag_of_token == i] for i in range(len(lengths))]
     want = reference_hami_loss([b for b, c in zip(per_bag, y) if c == 0], [b for b, c in zip(per_bag, y) if c == 1])
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------------ recipes and margins
+def data_and_params():
+    layer, labels = synthetic()
+    train, val = split_data(layer, labels, "train"), split_data(layer, labels, "val")
+    return train, val
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+def test_authors_recipe_differs_from_the_paper_where_it_should_and_only_there():
+    """The authors' code's three extras act on the logistic loss only: HaMI's paired MIL loop (the
+    HaMI code's) trains to the same bytes under either recipe, max pooling does not; and each
+    extra alone changes the logistic training."""
+    train, val = data_and_params()
+    kw = {"epochs": 6, "batch_size": 32, "seed": 0}
+    hami = params_for("hami", FAST)
+    assert hami.loss == "mil"
+    a, b = (train_detector("hami", hami, train, val, recipe=r, **kw) for r in ("paper", "authors"))
+    assert same_weights(a.state_dict, b.state_dict) and same_weights(a.last_state_dict, b.last_state_dict)
+    assert a.curve == b.curve  # no validation loss, no schedule: the same curve keys too
+    # a learning rate high enough for the validation loss to rise, so that a schedule acts
+    mx = params_for("max", {"dim": 16, "lr": 0.5})
+    paper = train_detector("max", mx, train, val, recipe="paper", **kw)
+    assert "val_loss" not in paper.curve[0] and {c["lr"] for c in paper.curve} == {mx.lr}
+    for extra in (
+        Recipe("w", pos_weight=0.3),
+        Recipe("p", plateau={"factor": 0.5, "patience": 0, "min_lr": 1e-7}),
+        Recipe("d", drop_last=True),
+        "authors",
+    ):
+        other = train_detector("max", mx, train, val, recipe=extra, **kw)
+        assert not same_weights(paper.last_state_dict, other.last_state_dict), extra
+    # each extra alone leaves the others' parts of the loop as the paper's
+    w = train_detector("max", mx, train, val, recipe=Recipe("w", pos_weight=0.3), **kw)
+    assert {c["lr"] for c in w.curve} == {mx.lr} and "val_loss" not in w.curve[0]
+
+
+def test_the_plateau_schedule_halves_the_lr_when_the_validation_loss_stalls():
+    # the authors' code: ReduceLROnPlateau(mode="min", factor=0.5, patience=3, min_lr=1e-7), on the val loss
+    assert RECIPES["authors"] == Recipe(
+        "authors", pos_weight=0.3, plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7}, drop_last=True
+    )
+    train, val = data_and_params()
+    mx = params_for("max", {"dim": 16, "lr": 0.5})  # too high: the validation loss goes up and down
+    patience = 1
+    plateau = Recipe("p", plateau={"factor": 0.5, "patience": patience, "min_lr": 1e-7})
+    res = train_detector("max", mx, train, val, epochs=12, batch_size=32, seed=0, recipe=plateau)
+    lrs = [c["lr"] for c in res.curve]
+    assert lrs[0] == 0.5 and min(lrs) < 0.5
+    # the schedule's rule, replayed on the recorded validation losses (the lr of each epoch is the one it ran at)
+    best, bad, lr = float("inf"), 0, 0.5
+    for c in res.curve:
+        assert c["lr"] == pytest.approx(lr)
+        if c["val_loss"] < best * (1 - 1e-4):
+            best, bad = c["val_loss"], 0
+        else:
+            bad += 1
+            if bad > patience:
+                lr, bad = max(lr * 0.5, 1e-7), 0
+
+
+def test_drop_last_leaves_out_the_partial_batch_of_the_same_shuffle():
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    full = epoch_batches(70, 32, g1, drop_last=False)
+    dropped = epoch_batches(70, 32, g2, drop_last=True)
+    assert [len(b) for b in full] == [32, 32, 6] and [len(b) for b in dropped] == [32, 32]
+    assert torch.equal(torch.cat(dropped), torch.cat(full)[:64])
+
+
+@pytest.mark.hostile
+def test_authors_recipe_refuses_a_training_split_smaller_than_one_batch(tmp_path):
+    """drop_last would leave no step at all: one line naming train.batch_size, before training."""
+    from halludetect.core.errors import DataError
+
+    train, val = data_and_params()
+    big = {"epochs": 1, "batch_size": 10_000, "seed": 0, "recipe": "authors"}
+    with pytest.raises(DataError, match="fewer than train.batch_size 10000: no step would run"):
+        train_detector("max", params_for("max", FAST), train, val, **big)
+    layer, labels = synthetic()
+    data = {s: split_data(layer, labels, s) for s in ("train", "val", "test")}
+    with pytest.raises(DataError, match="train.recipe 'authors' drops the last partial batch"):
+        train_layer(
+            "max",
+            params_for("max", FAST),
+            data,
+            [0],
+            layer=0,
+            epochs=1,
+            batch_size=10_000,
+            device="cpu",
+            out_dir=tmp_path / "d",
+            scores_path=tmp_path / "s.parquet",
+            metrics_path=tmp_path / "m.json",
+            recipe="authors",
+        )
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+    # the MIL loss draws full batches of pairs: not refused
+    train_detector("hami", params_for("hami", FAST), train, val, **big)
+
+
+def test_the_positive_class_weight_scales_the_hallucinated_terms_only():
+    z = torch.tensor([2.0, -1.0, 0.5, -3.0])
+    y = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    soft = torch.nn.functional.softplus
+    want = (0.3 * soft(-z[:2])).sum() + soft(z[2:]).sum()
+    torch.testing.assert_close(logistic_loss(z, y, 0.3), want / 4)
+    torch.testing.assert_close(logistic_loss(z, y), (soft(-z[:2]).sum() + soft(z[2:]).sum()) / 4)
+
+
+def test_every_epoch_records_the_train_and_val_margins_of_its_weights():
+    train, val = data_and_params()
+    mx = params_for("max", FAST)
+    res = train_detector("max", mx, train, val, epochs=5, batch_size=32, seed=0)
+    model = build_detector("max", train.tokens.shape[-1], mx)
+    model.load_state_dict(res.last_state_dict)
+    assert res.curve[-1]["train_margin"] == pytest.approx(margin(train.y.numpy(), score(model, train)))
+    assert res.curve[-1]["val_margin"] == pytest.approx(margin(val.y.numpy(), score(model, val)))
+    model.load_state_dict(res.state_dict)
+    assert res.curve[res.best_epoch - 1]["val_margin"] == pytest.approx(margin(val.y.numpy(), score(model, val)))
+    # a logistic loss at the paper's rate: the training margin grows over the epochs (Theorem 1)
+    assert res.curve[-1]["train_margin"] > res.curve[0]["train_margin"]
+
+
+def test_the_sigmoid_bag_score_changes_hami_s_scores_and_its_logistic_training_not_its_mil_training():
+    train, val = data_and_params()
+    kw = {"epochs": 4, "batch_size": 32, "seed": 0}
+    for loss, same in (("mil", True), ("logistic", False)):
+        a, b = (
+            train_detector("hami", params_for("hami", FAST | {"loss": loss, "bag_score": bag}), train, val, **kw)
+            for bag in ("logits", "sigmoid")
+        )
+        # the MIL loss scores bags by its own sigmoid top-k mean whatever bag_score says
+        assert same_weights(a.last_state_dict, b.last_state_dict) is same, loss
+        assert [c["val_margin"] for c in a.curve] != [c["val_margin"] for c in b.curve]

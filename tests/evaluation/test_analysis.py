@@ -30,8 +30,8 @@ def clusters_for(labels: pl.DataFrame) -> pl.DataFrame:
     p = np.clip(np.where(labels["label"].to_numpy() == 1, 0.4, 0.9) + 0.1 * rng.normal(size=labels.height), 0.05, 1)
     return labels.select("question_id", "sample_index", "split").with_columns(
         pl.lit(True).alias("valid"),
-        pl.Series("p_sem_mean", p),
-        pl.lit(0.5).alias("p_sem_sum"),
+        pl.Series("p_sem_sum", p),  # the default variant, which the detectors are trained with
+        pl.lit(0.5).alias("p_sem_mean"),
         pl.lit(0.5).alias("p_sem_count"),
         *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum", "discrete")),
     )
@@ -47,7 +47,7 @@ def cell(tmp_path_factory):
     labels.write_parquet(root / "judgments.parquet")
     clusters.write_parquet(root / "clusters.parquet")
     p_sem = dict(
-        zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()], clusters["p_sem_mean"])
+        zip([f"{q}/{s}" for q, s in clusters.select("question_id", "sample_index").iter_rows()], clusters["p_sem_sum"])
     )
     params = HaMISPParams(dim=16, lr=1e-2)
     for index in (0, 1):  # as the per-layer train stage lays them out: layer_<L>/seed_<S>.safetensors
@@ -169,3 +169,28 @@ def test_mean_over_seeds_counts_the_condition(cell):
     assert holds == sum(s["c_int"]["condition_holds"] is True for s in summary["per_seed"].values())
     assert m["margin_widens_seeds"][1] == len(SEEDS)
     assert mean_over_seeds([summary["per_seed"]["0"]["c0"]])["gamma"] == summary["per_seed"]["0"]["c0"]["gamma"]
+
+
+def test_the_path_identity_is_checked_against_the_tolerance_and_the_margins_averaged(cell):
+    """Z(p_B) = Z(0) - p_B C_B^int holds up to the N steps' discretisation: few steps and a tight
+    tolerance give the warning's flag, many steps pass; the margin's change is averaged over seeds
+    with its predictions from C_B^int and from C_B."""
+    root, p_sem = cell
+    from halludetect.detectors.build import load_detector
+
+    labels = pl.read_parquet(root / "judgments.parquet")
+    data = split_data(
+        read_layer(root / "acts" / layer_filename(1), dtype=None, expect_layer=1), labels, "test", p_sem=p_sem
+    )
+    models = {s: load_detector(root / "dets" / "hami_sp" / "layer_1" / f"seed_{s}.safetensors")[0] for s in SEEDS}
+    rows, coarse = analyze_split(models, data, lam=1.0, steps=1, tolerance=1e-9)
+    identity = np.abs(rows["z_p"] - (rows["z0"] - rows["p"] * rows["c_int"])).max()
+    assert coarse["path_check"]["max_abs_identity_gap"] == pytest.approx(identity)
+    assert identity > 1e-9 and not coarse["path_check"]["within_tolerance"]
+    assert sum(s["path_check"]["bags_over_tolerance"] for s in coarse["per_seed"].values()) > 0
+    _, fine = analyze_split(models, data, lam=1.0, steps=400, tolerance=1e-2)
+    assert fine["path_check"]["within_tolerance"] and fine["path_check"]["tolerance"] == 1e-2
+    per_seed = [s["margin"] for s in fine["per_seed"].values()]
+    for key in ("change", "change_from_c_int", "change_from_c0"):
+        assert fine["margin"][key] == pytest.approx(np.mean([m[key] for m in per_seed]))
+    assert fine["margin"]["change"] == pytest.approx(fine["margin"]["change_from_c_int"], abs=1e-2)

@@ -20,7 +20,9 @@ def test_baselines_score_with_a_fixed_sign_and_count_what_they_cannot_score():
     joined = labels.filter((pl.col("split") == "test") & (pl.col("question_id") != "test0")).join(
         clusters, on=["question_id", "sample_index"]
     )
-    assert m["test"]["auroc"]["mean"] == pytest.approx(roc_auc_score(joined["label"], 1 - joined["p_sem_mean"]))
+    assert m["test"]["auroc"]["mean"] == pytest.approx(roc_auc_score(joined["label"], 1 - joined["p_sem_sum"]))
+    mean = baseline_scores("p_sem", gens, clusters, BaselinesParams(p_sem="mean"))  # another variant: other scores
+    assert evaluate_baseline(mean, labels, bootstrap=0, seed=0)["test"]["auroc"]["mean"] == pytest.approx(0.5)
     assert m["test"]["margin"] is None and m["best_layer"] is None
     for name in ("semantic_entropy", "logprob", "length"):
         assert (

@@ -43,6 +43,7 @@ def trained_cell(tmp_path_factory):
             out_dir=root / "dets" / f"layer_{index}",
             scores_path=root / "scores" / f"layer_{index}.parquet",
             metrics_path=root / "layers" / f"layer_{index}.json",
+            timing_path=root / "timing" / f"layer_{index}.json",
             log=lambda *_: None,
         )
     return root, labels
@@ -76,6 +77,37 @@ def test_best_layer_is_chosen_on_validation_and_metrics_are_complete(trained_cel
     np.testing.assert_array_equal(saved["score"].to_numpy(), score(models[1], test_split))
     speed = detector_throughput(models, test_split, root / "acts" / layer_filename(1), repeats=2)
     assert speed["preloaded_samples_per_s"] > 0 and speed["end_to_end_samples_per_s"] > 0
+
+
+def test_the_last_epoch_the_margins_by_epoch_and_the_training_time_of_the_best_layer(trained_cell):
+    """The paper reads its margins after the last epoch: the best layer's last-epoch figures are
+    those of the last epoch's weights (curves.json's last row), beside the margins by epoch."""
+    root, labels = trained_cell
+    layers = per_layer(root)
+    timing = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (root / "timing").glob("*.json")}
+    assert all("training_time" not in m and "seconds" not in json.dumps(m) for m in layers.values())  # kept apart
+    assert "training_time" not in evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0)
+    m = evaluate_detector(layers, root / "scores", [0, 1], bootstrap=0, seed=0, timing=timing)
+    assert m["train"] == {"recipe": "paper", "epochs": 10, "batch_size": 32}
+    last = m["last_epoch"]
+    assert last["epoch"] == 10 and len(last["test"]["margin"]["per_seed"]) == 2
+    curves = json.loads((root / "dets" / "layer_1" / "curves.json").read_text())
+    for key in ("train", "val"):
+        assert len(m["margin_by_epoch"][key]) == 10
+        per_epoch = np.mean([[row[f"{key}_margin"] for row in curves[f"seed_{s}"]] for s in (0, 1)], axis=0)
+        np.testing.assert_allclose(m["margin_by_epoch"][key], per_epoch)
+    assert last["val"]["margin"]["mean"] == pytest.approx(m["margin_by_epoch"]["val"][-1])
+    best = {
+        s: curves[f"seed_{s}"][json.loads((root / "layers" / "layer_1.json").read_text())["best_epoch"][str(s)] - 1]
+        for s in (0, 1)
+    }
+    assert m["val"]["margin"]["mean"] == pytest.approx(np.mean([b["val_margin"] for b in best.values()]))
+    t = m["training_time"]
+    assert t["layer"] == 1 and t["layers"] == 2 and t["parallel_workers"] == 2 and t["device"] == "cpu"
+    assert t["all_layers_mean_seconds_per_seed"] == pytest.approx(
+        sum(p["mean_seconds_per_seed"] for p in timing.values())
+    )
+    assert set(t["seconds_per_seed"]) == {"0", "1"} and all(v > 0 for v in t["seconds_per_seed"].values())
 
 
 def test_missing_seed_wrong_method_and_layers_from_other_dumps_are_named(trained_cell, tmp_path):

@@ -40,16 +40,25 @@ def write_cell(root: Path) -> list[str]:
     ).write_parquet(root / "generations.parquet")
     labels.select("question_id", "sample_index", "split").with_columns(
         pl.lit(True).alias("valid"),
-        pl.Series("p_sem_mean", np.clip(0.9 - 0.5 * y + 0.1 * rng.random(len(y)), 0, 1)),
-        pl.lit(0.5).alias("p_sem_sum"),
+        pl.Series("p_sem_sum", np.clip(0.9 - 0.5 * y + 0.1 * rng.random(len(y)), 0, 1)),
+        pl.lit(0.5).alias("p_sem_mean"),
         pl.lit(0.5).alias("p_sem_count"),
         *(pl.lit(0.3).alias(f"semantic_entropy_{v}") for v in ("mean", "sum", "discrete")),
     ).write_parquet(root / "clusters.parquet")
     methods = ["max", "hami_sp"]
-    for m in methods:
+    for k, m in enumerate(methods):
         (root / "eval").mkdir(exist_ok=True)
+        epochs = np.arange(1, 11)
+        by_epoch = {"train": (0.1 * (k + 1) * epochs).tolist(), "val": (0.05 * (k + 1) * epochs).tolist()}
         (root / "eval" / f"{m}.json").write_text(
-            json.dumps({"best_layer": 1, "layers": layers()["max"], "test": {"auroc": {"mean": 0.7, "stderr": 0.01}}})
+            json.dumps(
+                {
+                    "best_layer": 1,
+                    "layers": layers()["max"],
+                    "test": {"auroc": {"mean": 0.7, "stderr": 0.01}},
+                    "margin_by_epoch": by_epoch,
+                }
+            )
         )
         test = labels.filter(pl.col("split").is_in(["val", "test"]))
         frames = [
@@ -108,10 +117,14 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == [
         "auroc_by_layer.png",
+        "margins_by_epoch.png",
         "responses.png",
         "roc.png",
         "scores.png",
     ]
+    epochs = pl.read_csv(tmp_path / "plots" / "epochs" / "m" / "d.csv")
+    assert epochs.columns == ["epoch", "series", "margin"] and epochs.height == 2 * 2 * 10
+    assert epochs.filter(pl.col("series") == "hami_sp (train)")["margin"].to_list()[-1] == pytest.approx(2.0)
     roc = pl.read_csv(tmp_path / "plots" / "roc" / "m" / "d.csv")
     assert set(roc["series"]) == {*methods, "p_sem", "length"} and roc.columns == ["fpr", "series", "tpr"]
     assert set(pl.read_csv(tmp_path / "plots" / "layers" / "m" / "d.csv")["series"]) == set(methods)
@@ -125,6 +138,12 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     ]
     from halludetect.core.artifacts import ArtifactError
     from halludetect.evaluation.evaluate import read_scores
+
+    for m in methods:  # an evaluation from before the margins were recorded: named, not drawn blank
+        path = tmp_path / "eval" / f"{m}.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "margin_by_epoch"}))
+    res = subprocess.run([sys.executable, "-m", "stages.figures", *args], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "no margins by epoch in the evaluation of ['max', 'hami_sp']" in res.stderr
 
     (tmp_path / "scores" / "max" / "layer_1.parquet").unlink()
     with pytest.raises(ArtifactError, match=r"layer_1.parquet does not exist: run the train stage first"):

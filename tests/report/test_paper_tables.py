@@ -37,6 +37,33 @@ def entry(auroc=0.8, margin=1.5, sd=0.01, layer=2, family="detector", **extra):
     return out | extra
 
 
+def trained(method="max", seeds=(0, 1, 2), **extra):
+    """An evaluate entry with what training records: seeds, params, the last epoch, the margins
+    by epoch, the recipe and the training time."""
+    stat = lambda m: {"mean": m, "stderr": 0.01, "sd": 0.02, "per_seed": [m] * len(seeds)}  # noqa: E731
+    params = {"p_sem": "sum", "lam": 1.0} if method == "hami_sp" else {}
+    return entry(
+        method=method,
+        seeds=list(seeds),
+        params=params,
+        last_epoch={"epoch": 100, "test": {"margin": stat(1.2), "auroc": stat(0.8)}},
+        margin_by_epoch={"train": [0.1 * i for i in range(1, 101)], "val": [0.05 * i for i in range(1, 101)]},
+        train={"recipe": "paper", "epochs": 100, "batch_size": 128},
+        training_time={
+            "mean_seconds_per_seed": 12.5,
+            "seconds_per_seed": {str(s): 12.5 for s in seeds},
+            "wall_seconds": 20.0,
+            "parallel_workers": len(seeds),
+            "device": "cpu",
+            "layer": 2,
+            "layers": 5,
+            "all_layers_mean_seconds_per_seed": 60.0,
+            "all_layers_wall_seconds": 100.0,
+        },
+        **extra,
+    )
+
+
 def renamed_params() -> dict:
     """The shipped params with the paper's models and datasets under names of the user's own."""
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -77,18 +104,81 @@ def test_renaming_a_preset_keeps_the_paper_figure():
     assert "\\midrule\nMean pooling" in tex  # the paper's rule between HaMI and the poolings
 
 
-def test_margins_are_ranked_within_each_family_and_sds_not_at_all():
+def test_margins_after_the_last_epoch_beside_the_paper_then_at_the_best_epoch_and_the_gains():
     grid = grid_of(renamed_params())
+    one = Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys)
+
+    def with_last(best, last, sd=0.01):
+        stat = {"mean": last, "stderr": sd / 2, "sd": sd * 3, "per_seed": [last] * 3}
+        return entry(margin=best, seeds=[0, 1, 2], last_epoch={"epoch": 100, "test": {"margin": stat}})
+
     metrics = {
-        ("my-llama", "tqa", m): entry(margin=v)
-        for m, v in (("hami", 6.0), ("hami_sp", 9.0), ("mean", 2.0), ("max", 2.3))
+        ("my-llama", "tqa", m): with_last(best, last)
+        for m, best, last in (("hami", 6.0, 5.0), ("hami_sp", 9.0, 8.0), ("mean", 2.0, 1.0), ("max", 2.3, 1.5))
     }
-    tables = {t.name: t for t in build_tables(metrics, Grid(["my-llama"], ["tqa"], grid.model_keys, grid.dataset_keys))}
-    marks = [r.cells[0].mark for r in tables["margin"].rows]
-    assert marks == ["second", "best", "second", "best"]
-    assert "(9.02)" in to_markdown(tables["margin"])
+    tables = {t.name: t for t in build_tables(metrics, one)}
+    t = tables["margin"]
+    md = to_markdown(t)
+    labels = [r.label for r in t.rows]
+    assert labels[:8] == [
+        *(f"{n}, after epoch 100" for n in ("HaMI", "HaMI (SP)", "Mean pooling", "Max pooling")),
+        *(f"{n}, at the best validation epoch" for n in ("HaMI", "HaMI (SP)", "Mean pooling", "Max pooling")),
+    ]
+    # ranked within each family and each reading
+    assert [r.cells[0].mark for r in t.rows[:8]] == ["second", "best", "second", "best"] * 2
+    # the paper's margins are after its last epoch: beside that reading only, over its 5 runs
+    assert "| HaMI (SP), after epoch 100 | **8.000** ± 0.005 L2 (9.02, 5 runs) |" in md
+    assert "| HaMI (SP), at the best validation epoch | **9.000** ± 0.005 L2 |" in md
+    # gains in %: ours from the seed means, the paper's from its table (144.0 is its LLaMA-3.1-8B SQuAD)
+    assert "| HaMI (SP) over HaMI, % (after epoch 100) | 60.0 (46.2) |" in md  # 9.02 / 6.17
+    assert "| Max over mean, % (after epoch 100) | 50.0 (13.5) |" in md  # 2.299 / 2.026
+    assert "| Max over mean, % (at the best validation epoch) | 15.0 |" in md
+    assert "ours over 3 seeds per cell" in t.caption
+    sd = to_markdown(tables["sd_margin"])
+    assert "| HaMI | 0.030 (0.128, 5 runs) |" in sd  # the last epoch's SD, as the paper's
     assert all(c.mark == "" for r in tables["sd_auroc"].rows for c in r.cells)
-    assert "| HaMI | 0.010 (0.009) |" in to_markdown(tables["sd_auroc"])
+    assert "| HaMI | 0.010 (0.009, 5 runs) |" in to_markdown(tables["sd_auroc"])
+
+
+def test_the_papers_144_and_20_9_percent_margin_gains_come_out_of_its_table():
+    from halludetect.report import paper
+    from halludetect.report.paper_tables import _gain
+
+    m = paper.MARGIN
+    squad, nq = ("llama3.1-8b", "squad"), ("llama3.1-8b", "nq")
+    assert f"{_gain(m['hami_sp'][squad].value, m['hami'][squad].value):.1f}" == "144.0"
+    assert f"{_gain(m['max'][nq].value, m['mean'][nq].value):.1f}" == "20.9"
+
+
+def test_captions_name_the_seeds_and_the_p_sem_variant_and_flag_other_run_counts():
+    grid = grid_of(renamed_params())
+    two = Grid(["my-llama", "world"], ["tqa"], grid.model_keys, grid.dataset_keys)
+    params = {"p_sem": "sum", "lam": 1.0}
+    metrics = {
+        ("my-llama", "tqa", "hami_sp"): entry(0.9, seeds=[0, 1, 2, 3, 4], method="hami_sp", params=params),
+        ("world", "tqa", "hami_sp"): entry(0.8, seeds=[0, 1, 2], method="hami_sp", params=params),
+        ("my-llama", "tqa", "max"): entry(0.85, seeds=[0, 1, 2, 3, 4], method="max"),
+        ("world", "tqa", "max"): entry(0.7, seeds=[0, 1, 2], method="max"),
+        ("my-llama", "tqa", "p_sem"): entry(0.8, family="baseline", method="p_sem", params={"p_sem": "mean"}),
+        ("world", "tqa", "p_sem"): entry(0.7, family="baseline", method="p_sem", params={"p_sem": "mean"}),
+    }
+    tables = {t.name: t for t in build_tables(metrics, two)}
+    auroc = tables["auroc"]
+    assert "ours over 3 to 5 seeds (each cell's count in its note)" in auroc.caption
+    assert "HaMI (SP) scales by (1 + λ P_sem), λ = 1, P_sem summed" in auroc.caption
+    md = to_markdown(auroc)
+    # five seeds: the paper's figure as printed; every cell names its own count
+    five, three = "**0.900** ± 0.005 [0.880, 0.920] L2 5 seeds (0.923)", "**0.800** ± 0.005 [0.780, 0.820] L2 3 seeds"
+    assert f"| HaMI (SP) | {five} | {three} |" in md
+    assert "P_sem summed: each answer weighs its likelihood P(A|q)" in md  # the variant defined in the notes
+    assert "P_sem length-normalised" in tables["p_sem_auroc"].caption
+    assert (
+        "HaMI (SP) scales" in tables["detection_auroc"].caption
+        and "the P_sem baseline is 1 - P_sem length-normalised" in tables["detection_auroc"].caption
+    )
+    assert "P_sem" in tables["throughput"].caption
+    tex = to_latex(auroc)
+    assert r"(1 + $\lambda$ P\_sem)" in tex
 
 
 def test_throughput_has_both_hami_sp_costs_and_the_paper_figure_by_the_sequential_one():
@@ -114,22 +204,59 @@ def test_expected_value_tables_follow_the_paper_and_carry_its_figures():
         "gamma": 2.92,
         "inv_gamma": 0.342,
         "class_ratio": 3.0,
+        "condition_applies": True,
         "condition_holds_seeds": [3, 3],
+        "margin_widens_seeds": [3, 3],
     }
-    analysis = {
-        ("my-llama", "tqa", "hami_sp"): {
-            "best_layer": 7,
-            "lam": 1.0,
-            "layers": {"7": {split: {"mean": {"c0": mean, "c_int": mean}} for split in ("train", "test")}},
+    # HaMI under HaMI (SP)'s scaling: E_pos[P_sem C] < 0, where the ratio form does not apply
+    negative = mean | {
+        "pos": cls(0.45, -2.0),
+        "gamma": -19.0,
+        "inv_gamma": -0.05,
+        "condition_applies": False,
+        "condition_holds_seeds": [0, 0],
+        "margin_widens_seeds": [3, 3],
+    }
+    margin = {"unscaled": 1.0, "scaled": 1.5, "change": 0.5, "change_from_c_int": 0.4999, "change_from_c0": 0.61}
+
+    def analysed(layer, lam, m, gap):
+        split = {
+            "mean": {"c0": m, "c_int": m},
+            "margin": margin,
+            "path_check": {"max_abs_identity_gap": gap, "tolerance": 0.01, "within_tolerance": gap <= 0.01},
         }
+        return {
+            "best_layer": layer,
+            "lam": lam,
+            "p_sem": "sum",
+            "seeds": [0, 1, 2],
+            "layers": {str(layer): {"train": split, "test": split}},
+        }
+
+    analysis = {
+        ("my-llama", "tqa", "hami_sp"): analysed(7, 1.0, mean, 0.002),
+        ("my-llama", "tqa", "hami"): analysed(5, 1.0, negative, 0.03),
     }
     tables = {t.name: t for t in build_tables({}, one, analysis=analysis)}
     assert set(tables) == {f"expected_{v}_my-llama_{s}" for v in ("c0", "c_int") for s in ("train", "test")}
     t = tables["expected_c_int_my-llama_test"]
     assert t.paper_label == "tab:exp_llama8b_val_non_invariant"
     md = to_markdown(t)
-    assert "| tqa | 0.450 (0.451) | 0.900 (0.926) | 13.0 (13.7) | 19.0 (19.2) |" in md
-    assert "| 2.92 (2.49) | 0.34 (0.40) | 3.00 | 3/3 seeds |" in md
+    assert "| tqa (layer 7) | 0.450 (0.451) | 0.900 (0.926) | 13.0 (13.7) | 19.0 (19.2) |" in md
+    assert "| 2.92 (2.49) | 0.34 (0.40) | 3.00 | 3/3 seeds | 3/3 seeds | 0.500 | 0.500 |" in md
+    # the ratio form does not apply: gamma and 1/gamma blank, the reason in the notes; the margin still widens
+    assert "| tqa (layer 5, HaMI under λ = 1) |" in md
+    assert "| - | - | 3.00 | n/a: E[P_sem C] <= 0 | 3/3 seeds | 0.500 | 0.500 |" in md
+    assert "γ and 1/γ blank where E[P_sem C] <= 0 in a class" in md
+    # the paper's ranges over its cells, and the range its text quotes
+    assert "| the paper (range over its cells) |" in md and "| 1.92–2.85 | 0.35–0.52 | 0.51–3.26 |" in md
+    assert "its text quotes 1/γ from 0.37 to 0.52" in md
+    assert "WARNING: the path identity" in md and "tqa (HaMI): 0.03" in md  # over analyze.path_tolerance
+    assert "λ = 1, P_sem summed; 3 seeds" in t.caption and "best layer on validation (in the row)" in t.caption
+    assert "re-ranked at every step" in md  # which top-k set
+    c0 = to_markdown(tables["expected_c0_my-llama_test"])
+    assert "| 0.500 | 0.610 |" in c0 and "WARNING" not in c0  # C_B's first-order prediction; no path there
+    assert "its text quotes 1/γ from 0.37 to 0.50" in c0 and "top-k set that of the unscaled logits" in c0
     assert r"\|S_neg\|/\|S_pos\|" in md  # the pipes do not split the Markdown cell
 
 
@@ -176,7 +303,7 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     for method in ("hami", "max"):
         path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(entry()))
+        path.write_text(json.dumps(trained(method)))
     (tmp_path / "base" / "my-llama" / "tqa.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
     cls = {"n": 10, "p_sem": 0.5, "c": -2.0, "p_sem_c": -1.0}
     mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
@@ -235,8 +362,15 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
         "detection_prr",
         "margin_by_length",
         "expected_c_int_my-llama_test",
+        "margin_growth",
+        "training_time",
     ):
         assert {f"{table}.md", f"{table}.tex"} <= names, table
+    growth = (tmp_path / "tables" / "margin_growth.md").read_text()
+    assert "| Max pooling | 9.90 0.1 → 10, rose in 100% of epochs |" in growth
+    times = (tmp_path / "tables" / "training_time.md").read_text()
+    assert "| Max pooling | 12.5 L2; all 5 layers 60 s |" in times and "recipe paper, 100 epochs, batch 128" in times
+    assert "LLaMA-3.1-8B 140 s" in times  # the paper's appendix total, in the notes
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
     assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
     # p(True) (stage model_baselines) in the block of the field's baselines, under the paper's methods
@@ -259,7 +393,9 @@ def test_every_table_compiles_with_latex(tmp_path):
     grid = grid_of(renamed_params())
     methods = ("hami", "hami_sp", "mean", "max", "raw_mean", "raw_max", "attention", "gated_attention")
     metrics = {
-        (m, "tqa", method): entry(cost={"samples_per_s_with_sampling_and_nli": 177.0, "sequential_samples_per_s": 0.3})
+        (m, "tqa", method): trained(
+            method, cost={"samples_per_s_with_sampling_and_nli": 177.0, "sequential_samples_per_s": 0.3}
+        )
         for m in ("my-llama", "world")
         for method in methods
     }

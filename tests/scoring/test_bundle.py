@@ -224,6 +224,8 @@ def test_export_stage_writes_the_bundle(contract, tmp_path, capsys):
         scores=contract / "scores" / "max",
         manifest=contract / "manifest.json",
         out=out,
+        generation_metrics=None,  # a method that reads no P_sem: export_sp's alone pass them
+        cluster_metrics=None,
     )
     export.run(args, load_params("params.yaml"))
     b = load_bundle(out)
