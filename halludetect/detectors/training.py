@@ -29,6 +29,7 @@ from halludetect.core import numerics
 from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
 from halludetect.detectors.build import build_detector, save_detector
 from halludetect.detectors.data import SplitData
+from halludetect.detectors.gradient_ratio import GradientRatioTrace
 from halludetect.detectors.inference import score
 from halludetect.detectors.pooling import topk_mean
 from halludetect.metrics import auroc, split_metrics
@@ -78,6 +79,7 @@ class TrainResult:
     best_epoch: int  # 1-based
     best_val_auroc: float
     curve: list[dict]  # per epoch: epoch, train_loss, val_auroc
+    gradient_ratio: dict | None = None  # Theorem 2's trace (mean and max networks): gradient_ratio.py
 
 
 def train_detector(
@@ -90,9 +92,12 @@ def train_detector(
     batch_size: int,
     seed: int,
     device: str = "cpu",
+    trace_gradient_ratio: bool = True,
 ) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
-    best epoch by validation AUROC. Deterministic for a seed on a given device."""
+    best epoch by validation AUROC. Deterministic for a seed on a given device. For a mean or max
+    pooling network, Theorem 2's gradient-norm ratio is traced after every epoch (it draws no
+    random numbers: the weights are the same without it)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     train, val = train.to(device), val.to(device)
@@ -104,6 +109,7 @@ def train_detector(
     bce = nn.BCEWithLogitsLoss()
     best = TrainResult({}, 0, -1.0, [])
     val_y = val.y.cpu().numpy()
+    trace = GradientRatioTrace.for_training(model, train) if trace_gradient_ratio else None
     for epoch in range(1, epochs + 1):
         model.train()
         total, n = 0.0, 0
@@ -122,6 +128,10 @@ def train_detector(
         if val_auroc > best.best_val_auroc:
             best.best_val_auroc, best.best_epoch = val_auroc, epoch
             best.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if trace is not None:
+            trace.record(epoch, model)
+    if trace is not None:
+        best.gradient_ratio = trace.result(best.best_epoch)
     return best
 
 
@@ -202,6 +212,14 @@ def train_seeds(
 
 
 # ------------------------------------------------------------------ a layer's outputs
+def write_gradient_ratio(path: Path, results: list) -> None:
+    """Theorem 2's trace of every seed (`seed_<S>`: per-epoch summaries, the best epoch's per-bag
+    values), for the methods that have one (mean, max); nothing for the others."""
+    traced = {f"seed_{r.seed}": r.result.gradient_ratio for r in results if r.result.gradient_ratio is not None}
+    if traced:
+        write_json(path, traced)
+
+
 def scores_frame(splits: dict[str, SplitData], results: list) -> pl.DataFrame:
     """One row per scored response and seed: what the layer's detectors said, with the label."""
     frames = []
@@ -302,6 +320,7 @@ def train_layer(
             )
         write_json(tmp / "curves.json", curves)
         write_json(tmp / "summary.json", summary)
+        write_gradient_ratio(tmp / "gradient_ratio.json", results)
     scored = {s: data[s] for s in ("val", "test")}
     write_parquet(scores_path, scores_frame(scored, results))
     write_json(
