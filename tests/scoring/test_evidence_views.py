@@ -159,7 +159,8 @@ GEOMETRY = """<script>
 document.body.insertAdjacentHTML("beforeend", '<pre id="boxes">' + JSON.stringify(
   [...document.querySelectorAll("span.t")].map(s => {
     const r = s.getBoundingClientRect();
-    return {text: s.textContent, c: parseFloat(s.dataset.c), left: r.left, top: r.top, right: r.right, bottom: r.bottom};
+    return {text: s.textContent, c: parseFloat(s.dataset.c),
+            left: r.left, top: r.top, right: r.right, bottom: r.bottom};
   })) + "</pre>");
 </script>"""
 
