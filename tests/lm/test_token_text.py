@@ -48,6 +48,7 @@ def test_stored_answers_are_stripped_and_offsets_point_into_the_stored_text(tiny
     assert spans.exact and spans.start[0] == 2 and spans.end[-1] == len(text.rstrip())
 
 
+@pytest.mark.hostile
 def test_tokens_that_spell_another_text_get_approximate_spans(tiny):
     _, tok = tiny
     ids = tok(" Solvane was his city", add_special_tokens=False)["input_ids"]

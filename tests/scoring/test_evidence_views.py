@@ -127,6 +127,7 @@ def test_the_page_is_self_contained_and_escapes_every_text(tmp_path):
     assert page.count('class="t"') == 5 and 'data-c="1"' in page
 
 
+@pytest.mark.hostile
 def test_a_large_file_is_capped_with_a_note(tmp_path):
     rows = [explained_row(i, f"answer {i}", [" answer", f" {i}"], [i / 100, 0.0]) for i in range(3000)]
     long = explained_row(3000, "x" * (MAX_TOKENS + 50), ["x"] * (MAX_TOKENS + 50), [0.0] * (MAX_TOKENS + 50))
@@ -139,6 +140,7 @@ def test_a_large_file_is_capped_with_a_note(tmp_path):
     assert page.count('<section class="answer"') == 200 and len(page) < 400_000
 
 
+@pytest.mark.hostile
 def test_a_file_without_evidence_or_a_bad_one_is_one_clear_error(tmp_path):
     plain = tmp_path / "plain.parquet"
     pl.DataFrame({"row": [0], "score": [1.0]}).write_parquet(plain)

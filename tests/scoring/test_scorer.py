@@ -170,6 +170,7 @@ def test_explain_with_generate_and_with_p_sem(contract, bundle_path, tiny_model_
     assert df["contributions"][0].to_list() != df["contributions"][1].to_list()  # P_sem scales the states
 
 
+@pytest.mark.hostile
 def test_explain_with_a_method_without_token_evidence_says_what_it_reports(bundle_path, tiny_model_dir, no_loading):
     from halludetect.detectors import evidence
     from halludetect.detectors.networks import PoolingNet
