@@ -38,7 +38,6 @@ from halludetect.detectors.data import SplitData, p_sem_table, split_data
 from halludetect.detectors.evidence import (
     NoEvidence,
     describe,
-    ensemble_evidence,
     evidence,
     has_evidence,
     tokens_carrying,
@@ -62,13 +61,12 @@ def split_evidence(models: list, data: SplitData) -> tuple[list[np.ndarray], np.
     z, mean_c = [], []
     for a in range(0, len(data), BATCH):
         bags = data.slice(a, min(a + BATCH, len(data)))
-        for k, m in enumerate(models):
-            c = evidence(m, bags).contributions
+        seeds_c = [evidence(m, bags).contributions for m in models]  # as ensemble_evidence, seed by seed
+        for k, c in enumerate(seeds_c):
             per_seed[k].append(torch.stack([tokens_carrying(c, bags, q) for q in SHARES.values()], 1))
         with torch.no_grad():
             z.append(torch.stack([m(bags) for m in models]).mean(0))  # the score a bundle of these seeds gives
-        e = ensemble_evidence(models, bags)
-        mean_c += list(e.contributions.double().split(bags.lengths.tolist()))
+        mean_c += list(torch.stack(seeds_c).mean(0).double().split(bags.lengths.tolist()))
     return (
         [torch.cat(p).numpy() for p in per_seed],
         torch.cat(z).double().numpy(),

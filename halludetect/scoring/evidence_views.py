@@ -45,8 +45,9 @@ class Explained:
 
     def __post_init__(self):
         sizes = [abs(s.contribution) for r in self.rows for s in segments(r) if s.tokens]
-        self.scale = float(np.percentile(sizes, 98)) if sizes and max(sizes) > 0 else 1.0
-        self.scale = self.scale or max(sizes)
+        top = max(sizes, default=0.0)
+        # the 98th percentile; the largest where most are 0 (HaMI's tokens outside the top k); 1 when all are
+        self.scale = float(np.percentile(sizes, 98)) or top if top > 0 else 1.0
 
     @property
     def n_scored(self) -> int:
@@ -78,9 +79,13 @@ def read_explained(path: str | Path, limit: int) -> Explained:
     for batch in _batches(path):
         for r in batch:
             n += 1
-            if r["score"] is None:
-                reasons[r.get("reason") or "unscored"] = reasons.get(r.get("reason") or "unscored", 0) + 1
+            score = r.get("score")
+            if score is None:
+                reason = r.get("reason") or "unscored"
+                reasons[reason] = reasons.get(reason, 0) + 1
                 continue
+            if isinstance(score, bool) or not isinstance(score, int | float):
+                raise UserError(f"{path}: row {r.get('row', n - 1)}: score {score!r} is not a number")
             item = (_key(r), n, r)
             if len(top) < limit:
                 heapq.heappush(top, item)
