@@ -221,7 +221,7 @@ def test_the_page_in_a_browser_highlights_the_tokens_where_the_contributions_say
     assert [(b["text"], b["c"]) for b in boxes] == [(t, pytest.approx(c, rel=1e-5)) for t, c in want]
     for b in boxes:
         x0, x1, y0, y1 = int(b["left"]) + 1, int(b["right"]) - 1, int(b["top"]) + 1, int(b["bottom"]) - 1
-        assert x1 > x0 and y1 > y0, b
+        assert 0 <= x0 < x1 <= pixels.shape[1] and 0 <= y0 < y1 <= pixels.shape[0], b  # laid out in the window
         region = pixels[y0:y1, x0:x1].reshape(-1, 3)
         colours, counts = np.unique(region, axis=0, return_counts=True)
         background = colours[np.argmax(counts)]  # the glyphs are a few pixels; the background is the rest
