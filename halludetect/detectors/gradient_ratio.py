@@ -12,7 +12,7 @@ peak token, shared on ties; mean: 1/T) and a_tj = 1{(W h_t + b1)_j > 0}:
 
 where v is the pooled vector (dz/db = 1, dz/dw_j = v_j, dz/d[W_j, b1_j] = w_j sum_t q_tj a_tj [h_t, 1]).
 The last norm is a quadratic form in the bag's Gram matrix [h_t . h_t' + 1], so nothing of size
-[B, D, d] is built. tests/detectors/test_gradient_ratio.py checks both against autograd.
+[B, D, d] is built, and the Gram matrices, which depend on the states only, are computed once. tests/detectors/test_gradient_ratio.py checks both against autograd.
 
 s is measured as the sparsity everywhere else (evidence.tokens_carrying): the tokens that carry
 50% and 90% of the bag's positive evidence under the network being trained; `s_paper` is the
@@ -46,22 +46,31 @@ def _weights(u: torch.Tensor, bags: Bags, pool: str) -> torch.Tensor:
     return holds / segment_sum(holds, bags)[bags.bag_of_token]
 
 
-@torch.no_grad()
-def squared_gradient_norm(net: PoolingNet, bags: Bags, pool: str) -> torch.Tensor:
-    """[B] ||grad_theta z_B||^2 of `net`'s parameters with `pool` ("max" or "mean") in place of its
-    own pooling, in eval mode (dropout off), in float64."""
-    linear = net.feature[0]
-    h = bags.tokens.double()  # [N, d]
-    pre = h @ linear.weight.double().T + linear.bias.double()  # [N, D]
-    u = pre.clamp(min=0)
-    w = net.head.weight[0].double()  # [D]
-    v = (segment_max if pool == "max" else segment_mean)(u, bags)  # [B, D]
-    qa = _weights(u, bags, pool) * (pre > 0)  # [N, D] q_tj a_tj
+def gram(bags: Bags) -> torch.Tensor:
+    """[B, T, T] h_t . h_t' + 1 between the real tokens of each bag (0 at padding), in float64. It
+    depends on the states only, so a trace computes it once for all epochs."""
+    hp = bags.pad(bags.tokens.double())  # [B, T, d]
     mask = bags.mask  # [B, T]
-    hp, qp = bags.pad(h), bags.pad(qa)  # [B, T, d], [B, T, D]
-    gram = (hp @ hp.transpose(1, 2) + 1) * (mask[:, :, None] & mask[:, None, :])  # [B, T, T]
-    quad = torch.einsum("btj,bts,bsj->bj", qp, gram, qp)  # [B, D] ||sum_t q_tj a_tj [h_t, 1]||^2
-    return 1 + (v**2).sum(1) + (quad * w**2).sum(1)
+    return (hp @ hp.transpose(1, 2) + 1) * (mask[:, :, None] & mask[:, None, :])
+
+
+@torch.no_grad()
+def squared_gradient_norms(net: PoolingNet, bags: Bags, grams: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """{"max": [B], "mean": [B]}: ||grad_theta z_B||^2 of `net`'s parameters with max pooling and
+    with mean pooling in place of its own, in eval mode (dropout off), in float64. `grams`: the
+    bags' `gram`, when it is at hand."""
+    linear = net.feature[0]
+    pre = bags.tokens.double() @ linear.weight.double().T + linear.bias.double()  # [N, D]
+    u, on = pre.clamp(min=0), pre > 0
+    w2 = net.head.weight[0].double() ** 2  # [D]
+    g = gram(bags) if grams is None else grams  # [B, T, T]
+    out = {}
+    for pool, reduce in (("max", segment_max), ("mean", segment_mean)):
+        v = reduce(u, bags)  # [B, D]
+        qp = bags.pad(_weights(u, bags, pool) * on)  # [B, T, D] q_tj a_tj
+        quad = (torch.bmm(g, qp) * qp).sum(1)  # [B, D] ||sum_t q_tj a_tj [h_t, 1]||^2
+        out[pool] = 1 + (v**2).sum(1) + quad @ w2
+    return out
 
 
 def _pool_of(net: PoolingNet) -> str:
@@ -73,6 +82,7 @@ class GradientRatioTrace:
 
     def __init__(self, bags: list[Bags]):
         self.bags = bags
+        self.grams = [gram(b) for b in bags]  # the states' part of the norms: the same every epoch
         self.epochs: list[dict] = []
         self.per_bag: dict[int, dict[str, np.ndarray]] = {}
 
@@ -95,10 +105,11 @@ class GradientRatioTrace:
         net.eval()
         try:
             cols: dict[str, list] = {k: [] for k in ("T", "max_norm2", "mean_norm2", "s50", "s90", "s_paper")}
-            for bags in self.bags:
+            for bags, grams in zip(self.bags, self.grams):
                 cols["T"].append(bags.lengths.double())
-                cols["max_norm2"].append(squared_gradient_norm(net, bags, "max"))
-                cols["mean_norm2"].append(squared_gradient_norm(net, bags, "mean"))
+                norms = squared_gradient_norms(net, bags, grams)
+                cols["max_norm2"].append(norms["max"])
+                cols["mean_norm2"].append(norms["mean"])
                 c = evidence(net, bags).contributions
                 cols["s50"].append(tokens_carrying(c, bags, 0.5))
                 cols["s90"].append(tokens_carrying(c, bags, 0.9))

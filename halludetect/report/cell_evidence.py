@@ -152,7 +152,15 @@ def evidence_cell(
     qs = read_parquet(questions, "prepare", "questions table").select(pl.col("id").alias("question_id"), "question")
     text_of = {r["rid"]: r for r in gens.join(qs, on="question_id", how="left").iter_rows(named=True)}
     clustered = None
-    result = {"model": model, "dataset": dataset, "split": "test", "seeds": seeds, "shares": SHARES, "methods": {}}
+    result = {
+        "model": model,
+        "dataset": dataset,
+        "split": "test",
+        "seeds": seeds,
+        "shares": SHARES,
+        "order": methods,  # the grid's order (the JSON's keys are sorted)
+        "methods": {},
+    }
     frames, examples, ratios = [], {}, {}
     for method in methods:
         best = int(json.loads((Path(eval_dir) / f"{method}.json").read_text())["best_layer"])

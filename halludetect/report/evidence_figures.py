@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from halludetect.report.figures import COLORS
 from halludetect.scoring.evidence_views import colour, segments
@@ -184,6 +185,9 @@ def gradient_ratio(traced: dict[str, dict], title: str) -> Figure:
             ylabel="ratio",
             title=f"{method}: best epoch, per positive training bag",
         )
+        for axis in (right.xaxis, right.yaxis):  # plain numbers: log minor labels overlap
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
         right.legend(fontsize=7)
         right.grid(alpha=0.3)
     fig.suptitle(title)

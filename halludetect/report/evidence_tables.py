@@ -37,6 +37,12 @@ def load_evidence(directory: str | Path, models: list[str], datasets: list[str])
     return out
 
 
+def _in_order(cell: dict) -> list[dict]:
+    """The cell's methods in the grid's order."""
+    order = cell.get("order") or sorted(cell["methods"])
+    return [cell["methods"][m] for m in order if m in cell["methods"]]
+
+
 def _quartiles(stat: dict | None, fmt: str) -> Cell:
     if not stat or stat.get("median") is None:
         return Cell(None, group=None)
@@ -46,7 +52,7 @@ def _quartiles(stat: dict | None, fmt: str) -> Cell:
 def sparsity_table(evidence: dict) -> Table | None:
     rows = []
     for k, ((m, d), cell) in enumerate(evidence.items()):
-        for i, e in enumerate(cell["methods"].values()):
+        for i, e in enumerate(_in_order(cell)):
             if not e.get("evidence"):
                 continue
             cells = []
@@ -93,7 +99,7 @@ def gradient_ratio_table(evidence: dict) -> Table | None:
     rows = []
     for k, ((m, d), cell) in enumerate(evidence.items()):
         first = True
-        for e in cell["methods"].values():
+        for e in _in_order(cell):
             traced = e.get("gradient_ratio")
             if not traced:
                 continue
