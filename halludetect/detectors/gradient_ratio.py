@@ -12,7 +12,8 @@ peak token, shared on ties; mean: 1/T) and a_tj = 1{(W h_t + b1)_j > 0}:
 
 where v is the pooled vector (dz/db = 1, dz/dw_j = v_j, dz/d[W_j, b1_j] = w_j sum_t q_tj a_tj [h_t, 1]).
 The last norm is a quadratic form in the bag's Gram matrix [h_t . h_t' + 1], so nothing of size
-[B, D, d] is built, and the Gram matrices, which depend on the states only, are computed once. tests/detectors/test_gradient_ratio.py checks both against autograd.
+[B, D, d] is built, and the Gram matrices, which depend on the states only, are computed once.
+tests/detectors/test_gradient_ratio.py checks both against autograd.
 
 s is measured as the sparsity everywhere else (evidence.tokens_carrying): the tokens that carry
 50% and 90% of the bag's positive evidence under the network being trained; `s_paper` is the
