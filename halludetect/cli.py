@@ -2,11 +2,14 @@
 
     halludetect score --bundle B.safetensors --input answers.jsonl --out scores.parquet
     halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
+    halludetect score --bundle B.safetensors --input answers.jsonl --explain --out explained.parquet
+    halludetect explain explained.parquet [--html explained.html]          # token evidence, for a person
     halludetect show B.safetensors
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
     halludetect sweep detectors.max.dim                                       # experiments -> a table
 
-`score` is `halludetect.scoring.scorer.score_file`; `show` prints a bundle's metadata. Bad input
+`score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
+(`halludetect.scoring.evidence_views`); `show` prints a bundle's metadata. Bad input
 (a malformed row, a bundle for another model) prints one error line and exits 2.
 """
 
@@ -68,6 +71,7 @@ def _score(args) -> None:
         threshold=args.threshold,
         batch_size=args.batch_size,
         per_seed=args.per_seed,
+        explain=args.explain,
         rows_per_part=args.rows_per_part,
         progress=not args.no_progress,
         log=lambda msg: print(msg, file=sys.stderr),
@@ -75,6 +79,21 @@ def _score(args) -> None:
     if args.summary:
         write_json(args.summary, summary)
     print(json.dumps(summary, sort_keys=True))
+
+
+def _explain(args) -> None:
+    from halludetect.core.atomic_io import write_text
+    from halludetect.scoring.evidence_views import html_page, read_explained, terminal
+
+    explained = read_explained(args.scores, args.limit or (500 if args.html else 20))
+    if args.html:
+        write_text(args.html, html_page(explained, args.title))
+        print(
+            f"written: {args.html} ({len(explained.rows):,} of {explained.n_scored:,} scored answers)", file=sys.stderr
+        )
+        return
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and "NO_COLOR" not in os.environ)
+    print(terminal(explained, color))
 
 
 def _show(args) -> None:
@@ -225,6 +244,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--per-seed", action="store_true", help="also write each seed's logit (seed_scores)")
     s.add_argument(
+        "--explain",
+        action="store_true",
+        help="also write each answer's token evidence: its tokens, their character offsets in the answer and "
+        "their contributions, which sum with `bias` to the score (read it with `halludetect explain`)",
+    )
+    s.add_argument(
         "--generate",
         action="store_true",
         help="the input has questions only: sample one answer each and score it from the states "
@@ -241,6 +266,30 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--summary", help="also write the run's summary JSON here")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(run=_score)
+
+    ex = sub.add_parser(
+        "explain",
+        help="show where in each answer its score comes from (an output of `score --explain`)",
+        description="Render an explained scores file by score, highest first: each answer's tokens "
+        "coloured by their contribution (red toward hallucination, blue toward correct), in the "
+        "terminal or as one self-contained HTML page (no script, nothing loaded).",
+    )
+    ex.add_argument("scores", help="output of `halludetect score --explain` (.parquet or .jsonl)")
+    ex.add_argument("--html", help="write one HTML page here instead of printing")
+    ex.add_argument(
+        "--limit",
+        type=int,
+        help="the highest-scored answers shown (default: 20 in the terminal, 500 in a page; a note says "
+        "how many the file holds)",
+    )
+    ex.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="terminal colours (default: auto, when printing to a terminal and NO_COLOR is unset)",
+    )
+    ex.add_argument("--title", help="the page's title (default: from the file's name)")
+    ex.set_defaults(run=_explain)
 
     show = sub.add_parser("show", help="print a bundle's metadata (model, layer, thresholds, calibration, AUROC)")
     show.add_argument("bundle", help="detector bundle (.safetensors)")

@@ -136,3 +136,55 @@ def test_show_says_which_p_sem_variant_and_how_many_answers_a_hami_sp_bundle_nee
     with pytest.raises(Exception, match="must say how P_sem was made"):
         p_sem_inputs("hami_sp", params, None)
     assert p_sem_inputs("max", {}, None) == {}
+
+
+def test_score_explain_writes_the_evidence_columns_and_explain_renders_them(
+    bundle_path, tiny_model_dir, tmp_path, capsys
+):
+    import polars as pl
+
+    from halludetect import cli as console
+
+    rows = [
+        {"id": "a1", "question": "Where was Tavo Mir born?", "answer": "Tavo Mir was born in Calomar."},
+        {"id": "a2", "question": "Where was Tavo Mir born?", "answer": ""},
+        {"id": "a3", "question": "What is the job of Tavo Mir?", "answer": "A <b>baker</b> & more."},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "explained.parquet"
+    base = ["score", "--bundle", str(bundle_path), "--model", str(tiny_model_dir), "--input", str(src)]
+    console.main([*base, "--out", str(out), "--explain", "--device", "cpu", "--no-progress"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["evidence"].startswith("each feature's term")
+    df = pl.read_parquet(out)
+    assert df.columns == [
+        "row",
+        "id",
+        "n_tokens",
+        "score",
+        "probability",
+        "flag",
+        "reason",
+        "question",
+        "answer",
+        "tokens",
+        "token_start",
+        "token_end",
+        "offsets_exact",
+        "contributions",
+        "bias",
+    ]
+    scored = df.filter(pl.col("reason").is_null())
+    for r in scored.iter_rows(named=True):
+        assert abs(r["bias"] + sum(r["contributions"]) - r["score"]) < 1e-5
+    console.main(["explain", str(out), "--color", "never"])
+    text = capsys.readouterr().out
+    assert "2 of 2 scored answers" in text and "not scored: empty_answer 1" in text and "<b>baker</b>" in text
+    page = tmp_path / "page.html"
+    console.main(["explain", str(out), "--html", str(page), "--limit", "1"])
+    assert "written:" in capsys.readouterr().err
+    html = page.read_text()
+    assert html.count('<section class="answer"') == 1 and "Showing the 1 highest-scored of 2 scored answers" in html
+    with pytest.raises(SystemExit) as e:
+        console.main(["explain", str(src)])
+    assert e.value.code == 2 and "score the answers with `halludetect score --explain`" in capsys.readouterr().err

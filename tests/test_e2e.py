@@ -100,7 +100,15 @@ def test_dag_writes_the_comparison_table(repo):
     assert "too_short" in sep["excluded"]["train"]
     eigen = json.loads((repo / "metrics/eval/world/world/eigenscore.json").read_text())
     assert eigen["test"]["margin"] is None and eigen["cost_per_response"]["extra_seconds"] > 0
-    for name in ("auroc", "margin", "throughput", "label_distribution", "expected_c_int_world_test"):
+    for name in (
+        "auroc",
+        "margin",
+        "throughput",
+        "label_distribution",
+        "expected_c_int_world_test",
+        "evidence_sparsity",
+        "gradient_ratio",
+    ):
         assert (repo / f"metrics/tables/{name}.md").exists() and (repo / f"metrics/tables/{name}.tex").exists()
     for method in ("hami_sp", "hami"):
         a = json.loads((repo / f"metrics/eval/world/world/analysis/{method}.json").read_text())
@@ -114,6 +122,9 @@ def test_dag_writes_the_comparison_table(repo):
         "sensitivity_hami_sp.png",
         "sensitivity_hami.png",
         "margins_by_epoch.png",
+        "evidence.png",
+        "sparsity.png",
+        "gradient_ratio.png",
     }
     for method in (*METHODS, *SP_METHODS):
         m = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
@@ -125,6 +136,23 @@ def test_dag_writes_the_comparison_table(repo):
     assert "samples/s" in (repo / "metrics/tables/throughput.md").read_text()
     labels = json.loads((repo / "metrics/labels/world/world.json").read_text())
     assert labels["splits"]["test"]["kept"] > 0
+    evidence = json.loads((repo / "metrics/evidence/world/world.json").read_text())["methods"]
+    assert set(evidence) == {*METHODS, *SP_METHODS}
+    assert (
+        evidence["eigenscore"]["evidence"] is None
+        and "K answers of a question together" in evidence["eigenscore"]["why"]
+    )
+    for method, e in evidence.items():
+        if method != "eigenscore":
+            assert e["classes"]["hallucinated"]["n"] > 0 and len(e["examples"]) == 4, method
+    rows = pl.read_parquet(repo / "data/evidence/world/world.parquet").filter(pl.col("s90").is_not_nan())
+    assert (
+        rows.height
+        and rows.filter(
+            (pl.col("s50") < 1) | (pl.col("s50") > pl.col("s90")) | (pl.col("s90") > pl.col("T"))
+        ).is_empty()
+    )
+    assert set(evidence["max"]["gradient_ratio"]) == {"seed_0"} and "gradient_ratio" not in evidence["hami"]
     assert changed(repo) == set()  # everything up to date
 
 
@@ -240,6 +268,7 @@ def test_training_param_reruns_only_training_and_after(repo):
         "evaluate@world-world-max",
         "export@world-world-max",
         "figures@world-world",
+        "evidence@world-world",
         "report",
     }
 
@@ -258,7 +287,7 @@ def test_a_new_method_file_re_runs_only_what_uses_methods(repo):
         run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
         stale = changed(repo)
         assert stale and all(
-            s.startswith(("train", "evaluate", "export", "analyze", "figures", "report")) for s in stale
+            s.startswith(("train", "evaluate", "export", "analyze", "figures", "evidence", "report")) for s in stale
         ), stale
         assert {f"train@world-world-max-{layer}" for layer in LAYERS} <= stale
     finally:

@@ -44,6 +44,7 @@ from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import build_detector, origin_meta, save_detector
 from halludetect.detectors.data import SplitData
+from halludetect.detectors.gradient_ratio import GradientRatioTrace
 from halludetect.detectors.inference import score
 from halludetect.detectors.pooling import topk_mean
 from halludetect.methods import method as lookup_method
@@ -154,6 +155,7 @@ class TrainResult:
     best_val_auroc: float
     curve: list[dict]  # per epoch: epoch, train_loss, val_auroc, lr, train_margin, val_margin (+ val_loss)
     last_state_dict: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights after the last epoch
+    gradient_ratio: dict | None = None  # Theorem 2's trace (mean and max networks): gradient_ratio.py
 
 
 def train_detector(
@@ -167,11 +169,14 @@ def train_detector(
     seed: int,
     device: str = "cpu",
     recipe: str | Recipe = "paper",
+    trace_gradient_ratio: bool = True,
 ) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
     best epoch by validation AUROC; `recipe` adds the authors' code's extras to the logistic
-    loss (module docstring). Deterministic for a seed on a given device. A method fitted
-    otherwise (`Method.fit`: a closed-form probe, an unsupervised score) goes to fitting.py."""
+    loss (module docstring). Deterministic for a seed on a given device. For a mean or max
+    pooling network, Theorem 2's gradient-norm ratio is traced after every epoch (it draws no
+    random numbers: the weights are the same without it). A method fitted otherwise
+    (`Method.fit`: a closed-form probe, an unsupervised score) goes to fitting.py."""
     if lookup_method(method).fit != "sgd":
         from halludetect.detectors.fitting import fit_detector
 
@@ -194,6 +199,7 @@ def train_detector(
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", **rec.plateau)
     best = TrainResult({}, 0, -1.0, [])
     val_y, train_y = val.y.cpu().numpy(), train.y.cpu().numpy()
+    trace = GradientRatioTrace.for_training(model, train) if trace_gradient_ratio else None
     for epoch in range(1, epochs + 1):
         lr = opt.param_groups[0]["lr"]
         model.train()
@@ -219,7 +225,11 @@ def train_detector(
         if val_auroc > best.best_val_auroc:
             best.best_val_auroc, best.best_epoch = val_auroc, epoch
             best.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if trace is not None:
+            trace.record(epoch, model)
     best.last_state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if trace is not None:
+        best.gradient_ratio = trace.result(best.best_epoch)
     return best
 
 
@@ -309,6 +319,14 @@ def train_seeds(
 
 
 # ------------------------------------------------------------------ a layer's outputs
+def write_gradient_ratio(path: Path, results: list) -> None:
+    """Theorem 2's trace of every seed (`seed_<S>`: per-epoch summaries, the best epoch's per-bag
+    values), for the methods that have one (mean, max); nothing for the others."""
+    traced = {f"seed_{r.seed}": r.result.gradient_ratio for r in results if r.result.gradient_ratio is not None}
+    if traced:
+        write_json(path, traced)
+
+
 def scores_frame(splits: dict[str, SplitData], results: list) -> pl.DataFrame:
     """One row per scored response and seed: what the layer's detectors said, with the label."""
     frames = []
@@ -461,6 +479,7 @@ def train_layer(
             )
         write_json(tmp / "curves.json", curves)
         write_json(tmp / "summary.json", summary)
+        write_gradient_ratio(tmp / "gradient_ratio.json", results)
     scored = {s: data[s] for s in ("val", "test")}
     write_parquet(scores_path, scores_frame(scored, results))
     write_json(

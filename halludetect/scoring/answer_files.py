@@ -18,7 +18,8 @@ Output (Parquet or JSONL, by extension), one row per input row, in input order: 
 0-based input row), `id`, with --generate `answer`, `answer_token_ids`, `finish_reason`, then
 `n_tokens`, `score` (the ensemble's bag logit), `probability` (calibrated), `flag` (score >=
 the threshold), `reason` (why a row has no score: empty_answer, too_long, no_p_sem; null
-when scored) and, if asked, `seed_scores`.
+when scored) and, if asked, `seed_scores`; with --explain, `question`, `answer` and the token
+evidence (EXPLAIN_SCHEMA).
 """
 
 from __future__ import annotations
@@ -215,7 +216,18 @@ class AnswerFile:
 
 
 # ------------------------------------------------------------------------------ output
-def output_schema(id_type: type | None, generate: bool, per_seed: bool) -> dict:
+# --explain adds the answer's token evidence (halludetect/detectors/evidence.py): score = bias + sum(contributions).
+EXPLAIN_SCHEMA = {
+    "tokens": pl.List(pl.String),  # each token's decoded piece
+    "token_start": pl.List(pl.Int32),  # its [start, end) in `answer`
+    "token_end": pl.List(pl.Int32),
+    "offsets_exact": pl.Boolean,  # False: the tokens do not spell `answer`; the offsets are aligned, approximate
+    "contributions": pl.List(pl.Float64),  # each token's share of the score (the seeds' mean)
+    "bias": pl.Float64,
+}
+
+
+def output_schema(id_type: type | None, generate: bool, per_seed: bool, explain: bool = False) -> dict:
     schema: dict = {"row": pl.Int64}
     if id_type is not None:
         schema["id"] = pl.String if id_type is str else pl.Int64
@@ -230,6 +242,8 @@ def output_schema(id_type: type | None, generate: bool, per_seed: bool) -> dict:
     }
     if per_seed:
         schema["seed_scores"] = pl.List(pl.Float64)
+    if explain:  # the question and answer too, so that `halludetect explain` reads this file alone
+        schema |= {"question": pl.String, "answer": pl.String, **EXPLAIN_SCHEMA}
     return schema
 
 

@@ -65,6 +65,7 @@ from halludetect.core.atomic_io import atomic_path, file_sha256
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import UnknownName
 from halludetect.detectors.build import build_detector, check_known, load_detector, origin_meta, params_for
+from halludetect.detectors.evidence import Evidence, NoEvidence, describe, ensemble_evidence
 from halludetect.methods import SP_METHODS
 from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc
@@ -259,6 +260,20 @@ class Bundle:
     def seed_logits(self, bags: Bags) -> torch.Tensor:
         """[S, B] each seed's bag logits, in the order of `seeds`."""
         return torch.stack([self.detectors[s](bags) for s in self.seeds])
+
+    def evidence(self, bags: Bags) -> Evidence:
+        """The token evidence of the seeds' mean logit (detectors/evidence.py): score = bias + sum_t c_t."""
+        return ensemble_evidence([self.detectors[s] for s in self.seeds], bags)
+
+    def evidence_rule(self) -> str:
+        """How this bundle's score splits over tokens (one line); a BundleError saying what its
+        method reports instead when it has no token evidence."""
+        try:
+            return describe(self.detectors[self.seeds[0]])
+        except NoEvidence as e:
+            raise BundleError(
+                f"{self.path or 'the bundle'} ('{self.method}'): {e}; score it without --explain"
+            ) from None
 
     def probability(self, z: np.ndarray) -> np.ndarray:
         c = self.meta["calibration"]

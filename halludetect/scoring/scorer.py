@@ -15,7 +15,9 @@ Order of work, so that bad input fails before anything expensive:
     with `generate`, the whole causal LM, because sampling needs its logits;
  4. rows go through in batches: prompt + answer ids -> the layer's states -> bags exactly as
     the dump and evaluate build them (stored dtype, then float32) -> each seed's logit ->
-    their mean (`score`), Platt probability, flag at the threshold.
+    their mean (`score`), Platt probability, flag at the threshold; with `explain`, each
+    token's contribution to that mean (detectors/evidence.py) and its text and place in the
+    answer (lm/token_text.py).
 
 Rows that cannot be scored keep their place with a `reason`: empty_answer, too_long (prompt +
 answer longer than the model's context: the row is named in the log), no_p_sem (a method that
@@ -64,6 +66,7 @@ from halludetect.lm.hf_models import (
     resolve_device,
 )
 from halludetect.lm.model_inputs import encode_prompt, pad_ids
+from halludetect.lm.token_text import char_spans, token_pieces
 from halludetect.scoring.answer_files import (
     AnswerFile,
     AnswerRow,
@@ -303,6 +306,7 @@ class Scorer:
         threshold: str | float | None = None,
         batch_size: int = 32,
         per_seed: bool = False,
+        explain: bool = False,
         log=print,
     ):
         batch_size = at_least_one("batch_size (--batch-size)", batch_size)
@@ -318,6 +322,8 @@ class Scorer:
                 f"{b.path} holds a '{b.method}' detector, which scores the K answers of a question together "
                 "(EigenScore); halludetect score scores answers one at a time: evaluate it in the DAG"
             )
+        # --explain: a bundle without token evidence is refused here, before any file or weight is read
+        self.explain, self.evidence_rule = explain, b.evidence_rule() if explain else None
         if generate is not None and b.reads_p_sem:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
@@ -416,6 +422,7 @@ class Scorer:
                 "flag": None,
                 "reason": None,
                 "seed_scores": None,
+                **({"question": r.question, "answer": r.answer} if self.explain else {}),
             }
             for r in rows
         ]
@@ -459,7 +466,7 @@ class Scorer:
         row, col = (t.to(device) for t in bag_positions(starts, lengths))
         # The dump stores the states in the bundle's dtype; evaluate reads them back as float32.
         tokens = h[row, col].to(self.states_dtype).float()  # [N, d]
-        self._finish([i for i, _, _ in batch], tokens, lengths, rows, out)
+        self._finish([i for i, _, _ in batch], tokens, lengths, rows, out, [a for _, _, a in batch])
 
     def _score_sampled(self, rows: list[AnswerRow], out: list[dict]) -> None:
         """Sample one answer per question; its bag comes from the sampling pass itself."""
@@ -496,7 +503,7 @@ class Scorer:
                 states_dtype=self.states_dtype,
                 greedy=self.greedy,
             )
-            done, bags = [], []
+            done, bags, ids = [], [], []
             for (i, _), s in zip(batch, sampled):
                 out[i] |= {
                     "answer": s.answer.text,
@@ -509,11 +516,18 @@ class Scorer:
                 else:
                     done.append(i)
                     bags.append(s.states)
+                    ids.append(s.answer.token_ids)
             if done:
-                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out)
+                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out, ids)
 
     def _finish(
-        self, index: list[int], tokens: torch.Tensor, lengths: list[int], rows: list[AnswerRow], out: list[dict]
+        self,
+        index: list[int],
+        tokens: torch.Tensor,
+        lengths: list[int],
+        rows: list[AnswerRow],
+        out: list[dict],
+        answer_ids: list[list[int]],
     ) -> None:
         b = self.bundle
         p_sem = None
@@ -531,6 +545,24 @@ class Scorer:
                 "probability": float(prob[k]),
                 "flag": bool(z[k] >= self.threshold),
                 "seed_scores": logits[:, k].tolist(),
+            }
+        if self.explain:
+            self._explain(index, bags, answer_ids, out)
+
+    def _explain(self, index: list[int], bags: Bags, answer_ids: list[list[int]], out: list[dict]) -> None:
+        """Each answer's tokens (decoded pieces, their place in the answer) and contributions."""
+        e = self.bundle.evidence(bags)
+        contributions = e.contributions.double().cpu().split(bags.lengths.tolist())
+        for k, i in enumerate(index):
+            pieces = token_pieces(self.tokenizer, answer_ids[k])
+            spans = char_spans(pieces, out[i]["answer"])
+            out[i] |= {
+                "tokens": pieces,
+                "token_start": spans.start,
+                "token_end": spans.end,
+                "offsets_exact": spans.exact,
+                "contributions": contributions[k].tolist(),
+                "bias": float(e.bias[k]),
             }
 
     def _non_finite(
@@ -561,6 +593,7 @@ class Scorer:
             "threshold": [self.threshold_name, self.threshold],
             "batch_size": self.batch_size,
             "per_seed": self.per_seed,
+            "explain": self.explain,
             "device": str(self.device),
             "dtype": None if self.preset is None else self.preset.dtype,
             "generate": None if self.generate is None else {**self.generate.model_dump(), "greedy": self.greedy},
@@ -582,7 +615,7 @@ def score_answers(bundle: Bundle | str | Path, rows: Iterable[dict] | pl.DataFra
     for i, rec in enumerate(records):
         parsed.append(parse_row(rec, i, f"row {i}", generate=scorer.generate is not None, source="rows"))
         seen.add(parsed[-1])
-    schema = output_schema(seen.id_type, scorer.generate is not None, scorer.per_seed)
+    schema = output_schema(seen.id_type, scorer.generate is not None, scorer.per_seed, scorer.explain)
     return pl.DataFrame(_shape(scorer.score(parsed), schema), schema=schema)
 
 
@@ -629,7 +662,7 @@ def score_file(
             f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
             f"P_sem: {input_path} has no p_sem values (add a p_sem column)"
         )
-    schema = output_schema(src.id_type, generate, scorer.per_seed)
+    schema = output_schema(src.id_type, generate, scorer.per_seed, scorer.explain)
     n_parts = -(-src.n_rows // rows_per_part)
     store = UnitStore(
         parts_dir(output_path),
@@ -675,6 +708,7 @@ def score_file(
         "flagged": counts["flagged"],
         "not_scored": not_scored,
         "threshold": {"name": scorer.threshold_name, "value": scorer.threshold},
+        **({"evidence": scorer.evidence_rule} if scorer.explain else {}),
         "parts_kept_from_earlier_run": kept,
         "seconds": round(seconds, 3),
         "rows_per_s": round((src.n_rows - kept_rows) / seconds, 2) if seconds > 0 else None,

@@ -254,5 +254,6 @@ print(json.dumps(out))
             "\n  analyze:",
             "\n  figures:",
             "\n  report:",
+            "\n  evidence:",
         )
     )

@@ -329,6 +329,32 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             }
         )
     )
+    # the evidence stage's JSON of the cell (tests/report/test_evidence_tables.py has the full format)
+    q = {"median": 2.0, "q25": 1.0, "q75": 3.0}
+    classes = {
+        "n": 5,
+        "n_with_positive_evidence": 5,
+        "median_T": 8.0,
+        "s50": q,
+        "s90": q,
+        "s50_share": q,
+        "s90_share": q,
+    }
+    (tmp_path / "evidence" / "my-llama").mkdir(parents=True)
+    (tmp_path / "evidence" / "my-llama" / "tqa.json").write_text(
+        json.dumps(
+            {
+                "methods": {
+                    "max": {
+                        "display": "Max pooling",
+                        "layer": 2,
+                        "evidence": "...",
+                        "classes": {"hallucinated": classes, "correct": classes},
+                    }
+                }
+            }
+        )
+    )
     res = subprocess.run(
         [
             sys.executable,
@@ -342,6 +368,8 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             str(tmp_path / "base"),
             "--labels-dir",
             str(tmp_path / "labels"),
+            "--evidence-dir",
+            str(tmp_path / "evidence"),
             "--out-dir",
             str(tmp_path / "tables"),
             "--summary",
@@ -364,6 +392,7 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
         "expected_c_int_my-llama_test",
         "margin_growth",
         "training_time",
+        "evidence_sparsity",
     ):
         assert {f"{table}.md", f"{table}.tex"} <= names, table
     growth = (tmp_path / "tables" / "margin_growth.md").read_text()

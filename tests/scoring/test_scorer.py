@@ -22,6 +22,7 @@ from support import ROOT, write_jsonl
 
 from halludetect.config import GenerateParams
 from halludetect.detectors.build import build_detector, params_for
+from halludetect.scoring.answer_files import EXPLAIN_SCHEMA
 from halludetect.scoring.bundle import load_bundle, save_bundle
 from halludetect.scoring.scorer import ModelMismatch, Scorer, score_answers, score_file
 
@@ -115,6 +116,77 @@ def test_generate_scores_the_sampled_answers(contract, bundle_path, tiny_model_d
         device="cpu",
     )
     np.testing.assert_allclose(df["score"].drop_nulls().to_numpy(), again["score"].to_numpy(), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ token evidence
+def check_explained(df: pl.DataFrame, tok) -> None:
+    """Every scored row's contributions and bias make its score; its pieces are its tokens, and
+    where they spell the answer the offsets are exact and cover it."""
+    for r in df.filter(pl.col("score").is_not_null()).iter_rows(named=True):
+        assert r["bias"] + sum(r["contributions"]) == pytest.approx(r["score"], abs=1e-5)
+        assert len(r["tokens"]) == len(r["contributions"]) == len(r["token_start"]) == r["n_tokens"]
+        if r["offsets_exact"]:
+            shown = [r["answer"][a:b] for a, b in zip(r["token_start"], r["token_end"])]
+            # whitespace around the answer is not in it (answers are stored stripped): cut off the ends
+            assert "".join(shown) == r["answer"].strip()
+            assert all(part in piece for part, piece in zip(shown, r["tokens"]))
+    for r in df.filter(pl.col("score").is_null()).iter_rows(named=True):
+        assert r["tokens"] is None and r["contributions"] is None
+
+
+def test_explain_splits_each_score_over_the_answers_tokens(contract, bundle_path, tiny_model_dir, tiny):
+    _, tok = tiny
+    rows = dag_rows(contract)
+    plain = score_answers(bundle_path, rows, model=str(tiny_model_dir), device="cpu")
+    df = score_answers(bundle_path, rows, model=str(tiny_model_dir), device="cpu", explain=True)
+    assert df.columns == [*plain.columns, "question", "answer", *EXPLAIN_SCHEMA]
+    assert df["score"].to_list() == plain["score"].to_list()  # explaining changes no score
+    check_explained(df, tok)
+    # the sampled tokens decode to the stored text (stripped): exact offsets for every answer
+    assert df["offsets_exact"].all()
+    # tokens that do not spell the given answer: offsets aligned and marked approximate, score as given
+    odd = [{**rows[0], "answer": rows[0]["answer"].upper() + " (sic)"}]
+    row = score_answers(bundle_path, odd, model=str(tiny_model_dir), device="cpu", explain=True).row(0, named=True)
+    assert row["offsets_exact"] is False and row["score"] == df["score"][0]
+    assert all(0 <= a <= b <= len(odd[0]["answer"]) for a, b in zip(row["token_start"], row["token_end"]))
+
+
+def test_explain_with_generate_and_with_p_sem(contract, bundle_path, tiny_model_dir, tiny, tmp_path):
+    _, tok = tiny
+    qs = pl.read_parquet(contract / "questions.parquet").head(4)
+    src = write_jsonl(tmp_path / "q.jsonl", [{"id": r["id"], "question": r["question"]} for r in qs.to_dicts()])
+    out = tmp_path / "sampled.jsonl"
+    params = GenerateParams(max_new_tokens=6, stop=[])
+    summary = score_file(
+        bundle_path, src, out, str(tiny_model_dir), generate=params, device="cpu", progress=False, explain=True
+    )
+    assert summary["evidence"].startswith("each feature's term")
+    check_explained(pl.read_ndjson(out), tok)
+    sp = sp_bundle(bundle_path, tmp_path / "sp.safetensors")
+    rows = [
+        {"question": "Where was Tavo Mir born?", "answer": "Tavo Mir was born in Calomar.", "p_sem": p}
+        for p in (0.2, 0.9)
+    ]
+    df = score_answers(sp, rows, model=str(tiny_model_dir), device="cpu", explain=True)
+    check_explained(df, tok)
+    assert df["bias"].to_list() == [0.0, 0.0]  # HaMI: top-k token logits / k, no bias
+    assert df["contributions"][0].to_list() != df["contributions"][1].to_list()  # P_sem scales the states
+
+
+@pytest.mark.hostile
+def test_explain_with_a_method_without_token_evidence_says_what_it_reports(bundle_path, tiny_model_dir, no_loading):
+    from halludetect.detectors import evidence
+    from halludetect.detectors.networks import PoolingNet
+    from halludetect.scoring.bundle import BundleError
+
+    saved = evidence.EXPLAINERS[PoolingNet]
+    evidence.no_evidence(PoolingNet, "its score is the bag logit alone, reported per answer")
+    try:
+        with pytest.raises(BundleError, match=r"\('max'\): a PoolingNet detector has no token evidence: its score is"):
+            Scorer(bundle_path, str(tiny_model_dir), explain=True)
+        Scorer(bundle_path, str(tiny_model_dir))  # without --explain it scores as before
+    finally:
+        evidence.EXPLAINERS[PoolingNet] = saved
 
 
 # ------------------------------------------------------------------------------ the model given

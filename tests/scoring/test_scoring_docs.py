@@ -1,7 +1,7 @@
-"""docs/scoring.md "Scoring new answers": its shell commands and its Python example run as written,
-and so does the README's example, in a directory laid out like the repository (data/world/model,
-data/bundles/world/world/max.safetensors) with the tiny test model and a bundle exported from the
-miniature DAG on it."""
+"""docs/scoring.md "Scoring new answers" and "Where in the answer": their shell commands and the
+Python example run as written, and so does the README's example, in a directory laid out like the
+repository (data/world/model, data/bundles/world/world/max.safetensors) with the tiny test model
+and a bundle exported from the miniature DAG on it."""
 
 import json
 import os
@@ -45,6 +45,17 @@ def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monk
     assert scores["reason"].to_list() == [None, None, "empty_answer"] and scores["score"].null_count() == 1
     sampled = [json.loads(line) for line in (repo / "sampled.jsonl").read_text().splitlines()]
     assert [r["id"] for r in sampled] == ["q1", "q2"] and all("answer" in r and "flag" in r for r in sampled)
+    # "Where in the answer": the same answers explained, in the terminal and as a page
+    explain = doc_blocks("docs/scoring.md", "Where in the answer: token evidence")["bash"]
+    assert len(explain) == 1
+    res = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", explain[0]], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    explained = pl.read_parquet(repo / "explained.parquet")
+    assert explained["score"].to_list() == scores["score"].to_list()
+    assert "2 of 2 scored answers" in res.stdout and "not scored: empty_answer 1" in res.stdout
+    assert (repo / "explained.html").read_text().count('<section class="answer"') == 2
     monkeypatch.chdir(repo)
     for where, code in (("docs/scoring.md", blocks["python"][0]), ("README.md", readme["python"][0])):
         scope: dict = {}
