@@ -119,6 +119,7 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
     import dvc.api
 
     rows = dvc.api.exp_show(repo=str(repo))
+    sections = _param_sections(repo)
     errors = queue_errors(repo) if any(row.get("State") == "Failed" for row in rows) else {}
     out = []
     for row in rows:
@@ -130,7 +131,11 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
             if (m := EVAL.match(k)) is not None:
                 cell = (m["model"], m["dataset"], m["method"])
                 per_file.setdefault(cell, {})[m["key"]] = _value(v)
-            elif k not in META and ":" not in k and "/" not in k:  # a param (deps are paths, metrics file:key)
+            elif k.startswith("params.yaml:"):  # a param whose name a metric shares
+                params[k.removeprefix("params.yaml:")] = _value(v)
+            elif k not in META and ":" not in k and "/" not in k and k.split(".")[0] in sections:
+                # a param: deps are paths, and a metric is `file:key`, or its bare key where no other
+                # file has it (the evidence JSON's `methods.max...`), which no params.yaml section starts
                 params[k] = _value(v)
         name = row.get("Experiment") or row.get("rev")
         error = None
@@ -139,6 +144,14 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
         metrics = {} if state else {cell: _nest(flat) for cell, flat in per_file.items()}
         out.append(Experiment(name, params, metrics, state, error))
     return out
+
+
+def _param_sections(repo: str | Path) -> set[str]:
+    """The top-level sections of the repository's params.yaml (grid, train, detectors, ...)."""
+    import yaml
+
+    path = Path(repo) / "params.yaml"
+    return set(yaml.safe_load(path.read_text()) or {}) if path.exists() else set()
 
 
 def _flatten(tree: dict, prefix: str = "") -> set[str]:

@@ -25,6 +25,7 @@ from halludetect.evaluation.baselines import baseline_scores
 from halludetect.evaluation.evaluate import read_scores
 from halludetect.evaluation.plot_data import class_histogram_data
 from halludetect.labels.readers import read_clusters, read_judgments
+from halludetect.methods import METHODS
 from halludetect.metrics import auroc
 from halludetect.qa.responses import response_ids
 from halludetect.report import figures
@@ -121,7 +122,8 @@ def draw_cell(
     )
     # Margins after every epoch at the best layer (evaluate copies them from the layer's figures).
     by_epoch = {m: e["margin_by_epoch"] for m, e in evals.items() if e.get("margin_by_epoch")}
-    if missing := [m for m in detectors if m not in by_epoch]:
+    trained = [m for m in detectors if METHODS[m].fit == "sgd" and METHODS[m].logits]  # by epochs, in logits
+    if missing := [m for m in trained if m not in by_epoch]:
         raise DataError(f"{cell}: no margins by epoch in the evaluation of {missing}: re-run their train stages")
     figures.save_png(
         figures.margins_by_epoch(

@@ -114,3 +114,32 @@ def test_an_unknown_metric_or_method_is_named_with_the_valid_ones(repo_with):
         sweeps.sweep(".", "detectors.max.dim", GRID, metric="aucroc", params=PARAMS)
     with pytest.raises(SweepError, match=r"^unknown method 'maxx'; did you mean 'max'\? valid: "):
         sweeps.sweep(".", "detectors.max.dim", GRID, method="maxx", params=PARAMS)
+
+
+def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch):
+    """`dvc exp show` gives a metric its bare key where no other file has it (the evidence JSON's
+    `methods.max...`): only keys under a section of params.yaml are params."""
+    import dvc.api
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"detectors": {"max": {"dim": 8}}, "train": {"epochs": 8}}))
+    rows = [
+        {
+            "Experiment": name,
+            "rev": name,
+            "State": "Success",
+            "detectors.max.dim": dim,
+            "train.epochs": 8,
+            "methods.max.classes.correct.s50.median": 2.0 + dim,  # the evidence JSON's, unprefixed
+            "metrics/eval/world/world/max.json:best_layer": 2,
+            "metrics/eval/world/world/max.json:test.auroc.mean": 0.7,
+        }
+        for name, dim in (("a", 8), ("b", 16))
+    ]
+    monkeypatch.setattr(dvc.api, "exp_show", lambda repo: rows)
+    exps = sweeps.experiments(tmp_path)
+    assert [e.params for e in exps] == [
+        {"detectors.max.dim": 8, "train.epochs": 8},
+        {"detectors.max.dim": 16, "train.epochs": 8},
+    ]
+    results, _ = sweeps.sweep_results(exps, "detectors.max.dim", "max")
+    assert set(results[("world", "world")]) == {8, 16}
