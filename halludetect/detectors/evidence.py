@@ -177,14 +177,16 @@ def no_evidence(cls: type, reason: str) -> None:
 
 
 def _explainer(net: nn.Module) -> Callable[[nn.Module, Bags], Evidence]:
+    name = type(net).__name__
+    a = f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
     for cls in type(net).__mro__:
         found = EXPLAINERS.get(cls)
         if callable(found):
             return found
         if isinstance(found, str):
-            raise NoEvidence(f"a {type(net).__name__} detector has no token evidence: {found}")
+            raise NoEvidence(f"{a} detector has no token evidence: {found}")
     raise NoEvidence(
-        f"a {type(net).__name__} detector has no token evidence: it reports its bag logit alone "
+        f"{a} detector has no token evidence: it reports its bag logit alone "
         "(give its network a decomposition in halludetect/detectors/evidence.py)"
     )
 

@@ -170,7 +170,9 @@ def evidence_cell(
             clustered = read_clusters(clusters) if clustered is None else clustered
             p_sem = p_sem_table(clustered, trained_params(layer_dir, method).p_sem)
         path = Path(activations) / layer_filename(best)
-        data = split_data(read_layer(path, dtype=None, expect_layer=best), judged, "test", str(path), p_sem)
+        layer = read_layer(path, dtype=None, expect_layer=best)
+        # method=: what it cannot score is left out as evaluate leaves it out (SEP (SLT): one-token answers)
+        data = split_data(layer, judged, "test", str(path), p_sem, method=method)
         models = load_models(layer_dir, method, best, seeds, data.tokens.shape[1])
         if not has_evidence(models[0]):
             try:
