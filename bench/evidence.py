@@ -29,11 +29,11 @@ from halludetect.activations.layer_reader import read_layer  # noqa: E402
 from halludetect.config import ModelPreset, load_params  # noqa: E402
 from halludetect.detectors.build import DETECTORS, build_detector, section  # noqa: E402
 from halludetect.detectors.data import split_data  # noqa: E402
-from halludetect.detectors.evidence import evidence  # noqa: E402
+from halludetect.detectors.evidence import evidence, has_evidence  # noqa: E402
 from halludetect.detectors.training import train_detector  # noqa: E402
 from halludetect.lm.hf_models import load_tokenizer  # noqa: E402
 from halludetect.lm.token_text import char_spans, token_pieces  # noqa: E402
-from halludetect.methods import SP_METHODS  # noqa: E402
+from halludetect.methods import method as lookup_method  # noqa: E402
 from halludetect.qa.responses import response_ids  # noqa: E402
 
 CELL = Path("data/activations/world/world")
@@ -76,18 +76,21 @@ def main() -> None:
         plain_s.append(best_of(1, run(False)))
         traced_s.append(best_of(1, run(True)))
 
-    bags = test.slice(0, len(test))
     per_method = {}
     for method in DETECTORS:
-        if method in SP_METHODS:
-            bags.p_sem = torch.full((len(bags),), 0.5)
         torch.manual_seed(0)
         net = build_detector(method, test.tokens.shape[1], section(params.detectors, method)).eval()
+        if not has_evidence(net):  # EigenScore: a question's answers together, no token split
+            per_method[method] = {"evidence": None}
+            continue
+        spec = lookup_method(method)
+        # the bags it can score (SEP (SLT): two tokens at least), P_sem for the methods that scale by it
+        bags = test.bags(torch.nonzero(test.lengths >= spec.min_tokens).squeeze(1))
+        bags.p_sem = torch.full((len(bags),), 0.5) if spec.reads_p_sem else None
         with torch.no_grad():
             forward_s = best_of(5, lambda: net(bags))  # noqa: B023
         evidence_s = best_of(5, lambda: evidence(net, bags))  # noqa: B023
-        per_method[method] = {"forward_ms": forward_s * 1e3, "evidence_ms": evidence_s * 1e3}
-        bags.p_sem = None
+        per_method[method] = {"bags": len(bags), "forward_ms": forward_s * 1e3, "evidence_ms": evidence_s * 1e3}
 
     tok = load_tokenizer(ModelPreset(path=str(WORLD_MODEL)))
     gens = pl.read_parquet(GENERATIONS)
