@@ -279,3 +279,22 @@ def doc_blocks(doc: str, title: str) -> dict[str, list[str]]:
     for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, flags=re.S):
         blocks.setdefault(lang, []).append(code)
     return blocks
+
+
+def pdflatex(tables, directory: Path) -> subprocess.CompletedProcess:
+    """Compile `tables` (report Tables) into one LaTeX document in `directory`, as a paper would
+    include them (booktabs, graphicx): the real check of their escaping."""
+    from halludetect.report.tables import to_latex
+
+    doc = directory / "all.tex"
+    doc.write_text(
+        "\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
+        + "".join(to_latex(t) for t in tables)
+        + "\\end{document}\n"
+    )
+    return subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+    )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sqlite3
 import time
 import uuid
@@ -27,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from halludetect.core.processes import HOST, pid_alive
+
 LEASE_S = 60.0  # a claim not renewed for this long is taken over (owners renew every LEASE_S / 3)
-HOST = socket.gethostname()
 
 
 def cache_path() -> Path:
@@ -36,17 +36,6 @@ def cache_path() -> Path:
     if root := os.environ.get("HALLUDETECT_CACHE"):
         return Path(root) / "api_calls.sqlite"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "halludetect" / "api_calls.sqlite"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host (signal 0 checks without sending)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -46,28 +45,15 @@ import polars as pl
 
 from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.errors import DataError, UserError
+from halludetect.core.processes import HOST, pid_alive
 
 log = logging.getLogger("halludetect")
 UNIT = re.compile(r"unit_(\d{6,})\.parquet")
 LOCK, OWNER, FINGERPRINT = "owner.lock", "owner.json", "fingerprint.json"
-HOST = socket.gethostname()
 
 
 class StoreBusy(UserError):
     """Another run holds the store: its units are not ours to read, discard or add to."""
-
-
-def pid_alive(pid) -> bool:
-    """Whether a process with this id exists on this host (signal 0 checks without sending)."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:  # a damaged record (and -1 means "all")
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
 
 
 def describe_owner(record: dict | None) -> str:

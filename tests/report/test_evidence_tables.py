@@ -4,12 +4,12 @@ and both tables accepted by pdflatex where it is installed."""
 
 import json
 import shutil
-import subprocess
 
 import pytest
+from support import pdflatex
 
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
-from halludetect.report.tables import to_latex, to_markdown
+from halludetect.report.tables import to_markdown
 
 
 def quartiles(median, q25, q75):
@@ -88,16 +88,5 @@ def test_a_missing_cell_is_named(tmp_path):
 @pytest.mark.skipif(shutil.which("pdflatex") is None, reason="pdflatex is not installed (Debian: texlive-latex-base)")
 def test_the_tables_compile_with_latex(tmp_path):
     tables = evidence_tables(write_cells(tmp_path))
-    doc = tmp_path / "all.tex"
-    doc.write_text(
-        "\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
-        + "".join(to_latex(t) for t in tables)
-        + "\\end{document}\n"
-    )
-    res = subprocess.run(
-        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    res = pdflatex(tables, tmp_path)
     assert res.returncode == 0, res.stdout[-2000:]

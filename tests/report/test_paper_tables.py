@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from support import ROOT
+from support import ROOT, pdflatex
 
 from halludetect.config import parse_params
 from halludetect.report.paper_tables import Grid, build_tables, load_metrics, sweep_table
@@ -441,16 +441,5 @@ def test_every_table_compiles_with_latex(tmp_path):
             notes=[special],
         )
     )
-    doc = tmp_path / "all.tex"
-    doc.write_text(
-        "\\documentclass{article}\\usepackage[T1]{fontenc}\\usepackage{booktabs,graphicx}\\begin{document}\n"
-        + "".join(to_latex(t) for t in tables)
-        + "\\end{document}\n"
-    )
-    res = subprocess.run(
-        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    res = pdflatex(tables, tmp_path)
     assert res.returncode == 0, res.stdout[-2000:]
