@@ -83,9 +83,13 @@ def _score(args) -> None:
 
 def _explain(args) -> None:
     from halludetect.core.atomic_io import write_text
+    from halludetect.scoring.answer_files import check_output
     from halludetect.scoring.evidence_views import html_page, read_explained, terminal
 
-    explained = read_explained(args.scores, args.limit or (500 if args.html else 20))
+    if args.html:  # a directory, a missing folder or the scores file itself: one line, before reading
+        check_output(args.html, "the page (--html)", {"scores file": args.scores})
+    limit = args.limit if args.limit is not None else (500 if args.html else 20)  # 0 is refused, not the default
+    explained = read_explained(args.scores, limit)
     if args.html:
         write_text(args.html, html_page(explained, args.title))
         print(

@@ -188,3 +188,15 @@ def test_score_explain_writes_the_evidence_columns_and_explain_renders_them(
     with pytest.raises(SystemExit) as e:
         console.main(["explain", str(src)])
     assert e.value.code == 2 and "score the answers with `halludetect score --explain`" in capsys.readouterr().err
+    # bad output paths and limits: one line each, before the file is read, nothing written
+    for extra, message in (
+        (["--html", str(tmp_path)], f"the page (--html) {tmp_path} is a directory: give a file path in it"),
+        (["--html", str(tmp_path / "no" / "p.html")], f"the page (--html) {tmp_path / 'no' / 'p.html'}: its folder"),
+        (["--html", str(out)], f"the page (--html) {out} is the scores file {out}: writing it would destroy"),
+        (["--limit", "0"], "--limit must be at least 1, got 0"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            console.main(["explain", str(out), *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert pl.read_parquet(out).height == 3
