@@ -7,6 +7,7 @@
     halludetect show B.safetensors
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
     halludetect sweep detectors.max.dim                                       # experiments -> a table
+    halludetect exp-push origin                    # experiments to git, their outputs to the DVC remote
 
 `score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
 (`halludetect.scoring.evidence_views`); `show` prints a bundle's metadata. Bad input
@@ -172,12 +173,59 @@ def _sweep(args) -> None:
     where = _where(args.where)
     params = load_params(args.params)  # validated first: a broken file is named here
     raw = yaml.safe_load(Path(args.params).read_text())  # the keys as written, to check the swept one
-    table = sweep(".", args.param, Grid.of(params), method=args.method, metric=args.metric, where=where, params=raw)
+    table = sweep(
+        ".",
+        args.param,
+        Grid.of(params),
+        method=args.method,
+        metric=args.metric,
+        where=where,
+        params=raw,
+        revs=args.rev,
+        all_commits=args.all_commits,
+        names=args.experiments,
+    )
     out = Path(args.out_dir)
     write_text(out / f"{table.name}.md", to_markdown(table))
     write_text(out / f"{table.name}.tex", to_latex(table))
     print(to_markdown(table))
     print(f"written: {out / table.name}.md and .tex", file=sys.stderr)
+
+
+def _exp_push(args) -> None:
+    from pathlib import Path
+
+    from halludetect.experiments.sharing import push_experiments
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"-j/--jobs {args.jobs}: give 1 or more parallel uploads")
+    result = push_experiments(
+        Path("."),
+        args.git_remote,
+        args.experiments,
+        all_commits=args.all_commits,
+        rev=args.rev,
+        dvc_remote=args.remote,
+        force=args.force,
+        jobs=args.jobs,
+    )
+    if diverged := result.get("diverged"):
+        raise UserError(
+            f"{', '.join(diverged)}: the git remote {args.git_remote} has other experiments of these names; "
+            "nothing of them was pushed (--force replaces them)"
+        )
+    pushed = sorted(result.get("success", []) + result.get("up_to_date", []))
+    if not pushed:
+        raise UserError(
+            "no experiment to push: none derives from HEAD or a commit before it (-A pushes every "
+            "experiment of this clone; `dvc exp list` lists them)"
+        )
+    print(
+        json.dumps(
+            {"experiments": pushed, "files_uploaded": result.get("uploaded", 0), "git_remote": args.git_remote},
+            indent=2,
+        )
+    )
 
 
 def _literal(text: str):
@@ -324,6 +372,19 @@ def parser() -> argparse.ArgumentParser:
         "Markdown and LaTeX. Run it in the repository's root.",
     )
     sw.add_argument("param", help="the swept parameter, e.g. detectors.max.dim")
+    sw.add_argument(
+        "experiments",
+        nargs="*",
+        help="only these experiments (and their baseline commits); default: those of HEAD and of the commits before it",
+    )
+    sw.add_argument(
+        "--rev",
+        action="append",
+        help="the experiments of this baseline commit (repeatable) instead of HEAD's and its ancestors'",
+    )
+    sw.add_argument(
+        "-A", "--all-commits", action="store_true", help="every experiment of this clone, whatever its baseline"
+    )
     sw.add_argument("--method", help="whose metrics (default: the method the parameter belongs to)")
     sw.add_argument(
         "--metric",
@@ -339,6 +400,24 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--out-dir", default="metrics/sweeps", help="where the tables go (default: metrics/sweeps)")
     sw.add_argument("--params", default="params.yaml", help="params file, for the grid's paper identities")
     sw.set_defaults(run=_sweep)
+
+    ep = sub.add_parser(
+        "exp-push",
+        help="push experiments to a git remote and their outputs to the DVC remote configured now",
+        description="`dvc exp push GIT_REMOTE`, with every experiment's outputs sent to the DVC "
+        "remote the workspace configures now, also for experiments run before that remote was "
+        "configured (plain DVC looks for a remote in each experiment's own commit and then pushes "
+        "no data). Default: the experiments of HEAD and of the commits before it. Run it in the "
+        "repository's root.",
+    )
+    ep.add_argument("git_remote", help="git remote name or URL, e.g. origin")
+    ep.add_argument("experiments", nargs="*", help="only these experiments (dvc exp list names them)")
+    ep.add_argument("-A", "--all-commits", action="store_true", help="every experiment of this clone")
+    ep.add_argument("--rev", help="the experiments of this commit and the commits before it (default: HEAD)")
+    ep.add_argument("-r", "--remote", help="DVC remote name (default: the workspace's default remote)")
+    ep.add_argument("-f", "--force", action="store_true", help="replace experiments of the same name on the remote")
+    ep.add_argument("-j", "--jobs", type=int, help="parallel uploads (dvc push -j)")
+    ep.set_defaults(run=_exp_push)
     return p
 
 

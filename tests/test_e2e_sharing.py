@@ -1,10 +1,12 @@
 """Sharing through a real S3 remote and sweeps that end in tables, as docs/sweeps-and-sharing.md says,
 on a DAG that samples through a serving engine.
 
-The bash blocks of docs/sweeps-and-sharing.md ("Sharing through a remote", "Sweeps") run as written, in a temporary
-copy of the repository (tests/e2e_support.py) whose DAG is the small world's with one method on
-hidden states (`max`, the one the commands use) and `hami_sp`, on layer 2 only (the
-docs'), without the analysis: what the commands read, and no more. A real S3-compatible
+The bash blocks of docs/sweeps-and-sharing.md ("Sweeps", "Sharing through a remote", "Sharing a
+sweep") run as written and in the page's order, one test per section, in a temporary copy of the
+repository (tests/e2e_support.py) whose DAG is the small world's with one method on hidden states
+(`max`, the one the commands use) and `hami_sp`, on layer 2 only (the docs'), without the
+analysis: what the commands read, and no more. So the DVC remote is configured (and committed)
+after the sweep ran, which is the order plain `dvc exp push` cannot share. A real S3-compatible
 server (moto's) on 127.0.0.1 and a bare git repository stand for the team's remotes.
 
 This DAG samples with `generate.backend: completions` through the fake vLLM engine
@@ -118,13 +120,64 @@ def copies(exps: Path) -> int:
     return total
 
 
+def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3):
+    """docs "Sweeps": a two-value sweep queued and run by `dvc queue start`, one table of it
+    (the committed baseline is a third point); a failed experiment is a row marked so."""
+    queue, table = readme_blocks("Sweeps")
+    before = dir_bytes(repo / ".dvc/cache")
+    bash(queue, repo, s3)
+    copied, deadline = 0, time.monotonic() + 600  # bytes of activation files copied into an experiment's workspace
+    # `dvc queue status` is a DVC process (a second of CPU that the experiments' stages would have),
+    # so it is asked every 3 s; the workspaces are looked at every 0.5 s
+    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
+        "Queued" in status or "Running" in status
+    ):
+        assert time.monotonic() < deadline, status
+        for _ in range(6):
+            copied = max(copied, copies(repo / ".dvc/tmp/exps"))
+            time.sleep(0.5)
+    assert status.count("Success") == 2, status
+    growth = (dir_bytes(repo / ".dvc/cache") - before) / 2
+    activations = dir_bytes(repo / "data/activations")
+    print(
+        f"\nper queued experiment: cache growth {growth:,.0f} bytes, activation bytes copied into its workspace "
+        f"{copied:,} (the activations: {activations:,} bytes; cache.type hardlink)"
+    )
+    assert copied == 0 and growth < activations / 4
+    out = bash(table, repo, s3)
+    md = (repo / "metrics/sweeps/detectors_max_dim.md").read_text()
+    assert (repo / "metrics/sweeps/detectors_max_dim.tex").exists() and md in out
+    rows = [line for line in md.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert [r.split(" |")[0][2:] for r in rows] == ["8", "16", "32"], md  # the baseline's dim 16 and the two
+    bad = run([sys.executable, "-m", "halludetect.cli", "sweep", "detectors.hami.lr"], repo, check=False)
+    assert "no experiment varies detectors.hami.lr" in bad and "detectors.max.dim" in bad
+    # An experiment that fails (its train stage refuses dim 0) is a row marked failed, with its error.
+    run([sys.executable, "-m", "dvc", "exp", "run", "--queue", "-S", "detectors.max.dim=0"], repo)
+    run([sys.executable, "-m", "dvc", "queue", "start"], repo)
+    deadline = time.monotonic() + 600
+    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
+        "Queued" in status or "Running" in status
+    ):
+        assert time.monotonic() < deadline, status
+        time.sleep(3)
+    assert status.count("Failed") == 1, status
+    sweep = [sys.executable, "-m", "halludetect.cli", "sweep", "detectors.max.dim", "--out-dir", "with_failed"]
+    failed = run(sweep, repo)
+    why = "params.yaml: 1 problem(s) detectors.max.dim: Input should be greater than 0 (got 0)"
+    assert "| 0 | failed |" in failed and f" failed: {why} (`dvc queue logs " in failed, failed
+    values = [line.split(" |")[0][2:] for line in failed.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert values == ["0", "8", "16", "32"], failed
+
+
 def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo, s3, tmp_path):
-    """docs "Sharing through a remote": A pushes; a fresh clone B with an empty cache fetches one
-    layer file and the labels, trains and evaluates one method on that layer, runs nothing
-    upstream, leaves `dvc status` of what it ran clean, and gets A's figures byte for byte."""
+    """docs "Sharing through a remote", after the sweep: A configures the remote, commits it with
+    dvc.lock and pushes; a fresh clone B with an empty cache fetches one layer file and the labels,
+    trains and evaluates one method on that layer, runs nothing upstream, leaves `dvc status` of
+    what it ran clean, and gets A's figures byte for byte."""
     push, colleague = readme_blocks("Sharing through a remote")
     run(["git", "remote", "add", "origin", s3["GIT_ORIGIN"]], repo)  # the team's git server, already there
     bash(push, repo, s3)
+    assert run(["git", "status", "--porcelain", ".dvc/config", "dvc.lock"], repo).strip() == ""  # both committed
     assert "e2e-secret" not in (repo / ".dvc/config").read_text()  # credentials stay in the environment
     b = tmp_path / "b"
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(b)], tmp_path)
@@ -193,59 +246,22 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     assert "ERROR" in bad and "remote" in bad.lower() and "Running stage" not in bad
 
 
-def test_a_queued_sweep_ends_in_a_table_as_the_readme_says(repo, s3, tmp_path):
-    """docs "Sweeps": a two-value sweep queued and run by `dvc queue start`, one table of it
-    (the committed baseline is a third point), its results pushed with `dvc exp push` and pulled
-    by a colleague, whose table is the same."""
-    queue, table, share, pull = readme_blocks("Sweeps")
-    before = dir_bytes(repo / ".dvc/cache")
-    bash(queue, repo, s3)
-    copied, deadline = 0, time.monotonic() + 600  # bytes of activation files copied into an experiment's workspace
-    # `dvc queue status` is a DVC process (a second of CPU that the experiments' stages would have),
-    # so it is asked every 3 s; the workspaces are looked at every 0.5 s
-    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
-        "Queued" in status or "Running" in status
-    ):
-        assert time.monotonic() < deadline, status
-        for _ in range(6):
-            copied = max(copied, copies(repo / ".dvc/tmp/exps"))
-            time.sleep(0.5)
-    assert status.count("Success") == 2, status
-    growth = (dir_bytes(repo / ".dvc/cache") - before) / 2
-    activations = dir_bytes(repo / "data/activations")
-    print(
-        f"\nper queued experiment: cache growth {growth:,.0f} bytes, activation bytes copied into its workspace "
-        f"{copied:,} (the activations: {activations:,} bytes; cache.type hardlink)"
-    )
-    assert copied == 0 and growth < activations / 4
-    out = bash(table, repo, s3)
-    md = (repo / "metrics/sweeps/detectors_max_dim.md").read_text()
-    assert (repo / "metrics/sweeps/detectors_max_dim.tex").exists() and md in out
-    rows = [line for line in md.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
-    assert [r.split(" |")[0][2:] for r in rows] == ["8", "16", "32"], md  # the baseline's dim 16 and the two
-    bad = run([sys.executable, "-m", "halludetect.cli", "sweep", "detectors.hami.lr"], repo, check=False)
-    assert "no experiment varies detectors.hami.lr" in bad and "detectors.max.dim" in bad
-    # An experiment that fails (its train stage refuses dim 0) is a row marked failed, with its error.
-    run([sys.executable, "-m", "dvc", "exp", "run", "--queue", "-S", "detectors.max.dim=0"], repo)
-    run([sys.executable, "-m", "dvc", "queue", "start"], repo)
-    deadline = time.monotonic() + 600
-    while (status := run([sys.executable, "-m", "dvc", "queue", "status"], repo)) and (
-        "Queued" in status or "Running" in status
-    ):
-        assert time.monotonic() < deadline, status
-        time.sleep(3)
-    assert status.count("Failed") == 1, status
-    sweep = [sys.executable, "-m", "halludetect.cli", "sweep", "detectors.max.dim", "--out-dir", "with_failed"]
-    failed = run(sweep, repo)
-    why = "params.yaml: 1 problem(s) detectors.max.dim: Input should be greater than 0 (got 0)"
-    assert "| 0 | failed |" in failed and f" failed: {why} (`dvc queue logs " in failed, failed
-    values = [line.split(" |")[0][2:] for line in failed.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
-    assert values == ["0", "8", "16", "32"], failed
-    bash(share, repo, s3)
+def test_a_colleague_gets_the_sweep_table_from_the_remotes_as_the_readme_says(repo, s3, tmp_path):
+    """docs "Sharing a sweep": A's experiments ran before the DVC remote was configured and HEAD has
+    moved since (the remote's commit); `halludetect exp-push` still sends their outputs, and a
+    fresh clone B gets A's table from the experiments' git refs and the few metrics files it reads
+    from the DVC remote, downloading nothing into its cache."""
+    share, pull = readme_blocks("Sharing a sweep")
+    log = bash(share, repo, s3)
+    pushed = json.loads(log[log.index("{") : log.rindex("}") + 1])
+    assert len(pushed["experiments"]) == 2 and pushed["files_uploaded"] > 0, pushed
     b = tmp_path / "b"
     run(["git", "clone", "-q", s3["GIT_ORIGIN"], str(b)], tmp_path)
-    bash(pull, b, s3)
-    assert (b / "metrics/sweeps/detectors_max_dim.md").read_text() == md
+    out = bash(pull, b, s3)
+    md = (repo / "metrics/sweeps/detectors_max_dim.md").read_text()
+    assert (b / "metrics/sweeps/detectors_max_dim.md").read_text() == md and md in out
+    assert not (b / ".dvc/cache").exists() or dir_bytes(b / ".dvc/cache") == 0  # nothing downloaded
+    assert not (b / "data").exists() and not (b / "metrics/eval").exists()
 
 
 # ------------------------------------------------------------------ sampling through the engine

@@ -55,11 +55,44 @@ def check_in_grid(params: Params, model: str, dataset: str, method: str) -> None
             )
 
 
-def dvc(*args: str, cwd: Path) -> None:
+def dvc(*args: str, cwd: Path) -> int:
+    """Run a DVC command with its output shown as it is; returns its exit code."""
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd).returncode
+
+
+def dvc_or_fail(*args: str, cwd: Path) -> None:
     """Run a DVC command with its output shown as it is; a failure stops here with DVC's message."""
-    res = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd)
-    if res.returncode:
-        raise SharingError(f"`dvc {' '.join(args)}` failed (exit {res.returncode}); its message is above")
+    if code := dvc(*args, cwd=cwd):
+        raise SharingError(f"`dvc {' '.join(args)}` failed (exit {code}); its message is above")
+
+
+def workspace_remotes(repo: str | Path) -> dict | None:
+    """The DVC remotes the workspace configures now (.dvc/config, config.local with its
+    credentials, the user's and the system's), as a config override for DVC's Python API: DVC
+    reads the remote of an older commit's config when it reads that commit's outputs, and a
+    commit made before the remote was configured has none. None when no remote is configured.
+    The override lives in this process only; nothing of it is printed or written."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        remotes = {name: dict(section) for name, section in r.config.get("remote", {}).items()}
+        default = r.config.get("core", {}).get("remote")
+    if not remotes:
+        return None
+    return {"remote": remotes, **({"core": {"remote": default}} if default else {})}
+
+
+def writer(repo: Path, path: str) -> str | None:
+    """The stage whose output `path` is (or lies in)."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        for st in r.index.stages:
+            for o in st.outs:
+                out = str(o.def_path)
+                if path == out or path.startswith(out + "/"):
+                    return st.addressing
+    return None
 
 
 def stage_data_deps(repo: Path, stage: str) -> list[str]:
@@ -110,6 +143,50 @@ def dumped_layers(repo: Path, activations: str) -> list[int]:
     return sorted(int(n[len("layer_") : -len(".h5")]) for n in names if n.startswith("layer_") and n.endswith(".h5"))
 
 
+def absent_on_remote(repo: Path, objects: dict[str, dict[str, Path]], remote: str | None) -> list[str] | None:
+    """The paths of `objects` ({path: {object id: local file}}) with an object that is neither in
+    the local cache nor on the DVC remote; None when the remote cannot be asked (none configured,
+    unreachable, no credentials: DVC's own message says which)."""
+    from dvc.repo import Repo
+
+    local_missing = {p: [oid for oid, f in objs.items() if not f.exists()] for p, objs in objects.items()}
+    local_missing = {p: oids for p, oids in local_missing.items() if oids}
+    if not local_missing:
+        return []
+    try:
+        with Repo(str(repo)) as r:
+            odb = r.cloud.get_remote_odb(remote, "pull")
+            try:
+                # a probe that raises where the remote cannot be asked (`exists` answers False there)
+                odb.fs.ls(odb.path, detail=False)
+            except FileNotFoundError:
+                return list(local_missing)  # nothing was ever pushed to it
+            return [p for p, oids in local_missing.items() if not all(odb.exists(oid) for oid in oids)]
+    except Exception:  # noqa: BLE001 - any failure to ask the remote leaves DVC's message to explain
+        return None
+
+
+def missing_from_remote(repo: Path, stage: str, deps: list[str], remote: str | None) -> str:
+    """What to tell a colleague whose pull found some of a stage's inputs on no remote: the
+    stage that writes each, and the likely cause (a dvc.lock that does not record the run that
+    was pushed), instead of DVC's bare list of missing cache files. Empty when the remote could
+    not be asked, or has everything (the pull failed for another reason DVC has given)."""
+    absent = absent_on_remote(repo, cache_objects(repo, stage, deps), remote)
+    if not absent:
+        return ""
+    name = remote or (workspace_remotes(repo) or {}).get("core", {}).get("remote", "the default")
+    what = "; ".join(f"{p} (written by {writer(repo, p) or 'no stage'})" for p in absent)
+    return (
+        f"{stage} needs {what}, and neither the local cache nor the DVC remote '{name}' has the version "
+        "this clone's dvc.lock records. Likely cause: the dvc.lock you cloned does not record the run "
+        "that was pushed: it was committed from another run (another machine's, another CPU vendor's: "
+        "docs/reproducible-numbers.md), or whoever pushed did not commit the dvc.lock of their run, or "
+        "never ran `dvc push`. "
+        "Fix: whoever pushed commits the dvc.lock of the run they pushed (`git add dvc.lock && git "
+        f"commit && git push`) and runs `dvc push`; or run the writing stages here (`dvc repro {stage}`)"
+    )
+
+
 @dataclass
 class Fetched:
     stage: str
@@ -147,7 +224,11 @@ def train_layer_from_remote(
     cached_before = {
         oid for objects in cache_objects(repo, stage, deps).values() for oid, f in objects.items() if f.exists()
     }
-    dvc("pull", *(["-r", remote] if remote else []), *(["-j", str(jobs)] if jobs else []), *deps, cwd=repo)
+    if dvc("pull", *(["-r", remote] if remote else []), *(["-j", str(jobs)] if jobs else []), *deps, cwd=repo):
+        raise SharingError(
+            missing_from_remote(repo, stage, deps, remote)
+            or f"`dvc pull` of {stage}'s inputs failed; DVC's message is above"
+        )
     if absent := [d for d in deps if not (repo / d).exists()]:
         # `dvc pull` of a file its directory does not hold says "Everything is up to date".
         layer_file = next((d for d in absent if d.endswith(layer_filename(layer))), None)
@@ -159,7 +240,7 @@ def train_layer_from_remote(
         path: sum(f.stat().st_size for oid, f in objects.items() if oid not in cached_before and f.exists())
         for path, objects in cache_objects(repo, stage, deps).items()
     }
-    dvc("repro", "--single-item", stage, cwd=repo)
+    dvc_or_fail("repro", "--single-item", stage, cwd=repo)
     return Fetched(stage, {d: fetched.get(d, 0) for d in deps})
 
 
@@ -171,3 +252,48 @@ def _not_dumped(repo: Path, activations: str, model: str, dataset: str, layer: i
         f"layer {layer} was never dumped for {model}/{dataset}: {activations} holds layers {have}. Train one "
         f"of those (--layer), or dump layer {layer} (dump.layers) and push it"
     )
+
+
+def push_experiments(
+    repo: Path,
+    git_remote: str,
+    names: list[str] | None = None,
+    *,
+    all_commits: bool = False,
+    rev: str | None = None,
+    dvc_remote: str | None = None,
+    force: bool = False,
+    jobs: int | None = None,
+) -> dict:
+    """`dvc exp push GIT_REMOTE` with every experiment's outputs sent to the DVC remote the
+    workspace configures now. Plain DVC takes the remote from each experiment's own commit, so
+    after a sweep that ran before the remote was configured it pushes the git refs and no data,
+    and says nothing (or, with `-r`, fails on a remote the commit does not know).
+
+    Which experiments: `names`; else every one (`all_commits`); else those derived from `rev`
+    and its first-parent ancestors (default HEAD's), so a sweep stays in scope after commits on
+    top of it. Returns DVC's result: the experiments pushed (`success`), already there
+    (`up_to_date`), refused (`diverged`: another experiment of that name is on the git remote;
+    `force` replaces it), and the number of files uploaded."""
+    from dvc.repo import Repo
+
+    override = workspace_remotes(repo)
+    if override is None:
+        raise SharingError(
+            "no DVC remote is configured: add the team's first (`dvc remote add -d NAME URL`, "
+            "docs/sweeps-and-sharing.md), then push"
+        )
+    if dvc_remote is not None and dvc_remote not in override["remote"]:
+        raise SharingError(f"no DVC remote '{dvc_remote}'{suggest(dvc_remote, override['remote'])}")
+    with Repo(str(repo), config=override) as r:
+        return r.experiments.push(
+            git_remote,
+            list(names or []),
+            all_commits=all_commits,
+            rev=rev,
+            num=-1,
+            force=force,
+            push_cache=True,
+            dvc_remote=dvc_remote,
+            jobs=jobs,
+        )

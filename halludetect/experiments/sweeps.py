@@ -13,11 +13,21 @@ tables); for `detectors.mean.dim` its mean-pooling figure at D = 256 (it sweeps 
 Nothing here tracks experiments: `dvc exp show`, `dvc exp push`/`pull` and `dvc exp remove`
 manage them; this only reads them.
 
+Which experiments: by default those of HEAD and of every commit before it (first parents or
+not) that experiments derive from, so that committing after a sweep (a DVC remote, dvc.lock)
+does not hide it; `revs` names baseline commits instead, `all_commits` takes every experiment
+of the repository, `names` picks experiments by name. Their metrics are read where they are:
+the local cache, else the DVC remote the workspace configures *now* (DVC would look for a
+remote in each experiment's own commit, which has none when the remote was configured after the
+sweep). So a colleague needs the experiments' git refs only (`dvc exp pull origin -A
+--no-cache`): the table streams the few metrics files it needs and fetches nothing else.
+
 Every experiment of the parameter is in the table: one that failed is a row marked `failed`,
 with the first line of its error from the queue's log in the notes (`dvc queue logs NAME` has
-all of it); one still queued or running is a row marked so. The parameter, the `--where` keys,
-the method and the metric are checked against what exists, each a `SweepError` naming the valid
-ones.
+all of it); one still queued or running is a row marked so; one whose metrics are recorded in
+its commit but neither in the cache nor on the remote is a row marked `missing`, with what to
+run. The parameter, the `--where` keys, the method, the metric, the revisions and the
+experiment names are checked against what exists, each a `SweepError` naming the valid ones.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +60,7 @@ class Experiment:
     metrics: dict[tuple[str, str, str], dict]  # (model, dataset, method) -> the metrics JSON, nested again
     state: str | None = None  # None: finished (or the baseline); else "failed", "queued" or "running"
     error: str | None = None  # a failed experiment's first error line, from its queue log
+    rev: str | None = None  # its commit (short sha), to find what its dvc.lock records
 
 
 def first_error(log: str) -> str | None:
@@ -112,23 +124,84 @@ def _nest(flat: dict[str, object]) -> dict:
     return out
 
 
-def experiments(repo: str | Path = ".") -> list[Experiment]:
-    """The baseline commit and every experiment derived from it (`dvc exp show`'s rows), newest
-    first. Queued, running and failed ones come with their state and no metrics (exp_show gives a
-    failed experiment the baseline's); failed ones with their first error line."""
+def _git(repo: str | Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+
+
+def baselines(
+    repo: str | Path, revs: list[str] | None = None, all_commits: bool = False, names: list[str] | None = None
+) -> list[str]:
+    """The commits whose experiments to read, HEAD's first (full shas).
+
+    `names`: the baselines of those experiments. `revs`: those commits. `all_commits`: HEAD and
+    the baseline of every experiment the repository holds. Otherwise: HEAD and the baselines
+    that are ancestors of HEAD, which is what a sweep committed over (a remote, dvc.lock) needs.
+    Queued, running and failed experiments count by the commit they were queued on."""
+    from dvc.repo import Repo
+    from dvc.repo.experiments.utils import exp_refs, exp_refs_by_names
+
+    with Repo(str(repo)) as r:
+        head = r.scm.get_rev()
+        if names:
+            found = exp_refs_by_names(r.scm, set(names))
+            if missing := sorted(n for n in names if not found.get(n)):
+                known = sorted({ref.name for ref in exp_refs(r.scm)})
+                hint = suggest(missing[0], known) if known else ": this clone has no experiments"
+                raise SweepError(
+                    f"no experiment named {', '.join(missing)}{hint}. A colleague's experiments come with "
+                    "`dvc exp pull origin -A --no-cache`"
+                )
+            return list(dict.fromkeys(ref.baseline_sha for refs in found.values() for ref in refs))
+        if revs:
+            out = []
+            for rev in revs:
+                res = _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+                if res.returncode:
+                    raise SweepError(f"--rev {rev}: no such commit in this clone (a branch, tag or sha)")
+                out.append(res.stdout.strip())
+            return list(dict.fromkeys(out))
+        bases = {ref.baseline_sha for ref in exp_refs(r.scm)}
+        queue = r.experiments.celery_queue
+        for entries in (queue.iter_queued(), queue.iter_active(), (e for e, _ in queue.iter_failed())):
+            bases |= {e.baseline_rev for e in entries if e.baseline_rev}
+    bases.discard(head)
+    if not all_commits:
+        bases = {b for b in bases if _git(repo, "merge-base", "--is-ancestor", b, head).returncode == 0}
+    # newest baseline first, as exp_show lists HEAD's
+    dated = {b: _git(repo, "show", "-s", "--format=%ct", b).stdout.strip() for b in bases}
+    return [head, *sorted(bases, key=lambda b: (dated[b], b), reverse=True)]
+
+
+def experiments(
+    repo: str | Path = ".",
+    revs: list[str] | None = None,
+    all_commits: bool = False,
+    names: list[str] | None = None,
+) -> list[Experiment]:
+    """Every baseline commit of `baselines()` and the experiments derived from it (`dvc exp
+    show`'s rows), newest first. Queued, running and failed ones come with their state and no
+    metrics (exp_show gives a failed experiment the baseline's); failed ones with their first
+    error line. Metrics that are not in the local cache are read from the workspace's DVC remote."""
     import dvc.api
 
-    rows = dvc.api.exp_show(repo=str(repo))
+    from halludetect.experiments.sharing import workspace_remotes
+
+    bases = baselines(repo, revs, all_commits, names)
+    rows = dvc.api.exp_show(repo=str(repo), revs=bases, config=workspace_remotes(repo))
     sections = _param_sections(repo)
     errors = queue_errors(repo) if any(row.get("State") == "Failed" for row in rows) else {}
     out = []
     for row in rows:
         if row.get("rev") == "workspace":
             continue
+        if names and row.get("typ") != "baseline" and row.get("Experiment") not in names:
+            continue
         state = UNFINISHED.get(row.get("State"))
         params, per_file = {}, {}
         for k, v in row.items():
             if (m := EVAL.match(k)) is not None:
+                if v == "!":  # exp_show's mark for a metric whose file it could not read: missing, not a value
+                    continue
                 cell = (m["model"], m["dataset"], m["method"])
                 per_file.setdefault(cell, {})[m["key"]] = _value(v)
             elif k.startswith("params.yaml:"):  # a param whose name a metric shares
@@ -142,8 +215,21 @@ def experiments(repo: str | Path = ".") -> list[Experiment]:
         if state == "failed":
             error = errors.get(name) or errors.get(row.get("rev")) or "no log found (see `dvc queue logs`)"
         metrics = {} if state else {cell: _nest(flat) for cell, flat in per_file.items()}
-        out.append(Experiment(name, params, metrics, state, error))
+        out.append(Experiment(name, params, metrics, state, error, row.get("rev")))
     return out
+
+
+def recorded_metrics(repo: str | Path, rev: str, method: str) -> list[str]:
+    """The evaluation files of `method` that the commit's dvc.lock records: an experiment whose
+    table has none of them in hand ran the method, but its metrics were not fetched or pushed."""
+    import yaml
+
+    res = _git(repo, "show", f"{rev}:dvc.lock")
+    if res.returncode:
+        return []
+    stages = (yaml.safe_load(res.stdout) or {}).get("stages", {})
+    paths = [o.get("path", "") for st in stages.values() for o in st.get("outs", []) if isinstance(o, dict)]
+    return sorted(p for p in paths if (m := EVAL.match(f"{p}:x")) is not None and m["method"] == method)
 
 
 def _param_sections(repo: str | Path) -> set[str]:
@@ -217,7 +303,7 @@ def sweep_results(
     for e in reversed(exps):  # oldest first, so the newest run of a value is the one kept
         found = False
         for (m, d, meth), metrics in e.metrics.items():
-            if meth == method and "test" in metrics:
+            if meth == method and isinstance(metrics.get("test"), dict):
                 out.setdefault((m, d), {})[e.params.get(param)] = metrics
                 found = True
         if not found:
@@ -233,7 +319,8 @@ def sweep_results(
 
 def unfinished_rows(without: list[Experiment], param: str, done: set) -> tuple[dict, list[str]]:
     """The table's marks for values without results ({value: "failed" | "queued" | "running" |
-    "no metrics"}) and one note per such experiment, with a failed one's first error line."""
+    "missing" | "no metrics"}) and one note per such experiment, with a failed one's first error
+    line and what to run for missing metrics."""
     marks, notes = {}, []
     for e in without:
         value, state = e.params.get(param), e.state or "no metrics"
@@ -241,6 +328,8 @@ def unfinished_rows(without: list[Experiment], param: str, done: set) -> tuple[d
             marks.setdefault(value, state)
         if state == "failed":
             notes.append(f"{param}={value}: experiment {e.name} failed: {e.error} (`dvc queue logs {e.name}`)")
+        elif state == "missing":
+            notes.append(f"{param}={value}: experiment {e.name}'s metrics are missing: {e.error}")
         elif state in ("queued", "running"):
             notes.append(f"{param}={value}: experiment {e.name} is {state}: run this again once it has finished")
         else:
@@ -268,9 +357,13 @@ def sweep(
     metric: str = "auroc",
     where: dict[str, object] | None = None,
     params: dict | None = None,
+    revs: list[str] | None = None,
+    all_commits: bool = False,
+    names: list[str] | None = None,
 ) -> Table:
-    """One table of `method`'s test `metric` along `param` over the repository's experiments.
-    `params` (the params file as loaded from YAML) checks that `param` and the `where` keys exist."""
+    """One table of `method`'s test `metric` along `param` over the repository's experiments
+    (`revs`, `all_commits`, `names`: which ones, as in `experiments()`). `params` (the params
+    file as loaded from YAML) checks that `param` and the `where` keys exist."""
     from halludetect.methods import METHODS
 
     if params is not None:
@@ -282,7 +375,11 @@ def sweep(
         raise SweepError(f"{param} is not a detector's parameter: say which method's metrics to tabulate (--method)")
     if method not in METHODS:
         raise SweepError(f"unknown method '{method}'{suggest(method, METHODS)}")
-    results, without = sweep_results(experiments(repo), param, method, where)
+    exps = experiments(repo, revs, all_commits, names)
+    results, without = sweep_results(exps, param, method, where)
+    for e in without:
+        if e.state is None and e.rev and (paths := recorded_metrics(repo, e.rev, method)):
+            e.state, e.error = "missing", missing_metrics_advice(repo, paths)
     if metric not in (have := valid_metrics(results)):
         raise SweepError(f"--metric '{metric}' is not a test metric of '{method}'{suggest(metric, have)}")
     done = {v for per_cell in results.values() for v in per_cell}
@@ -297,3 +394,23 @@ def sweep(
     table = sweep_table(param, results, grid, metric=metric, name=param.replace(".", "_"), marks=marks)
     table.notes += notes
     return table
+
+
+def missing_metrics_advice(repo: str | Path, paths: list[str]) -> str:
+    """Why an experiment's recorded metrics could not be read, and what to run."""
+    from halludetect.experiments.sharing import workspace_remotes
+
+    remotes = workspace_remotes(repo)
+    files = ", ".join(paths)
+    if remotes is None:
+        return (
+            f"its dvc.lock records {files}, which is not in the local cache, and this clone configures no DVC "
+            "remote to read it from: configure the team's (`dvc remote add -d NAME URL`, or pull the commit "
+            "that does), then run this again"
+        )
+    name = remotes.get("core", {}).get("remote") or ", ".join(remotes["remote"])
+    return (
+        f"its dvc.lock records {files}, which is neither in the local cache nor on the DVC remote '{name}': "
+        "whoever ran the experiment pushes its outputs with `halludetect exp-push origin` "
+        "(docs/sweeps-and-sharing.md)"
+    )

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from support import ROOT
 
-from halludetect.experiments import sweeps
+from halludetect.experiments import sharing, sweeps
 from halludetect.experiments.sweeps import Experiment, SweepError, first_error
 from halludetect.report.paper_tables import Grid
 from halludetect.report.tables import to_markdown
@@ -38,7 +38,7 @@ EXPS = [
 @pytest.fixture
 def repo_with(monkeypatch):
     def use(exps):
-        monkeypatch.setattr(sweeps, "experiments", lambda repo: exps)
+        monkeypatch.setattr(sweeps, "experiments", lambda repo, *which: exps)
 
     return use
 
@@ -135,7 +135,9 @@ def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch
         }
         for name, dim in (("a", 8), ("b", 16))
     ]
-    monkeypatch.setattr(dvc.api, "exp_show", lambda repo: rows)
+    monkeypatch.setattr(dvc.api, "exp_show", lambda repo, revs, config: rows)
+    monkeypatch.setattr(sweeps, "baselines", lambda *a: ["HEAD"])
+    monkeypatch.setattr(sharing, "workspace_remotes", lambda repo: None)
     exps = sweeps.experiments(tmp_path)
     assert [e.params for e in exps] == [
         {"detectors.max.dim": 8, "train.epochs": 8},
