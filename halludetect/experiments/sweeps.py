@@ -44,7 +44,7 @@ from halludetect.core.lookup import suggest
 from halludetect.report.paper_tables import Grid, sweep_table
 from halludetect.report.tables import Table
 
-EVAL = re.compile(r"^(?:.*/)?eval/(?P<model>[^/]+)/(?P<dataset>[^/]+)/(?P<method>[^/]+)\.json:(?P<key>.+)$")
+EVAL = re.compile(r"^metrics/eval/(?P<model>[^/]+)/(?P<dataset>[^/]+)/(?P<method>[^/]+)\.json$")  # evaluate's output
 UNFINISHED = {"Queued": "queued", "Running": "running", "Failed": "failed"}  # exp_show's State -> the table's mark
 META = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
 
@@ -57,10 +57,11 @@ class SweepError(UserError):
 class Experiment:
     name: str  # the experiment's name, or the baseline commit
     params: dict[str, object]  # dotted key -> value
-    metrics: dict[tuple[str, str, str], dict]  # (model, dataset, method) -> the metrics JSON, nested again
+    metrics: dict[tuple[str, str, str], dict]  # (model, dataset, method) -> its metrics/eval JSON
     state: str | None = None  # None: finished (or the baseline); else "failed", "queued" or "running"
     error: str | None = None  # a failed experiment's first error line, from its queue log
     rev: str | None = None  # its commit (short sha), to find what its dvc.lock records
+    unread: dict[str, str] | None = None  # evaluation files its dvc.lock records that could not be read: why
 
 
 def first_error(log: str) -> str | None:
@@ -111,17 +112,6 @@ def _value(v):
         except ValueError:
             return v
     return v
-
-
-def _nest(flat: dict[str, object]) -> dict:
-    out: dict = {}
-    for key, v in flat.items():
-        *path, last = key.split(".")
-        node = out
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = v
-    return out
 
 
 def _git(repo: str | Path, *args: str) -> subprocess.CompletedProcess:
@@ -187,7 +177,8 @@ def experiments(
     from halludetect.experiments.sharing import workspace_remotes
 
     bases = baselines(repo, revs, all_commits, names)
-    rows = dvc.api.exp_show(repo=str(repo), revs=bases, config=workspace_remotes(repo))
+    remotes = workspace_remotes(repo)
+    rows = dvc.api.exp_show(repo=str(repo), revs=bases, config=remotes)
     sections = _param_sections(repo)
     errors = queue_errors(repo) if any(row.get("State") == "Failed" for row in rows) else {}
     out = []
@@ -197,39 +188,55 @@ def experiments(
         if names and row.get("typ") != "baseline" and row.get("Experiment") not in names:
             continue
         state = UNFINISHED.get(row.get("State"))
-        params, per_file = {}, {}
+        params = {}
         for k, v in row.items():
-            if (m := EVAL.match(k)) is not None:
-                if v == "!":  # exp_show's mark for a metric whose file it could not read: missing, not a value
-                    continue
-                cell = (m["model"], m["dataset"], m["method"])
-                per_file.setdefault(cell, {})[m["key"]] = _value(v)
-            elif k.startswith("params.yaml:"):  # a param whose name a metric shares
+            if k.startswith("params.yaml:"):  # a param whose name a metric shares
                 params[k.removeprefix("params.yaml:")] = _value(v)
             elif k not in META and ":" not in k and "/" not in k and k.split(".")[0] in sections:
                 # a param: deps are paths, and a metric is `file:key`, or its bare key where no other
-                # file has it (the evidence JSON's `methods.max...`), which no params.yaml section starts
+                # file has it (the headline files' `test.auroc...`), which no params.yaml section starts
                 params[k] = _value(v)
         name = row.get("Experiment") or row.get("rev")
         error = None
         if state == "failed":
             error = errors.get(name) or errors.get(row.get("rev")) or "no log found (see `dvc queue logs`)"
-        metrics = {} if state else {cell: _nest(flat) for cell, flat in per_file.items()}
-        out.append(Experiment(name, params, metrics, state, error, row.get("rev")))
+        metrics, unread = ({}, {}) if state or not row.get("rev") else evaluations(repo, row["rev"], remotes)
+        out.append(Experiment(name, params, metrics, state, error, row.get("rev"), unread))
     return out
 
 
-def recorded_metrics(repo: str | Path, rev: str, method: str) -> list[str]:
-    """The evaluation files of `method` that the commit's dvc.lock records: an experiment whose
-    table has none of them in hand ran the method, but its metrics were not fetched or pushed."""
+def recorded_evaluations(repo: str | Path, rev: str) -> list[str]:
+    """The evaluation files (metrics/eval/<model>/<dataset>/<method>.json) that the commit's
+    dvc.lock records."""
     import yaml
 
     res = _git(repo, "show", f"{rev}:dvc.lock")
     if res.returncode:
         return []
     stages = (yaml.safe_load(res.stdout) or {}).get("stages", {})
-    paths = [o.get("path", "") for st in stages.values() for o in st.get("outs", []) if isinstance(o, dict)]
-    return sorted(p for p in paths if (m := EVAL.match(f"{p}:x")) is not None and m["method"] == method)
+    paths = {o.get("path", "") for st in stages.values() for o in st.get("outs", []) if isinstance(o, dict)}
+    return sorted(p for p in paths if EVAL.match(p))
+
+
+def evaluations(repo: str | Path, rev: str, remotes: dict | None) -> tuple[dict, dict[str, str]]:
+    """The evaluation files a commit records, read from the local cache or else from the DVC
+    remote the workspace configures (`remotes`, streamed: nothing lands in the cache):
+    ({(model, dataset, method): the metrics JSON}, {path: why it could not be read})."""
+    from dvc.api import DVCFileSystem
+
+    paths = recorded_evaluations(repo, rev)
+    found: dict[tuple[str, str, str], dict] = {}
+    unread: dict[str, str] = {}
+    if not paths:
+        return found, unread
+    fs = DVCFileSystem(str(repo), rev=rev, config=remotes)
+    for path in paths:
+        m = EVAL.match(path)
+        try:
+            found[(m["model"], m["dataset"], m["method"])] = json.loads(fs.read_text(path))
+        except Exception as e:  # noqa: BLE001 - not in the cache nor on the remote, or the remote unreachable: the row says so
+            unread[path] = f"{type(e).__name__}: {e}"
+    return found, unread
 
 
 def _param_sections(repo: str | Path) -> set[str]:
@@ -378,7 +385,7 @@ def sweep(
     exps = experiments(repo, revs, all_commits, names)
     results, without = sweep_results(exps, param, method, where)
     for e in without:
-        if e.state is None and e.rev and (paths := recorded_metrics(repo, e.rev, method)):
+        if e.state is None and (paths := [p for p in e.unread or {} if EVAL.match(p)["method"] == method]):
             e.state, e.error = "missing", missing_metrics_advice(repo, paths)
     if metric not in (have := valid_metrics(results)):
         raise SweepError(f"--metric '{metric}' is not a test metric of '{method}'{suggest(metric, have)}")

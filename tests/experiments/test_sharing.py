@@ -208,3 +208,19 @@ def test_an_input_the_remote_never_received_names_its_stage_and_the_likely_cause
     (b / ".dvc/config.local").write_text("[core]\n    remote = nowhere\n['remote \"nowhere\"']\n    url = s3://x/y\n")
     assert sharing.missing_from_remote(b, "train", ["states.bin"], "nowhere") == ""  # cannot ask it: DVC's message
     json.dumps(message)  # one line of text, printable as is
+
+
+@pytest.mark.hostile
+def test_exp_push_with_no_experiment_in_scope_or_a_bad_job_count_says_what_to_do(team, tmp_path, monkeypatch, capsys):
+    from halludetect.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["exp-push", "origin", "-j", "0"])
+    assert stop.value.code == 2 and "-j/--jobs 0: give 1 or more parallel uploads" in capsys.readouterr().err
+    fresh = tmp_path / "fresh"
+    sh("git", "clone", "-q", str(team[1]), str(fresh), cwd=tmp_path)  # the experiments' refs not pulled
+    monkeypatch.chdir(fresh)
+    with pytest.raises(SystemExit) as stop:
+        main(["exp-push", "origin"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "no experiment to push: none derives from HEAD or a commit before it" in err

@@ -136,6 +136,8 @@ def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch
         for name, dim in (("a", 8), ("b", 16))
     ]
     monkeypatch.setattr(dvc.api, "exp_show", lambda repo, revs, config: rows)
+    evaluation = {("world", "world", "max"): {"best_layer": 2, "test": {"auroc": {"mean": 0.7}}}}
+    monkeypatch.setattr(sweeps, "evaluations", lambda repo, rev, remotes: (evaluation, {}))
     monkeypatch.setattr(sweeps, "baselines", lambda *a: ["HEAD"])
     monkeypatch.setattr(sharing, "workspace_remotes", lambda repo: None)
     exps = sweeps.experiments(tmp_path)
