@@ -1,5 +1,6 @@
 """The `halludetect` command (halludetect/cli.py): bad input is one line on stderr and exit status 2,
-and `show` prints a bundle's metadata (for hami_sp, what its P_sem input must be)."""
+and `show` summarises a bundle for a person, or prints its metadata with --json (for hami_sp, what its
+P_sem input must be)."""
 
 import json
 
@@ -22,7 +23,7 @@ def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny
     assert "no such input file" in fails([*score, "--input", str(tmp_path / "none.jsonl")])
     src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
     assert "unknown threshold 'f1'" in fails([*score, "--input", str(src), "--threshold", "f1"])
-    console.main(["show", str(bundle_path)])
+    console.main(["show", str(bundle_path), "--json"])
     assert json.loads(capsys.readouterr().out)["method"] == "max"
 
 
@@ -127,11 +128,13 @@ def test_show_says_which_p_sem_variant_and_how_many_answers_a_hami_sp_bundle_nee
     save_bundle(
         out, {s: build_detector("hami_sp", 32, params_for("hami_sp", params)).state_dict() for s in b.seeds}, meta
     )
-    console.main(["show", str(out)])
+    console.main(["show", str(out), "--json"])
     needs = json.loads(capsys.readouterr().out)["needs"]
     assert "K = 5.0 answers per question" in needs and "P_sem variant 'sum'" in needs
     assert "paper equivalence rule (openai NLI)" in needs and "(1 + 1.0 p_sem)" in needs
-    console.main(["show", str(bundle_path)])  # a bundle that reads no P_sem needs nothing more
+    console.main(["show", str(out)])  # the summary says it too
+    assert f"needs {needs}" in capsys.readouterr().out
+    console.main(["show", str(bundle_path), "--json"])  # a bundle that reads no P_sem needs nothing more
     assert "needs" not in json.loads(capsys.readouterr().out)
     with pytest.raises(Exception, match="must say how P_sem was made"):
         p_sem_inputs("hami_sp", params, None)
@@ -200,3 +203,54 @@ def test_score_explain_writes_the_evidence_columns_and_explain_renders_them(
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert pl.read_parquet(out).height == 3
+
+
+def test_show_summarises_a_bundle_and_json_prints_its_metadata(bundle_path, capsys):
+    """The summary's figures are the metadata's: each line read back against it."""
+    from halludetect import cli as console
+    from halludetect.scoring.bundle import load_bundle
+
+    console.main(["show", str(bundle_path), "--json"])
+    raw = json.loads(capsys.readouterr().out)
+    b = load_bundle(bundle_path)
+    assert raw == {"sha256": b.sha256, **b.meta}
+    console.main(["show", str(bundle_path)])
+    text, err = capsys.readouterr()
+    assert err == ""
+    lines = {line[:13].strip(): line[13:] for line in text.splitlines() if line[:13].strip()}
+    m, ev = b.meta, b.meta["evaluation"]
+    assert lines["bundle"] == f"{bundle_path} (format 3, sha256 {b.sha256[:16]}...)"
+    assert lines["detector"] == "max (Max pooling): the mean logit of 2 seeds (0, 1)"
+    files = len(m["base_model"]["files"])
+    pinned = f"(a local directory, pinned by the sha256 of its {files} files)"
+    assert lines["base model"] == f"tiny: {m['base_model']['path']} {pinned}"
+    assert lines["layer"].startswith(f"{m['layer']} of 3 (")
+    assert lines["positions"].startswith("predicting: each answer token's state is read at the position that predicted")
+    assert lines["trained on"].startswith("dataset 'mini', its train split; validation chose the epoch, the layer")
+    assert lines["validation"] == (
+        f"{ev['n_val']:,} answers, {ev['n_val_hallucinated']:,} hallucinated: AUROC "
+        f"{ev['val_auroc_ensemble']:.3f} (the seeds' mean logit)"
+    )
+    assert lines["test"].startswith(f"{ev['n_test']:,} answers, {ev['n_test_hallucinated']:,} hallucinated: AUROC")
+    t = m["thresholds"]["fpr_0.05"]
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    assert lines["threshold"] == (
+        f"fpr_0.05 = {t['threshold']:.4g} (the default): the lowest validation logit whose false-positive rate "
+        "is at most 5.0%"
+    )
+    at = text.splitlines().index(f"threshold    {lines['threshold']}")
+    rows = text.splitlines()[at + 1 :]
+    assert rows[0].strip() == (
+        f"validation FPR {pct(t['val_fpr'])}, TPR {pct(t['val_tpr'])}; test FPR {pct(t['test_fpr'])}, "
+        f"TPR {pct(t['test_tpr'])}"
+    )
+    table = [r.split() for r in rows[3:7]]  # every stored threshold: the rates from the lowest, then best F1
+    assert [r[-6] for r in table] == ["fpr_0.01", "fpr_0.05", "fpr_0.1", "best_f1"] and table[1][0] == "*"
+    f1 = m["thresholds"]["best_f1"]
+    rates = [pct(f1[k]) for k in ("val_fpr", "val_tpr", "test_fpr", "test_tpr")]
+    assert table[3][-5:] == [f"{f1['threshold']:.4g}", *rates]
+    c = m["calibration"]
+    assert lines["calibration"].startswith(f"Platt: probability = sigmoid({c['a']:.4g} score ")
+    assert lines["input"].startswith("the base model's own answers: sampled from this model with the prompt below")
+    assert "out of its distribution" in lines["input"]
+    assert json.dumps(m["inputs"]["prompt_template"]) in text and "needs" not in text
