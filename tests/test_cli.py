@@ -226,7 +226,7 @@ def test_show_summarises_a_bundle_and_json_prints_its_metadata(bundle_path, caps
     assert lines["base model"] == f"tiny: {m['base_model']['path']} {pinned}"
     assert lines["layer"].startswith(f"{m['layer']} of 3 (")
     assert lines["positions"].startswith("predicting: each answer token's state is read at the position that predicted")
-    assert lines["trained on"].startswith("dataset 'mini', its train split; validation chose the epoch, the layer")
+    assert lines["trained on"].startswith("dataset 'mini', its train split (its size is not recorded in the bundle);")
     assert lines["validation"] == (
         f"{ev['n_val']:,} answers, {ev['n_val_hallucinated']:,} hallucinated: AUROC "
         f"{ev['val_auroc_ensemble']:.3f} (the seeds' mean logit)"

@@ -110,8 +110,9 @@ def summary_text(b: Bundle) -> str:
         _line("positions", f"{inputs['positions']}: {positions}"),
         _line(
             "trained on",
-            f"dataset '{ev.get('dataset') or '?'}', its train split; validation chose the epoch, the layer "
-            f"({ev.get('layer_selection', 'highest mean validation AUROC over seeds')}) and the thresholds",
+            f"dataset '{ev.get('dataset') or '?'}', its train split (its size is not recorded in the bundle); "
+            f"validation chose the epoch, the layer ({ev.get('layer_selection', 'highest mean validation AUROC')}) "
+            "and the thresholds",
         ),
         _line("validation", f"{_split(ev, 'val')}: AUROC {ev['val_auroc_ensemble']:.3f} (the seeds' mean logit)"),
         _line(
