@@ -427,9 +427,9 @@ class ExportParams(Section):
 
     # The bundle's default flag (docs/scoring.md, "Flag thresholds"): fpr_<rate>, the lowest
     # validation logit whose false-positive rate is at most <rate>, or best_f1. 5%: a flag a
-    # person acts on should rarely fire on a correct answer (one in twenty), and validation
-    # places it on dozens of correct answers, not a handful as at 1%; best F1 weighs a missed
-    # hallucination like a false alarm and flags 44% of the world's correct validation answers (max).
+    # person acts on should rarely fire on a correct answer (one in twenty), and validation can
+    # place it (1% rests on a handful of correct answers); best F1 counts a false alarm like a
+    # missed hallucination and flags many correct answers where hallucinations are common.
     threshold: Annotated[str, AfterValidator(_threshold_choice)] = "fpr_0.05"
     fpr_targets: list[TargetFPR] = [0.01, 0.05, 0.1]  # also stored, for --threshold (export.threshold's is added)
 
