@@ -217,7 +217,13 @@ def test_show_summarises_a_bundle_and_json_prints_its_metadata(bundle_path, caps
     console.main(["show", str(bundle_path)])
     text, err = capsys.readouterr()
     assert err == ""
-    lines = {line[:13].strip(): line[13:] for line in text.splitlines() if line[:13].strip()}
+    lines = {}  # label -> its text; a prose line wrapped under its label joined again
+    for line in text.splitlines():
+        if line[:13].strip():
+            label = line[:13].strip()
+            lines[label] = line[13:]
+        elif label in ("trained on", "input") and not line[13:].startswith(("prompt ", "rows: ")):
+            lines[label] += " " + line[13:]
     m, ev = b.meta, b.meta["evaluation"]
     assert lines["bundle"] == f"{bundle_path} (format 3, sha256 {b.sha256[:16]}...)"
     assert lines["detector"] == "max (Max pooling): the mean logit of 2 seeds (0, 1)"
@@ -244,7 +250,14 @@ def test_show_summarises_a_bundle_and_json_prints_its_metadata(bundle_path, caps
         f"validation FPR {pct(t['val_fpr'])}, TPR {pct(t['val_tpr'])}; test FPR {pct(t['test_fpr'])}, "
         f"TPR {pct(t['test_tpr'])}"
     )
-    table = [r.split() for r in rows[3:7]]  # every stored threshold: the rates from the lowest, then best F1
+    flags_none = t["val_fpr"] == t["val_tpr"] == 0.0  # the miniature DAG's detector: maybe nothing within 5%
+    assert (
+        rows[1].strip() == "it flags no validation answer: no threshold that flags one stays within the rate"
+    ) == flags_none
+    head = next(i for i, r in enumerate(rows) if r.split()[:2] == ["name", "logit"])
+    table = [
+        r.split() for r in rows[head + 1 : head + 5]
+    ]  # every stored threshold: the rates from the lowest, then best F1
     assert [r[-6] for r in table] == ["fpr_0.01", "fpr_0.05", "fpr_0.1", "best_f1"] and table[1][0] == "*"
     f1 = m["thresholds"]["best_f1"]
     rates = [pct(f1[k]) for k in ("val_fpr", "val_tpr", "test_fpr", "test_tpr")]

@@ -8,6 +8,7 @@ Figures a bundle does not record (an older format's) are said to be missing, nev
 from __future__ import annotations
 
 import json
+import textwrap
 
 from halludetect.methods import method as lookup_method
 from halludetect.scoring.bundle import Bundle, p_sem_requirement
@@ -21,6 +22,11 @@ def _pct(x) -> str:
 
 def _line(label: str, text: str) -> str:
     return f"{label:<{WIDTH}}{text}"
+
+
+def _para(label: str, text: str) -> str:
+    """A line of prose, wrapped at 100 columns under its label."""
+    return textwrap.fill(text, 100, initial_indent=f"{label:<{WIDTH}}", subsequent_indent=" " * WIDTH)
 
 
 def _more(text: str) -> str:
@@ -68,6 +74,11 @@ def _thresholds(meta: dict) -> list[str]:
     out = [
         _line("threshold", f"{default} = {t['threshold']:.4g} (the default): {_rule(default, t)}"),
         _more(_rates(t)),
+        *(
+            [_more("it flags no validation answer: no threshold that flags one stays within the rate")]
+            if t.get("val_fpr") == 0.0 and t.get("val_tpr") == 0.0  # threshold_at_fpr's edge: above every score
+            else []
+        ),
         _more("flag = score >= threshold; --threshold NAME (or a logit) picks another:"),
         _more(f"  {'name':<10}{'logit':>9}{'val FPR':>9}{'val TPR':>9}{'test FPR':>10}{'test TPR':>10}"),
     ]
@@ -100,7 +111,9 @@ def summary_text(b: Bundle) -> str:
         "generated": "each answer token's state is read at the token itself",
     }[inputs["positions"]]
     per_seed = ev.get("test_auroc_dag") or {}
-    seed_auroc = f", {per_seed['mean']:.3f} ± {per_seed.get('stderr', 0.0):.3f} per seed" if "mean" in per_seed else ""
+    seed_auroc = (
+        f", {per_seed['mean']:.3f} ± {per_seed['stderr']:.3f} per seed (mean ± SE)" if "stderr" in per_seed else ""
+    )
     chat = "yes" if inputs["chat_template"] else "no"
     lines = [
         _line("bundle", f"{b.path} (format {meta['format_version']}, sha256 {(b.sha256 or '?')[:16]}...)"),
@@ -108,7 +121,7 @@ def summary_text(b: Bundle) -> str:
         *_model(meta["base_model"]),
         _line("layer", f"{meta['layer']} of {top} ({where})"),
         _line("positions", f"{inputs['positions']}: {positions}"),
-        _line(
+        _para(
             "trained on",
             f"dataset '{ev.get('dataset') or '?'}', its train split (its size is not recorded in the bundle); "
             f"validation chose the epoch, the layer ({ev.get('layer_selection', 'highest mean validation AUROC')}) "
@@ -125,7 +138,7 @@ def summary_text(b: Bundle) -> str:
             + (f", fitted on {cal['n']:,} validation answers" if "n" in cal else ", fitted on validation")
             + (f" (log loss {cal['val_log_loss']:.3f}, Brier {cal['val_brier']:.3f})" if "val_brier" in cal else ""),
         ),
-        _line(
+        _para(
             "input",
             "the base model's own answers: sampled from this model with the prompt below. Text written "
             "elsewhere (typed by hand, another model's) is out of its distribution: its score means little",
