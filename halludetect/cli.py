@@ -4,13 +4,13 @@
     halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
     halludetect score --bundle B.safetensors --input answers.jsonl --explain --out explained.parquet
     halludetect explain explained.parquet [--html explained.html]          # token evidence, for a person
-    halludetect show B.safetensors
+    halludetect show B.safetensors [--json]
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
     halludetect sweep detectors.max.dim                                       # experiments -> a table
     halludetect exp-push origin                    # experiments to git, their outputs to the DVC remote
 
 `score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
-(`halludetect.scoring.evidence_views`); `show` prints a bundle's metadata. Bad input
+(`halludetect.scoring.evidence_views`); `show` summarises a bundle (`--json`: its metadata). Bad input
 (a malformed row, a bundle for another model) prints one error line and exits 2.
 """
 
@@ -103,10 +103,14 @@ def _explain(args) -> None:
 
 def _show(args) -> None:
     from halludetect.scoring.bundle import load_bundle, p_sem_requirement
+    from halludetect.scoring.bundle_summary import summary_text
 
     b = load_bundle(args.bundle)  # a damaged bundle is an error here, as when scoring
     for warning in b.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if not args.json:
+        print(summary_text(b))
+        return
     needs = p_sem_requirement(b.meta)  # hami_sp: the P_sem variant and K its input rows must follow
     print(json.dumps({"sha256": b.sha256, **b.meta, **({"needs": needs} if needs else {})}, indent=2, sort_keys=True))
 
@@ -343,8 +347,13 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--title", help="the page's title (default: from the file's name)")
     ex.set_defaults(run=_explain)
 
-    show = sub.add_parser("show", help="print a bundle's metadata (model, layer, thresholds, calibration, AUROC)")
+    show = sub.add_parser(
+        "show",
+        help="summarise a bundle: model, layer, training and test figures, thresholds, calibration, input",
+        description="Print a readable summary of a detector bundle (--json: its raw metadata).",
+    )
     show.add_argument("bundle", help="detector bundle (.safetensors)")
+    show.add_argument("--json", action="store_true", help="print the raw metadata as JSON instead (and its sha256)")
     show.set_defaults(run=_show)
 
     tl = sub.add_parser(

@@ -44,17 +44,31 @@ def run(args, params):
         default_threshold=params.export.threshold,
         p_sem_input=p_sem_input(args),
     )
-    ev = meta["evaluation"]
+    ev, name = meta["evaluation"], meta["default_threshold"]
+    t = meta["thresholds"][name]
     common.log.info(
-        "%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold %s = %.3f",
+        "%s: layer %d, seeds %s; test AUROC %.3f per seed (mean), %.3f as an ensemble; default threshold "
+        "%s = %.3f: validation FPR %.3f, TPR %.3f; test FPR %.3f, TPR %.3f",
         meta["method"],
         meta["layer"],
         meta["seeds"],
         ev["test_auroc_dag"]["mean"],
         ev["test_auroc_ensemble"],
-        meta["default_threshold"],
-        meta["thresholds"][meta["default_threshold"]]["threshold"],
+        name,
+        t["threshold"],
+        t["val_fpr"],
+        t["val_tpr"],
+        t["test_fpr"],
+        t["test_tpr"],
     )
+    if t["val_tpr"] == 0.0:  # e.g. the highest validation score is a correct answer's: no threshold within the rate
+        common.log.warning(
+            "%s: the default threshold %s catches no validation hallucination (validation FPR %.3f): "
+            "its flags mean nothing; choose another export.threshold or pass --threshold when scoring",
+            meta["method"],
+            name,
+            t["val_fpr"],
+        )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def bundle_path(contract, tmp_path_factory):
         states_dtype="float16",
         prompt_template=GENERATION,
         fpr_targets=[0.01, 0.05, 0.1],
-        default_threshold="best_f1",
+        default_threshold="fpr_0.05",
     )
     return out
 

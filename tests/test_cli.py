@@ -1,5 +1,6 @@
 """The `halludetect` command (halludetect/cli.py): bad input is one line on stderr and exit status 2,
-and `show` prints a bundle's metadata (for hami_sp, what its P_sem input must be)."""
+and `show` summarises a bundle for a person, or prints its metadata with --json (for hami_sp, what its
+P_sem input must be)."""
 
 import json
 
@@ -22,7 +23,7 @@ def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny
     assert "no such input file" in fails([*score, "--input", str(tmp_path / "none.jsonl")])
     src = write_jsonl(tmp_path / "in.jsonl", [{"question": "Q?", "answer": "A."}])
     assert "unknown threshold 'f1'" in fails([*score, "--input", str(src), "--threshold", "f1"])
-    console.main(["show", str(bundle_path)])
+    console.main(["show", str(bundle_path), "--json"])
     assert json.loads(capsys.readouterr().out)["method"] == "max"
 
 
@@ -127,11 +128,13 @@ def test_show_says_which_p_sem_variant_and_how_many_answers_a_hami_sp_bundle_nee
     save_bundle(
         out, {s: build_detector("hami_sp", 32, params_for("hami_sp", params)).state_dict() for s in b.seeds}, meta
     )
-    console.main(["show", str(out)])
+    console.main(["show", str(out), "--json"])
     needs = json.loads(capsys.readouterr().out)["needs"]
     assert "K = 5.0 answers per question" in needs and "P_sem variant 'sum'" in needs
     assert "paper equivalence rule (openai NLI)" in needs and "(1 + 1.0 p_sem)" in needs
-    console.main(["show", str(bundle_path)])  # a bundle that reads no P_sem needs nothing more
+    console.main(["show", str(out)])  # the summary says it too
+    assert f"needs {needs}" in capsys.readouterr().out
+    console.main(["show", str(bundle_path), "--json"])  # a bundle that reads no P_sem needs nothing more
     assert "needs" not in json.loads(capsys.readouterr().out)
     with pytest.raises(Exception, match="must say how P_sem was made"):
         p_sem_inputs("hami_sp", params, None)
@@ -200,3 +203,16 @@ def test_score_explain_writes_the_evidence_columns_and_explain_renders_them(
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert pl.read_parquet(out).height == 3
+
+
+def test_show_prints_the_summary_and_json_the_raw_metadata(bundle_path, capsys):
+    from halludetect import cli as console
+    from halludetect.scoring.bundle import load_bundle
+    from halludetect.scoring.bundle_summary import summary_text
+
+    b = load_bundle(bundle_path)
+    console.main(["show", str(bundle_path), "--json"])
+    assert json.loads(capsys.readouterr().out) == {"sha256": b.sha256, **b.meta}
+    console.main(["show", str(bundle_path)])
+    out, err = capsys.readouterr()
+    assert out == summary_text(b) + "\n" and err == ""

@@ -1,8 +1,9 @@
 """Typed params (halludetect/config.py): the shipped params are valid; unknown keys, wrong types, bad
 choices, undefined grid names, dotted preset names and cross-field problems are named with their
-dotted key and a suggestion, every problem at once; the export threshold must be one the bundle
-stores; and the hostile cases, an empty stop string, a zero split share, no seeds, no layers, a
-YAML syntax error (file, line and column) and an unknown device, each named with its key."""
+dotted key and a suggestion, every problem at once; the export's default threshold is a target
+false-positive rate (best F1 selectable); and the hostile cases, an empty stop string, a zero split
+share, no seeds, no layers, a YAML syntax error (file, line and column), an unknown device and a
+target false-positive rate outside (0, 1), each named with its key."""
 
 import pytest
 from support import ROOT, base_params, stage
@@ -91,17 +92,33 @@ def test_unknown_preset_lookup():
         p.model("llama3-7b")
 
 
-def test_export_params_name_a_stored_threshold():
+def test_export_threshold_is_a_false_positive_rate_by_default_and_best_f1_stays_selectable():
     params = load_params("params.yaml")
-    assert params.export.threshold == "best_f1" and params.export.fpr_targets == [0.01, 0.05, 0.1]
-    data = {
-        "grid": {"models": [], "datasets": [], "methods": []},
-        "models": {},
-        "datasets": {},
-        "export": {"fpr_targets": [0.05], "threshold": "fpr_0.01"},
-    }
-    with pytest.raises(ParamsError, match=r"export: threshold 'fpr_0.01' is none the bundle stores.*fpr_0.05"):
-        parse_params(data)
+    assert params.export.threshold == "fpr_0.05" and params.export.fpr_targets == [0.01, 0.05, 0.1]
+
+    def export(**section):
+        return parse_params(base_params() | {"export": section}).export
+
+    assert export(threshold="best_f1").threshold == "best_f1"
+    assert export(threshold="fpr_0.010").threshold == "fpr_0.01"  # spelt as the bundle names it
+    assert export(fpr_targets=[0.05], threshold="fpr_0.2").threshold == "fpr_0.2"  # stored beside the targets
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"threshold": "fpr_1.5"}, "export.threshold: 'fpr_1.5': 1.5 is not a target false-positive rate strictly"),
+        ({"threshold": "fpr_0"}, "export.threshold: 'fpr_0': 0 is not a target false-positive rate strictly between"),
+        ({"threshold": "fpr_nan"}, "export.threshold: 'fpr_nan': nan is not a target false-positive rate"),
+        ({"fpr_targets": [0.05, 1]}, "export.fpr_targets.1: 1 is not a target false-positive rate strictly between 0"),
+        ({"fpr_targets": [-0.1]}, "export.fpr_targets.0: -0.1 is not a target false-positive rate strictly between"),
+        ({"threshold": "f1"}, "export.threshold: 'f1' is neither fpr_<rate> (the lowest validation logit whose"),
+    ],
+)
+def test_a_target_false_positive_rate_outside_0_1_is_a_params_error_naming_the_key(section, message):
+    msg = params_error(lambda d: d.update(export=section))
+    assert message in msg
 
 
 # ------------------------------------------------------------------------ hostile params

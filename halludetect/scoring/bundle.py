@@ -6,7 +6,7 @@ One safetensors file:
     tensors   every seed's detector weights, named `seed_<S>.<parameter>`
     metadata  one sorted JSON entry, "bundle" (one entry, as in detector files: safetensors
               writes several in no fixed order, and the same bundle must give the same bytes):
-      format, format_version       "halludetect-bundle", 2
+      format, format_version       "halludetect-bundle", 3
       digest                       sha256 of every tensor (its dtype, shape and bytes) and of
                                    the rest of the metadata: a flipped byte is named on load
       method, params, d            the detector, rebuilt from the registry (no pickles)
@@ -23,10 +23,14 @@ One safetensors file:
                                    (equivalence rule, NLI backend) its P_sem came from
       seeds, combine               "mean_logit": the score is the mean of the seeds' logits
       thresholds, default_threshold  chosen on validation: at target false-positive rates
-                                   (`fpr_0.05`, ...) and at the best F1 (`best_f1`)
+                                   (`fpr_0.05`: the lowest logit whose validation FPR is at most
+                                   5%) and at the best F1 (`best_f1`), each with the FPR and TPR
+                                   it reaches on validation and, for the reader, on test; the
+                                   default is export.threshold's (fpr_0.05 unless set)
       calibration                  Platt scaling p = sigmoid(a z + b), fitted on validation
       evaluation                   the DAG's test AUROC at that layer (per seed), the
-                                   ensemble's validation and test AUROC
+                                   ensemble's validation and test AUROC, each split's answers
+                                   and hallucinated answers
 
 Why an ensemble of the seeds rather than the best one: picking the best seed on test would
 select on test; on validation, seeds differ by less than validation's own noise (a few
@@ -38,10 +42,13 @@ Its own test AUROC is measured at export and stored beside the per-seed ones.
 Loading checks what it reads before anything scores with it, each failure a `BundleError`
 naming the bundle and the key or tensor: the metadata's types and shapes (`BundleMeta`) and
 how its entries fit together (layer within the model, width, default threshold, prompt hash),
-the digest of every tensor and of the metadata, and that every weight is finite. Format 1
-bundles (written before the digest) are still read, with every check but the digest's and a
-warning (`Bundle.warnings`) that damage to their bytes cannot be detected; `dvc repro export`
-writes them again in format 2.
+the digest of every tensor and of the metadata, and that every weight is finite. Older bundles
+are still read, each with a warning (`Bundle.warnings`) on every load: format 1 (written before
+the digest) with every check but the digest's, since damage to its bytes cannot be detected;
+format 2 (written before the thresholds' test rates and the splits' hallucinated counts) with
+every check, saying what `show` cannot print and, when its default is the best F1 (the default
+then), what share of correct validation answers that flags. `dvc repro export` writes them again
+in format 3.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import polars as pl
@@ -60,7 +67,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, NonNegativeInt, 
 from torch import nn
 
 from halludetect.activations.bags import Bags
-from halludetect.config import threshold_name
+from halludetect.config import ExportParams, threshold_name
 from halludetect.core.atomic_io import atomic_path, file_sha256
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import UnknownName
@@ -72,7 +79,11 @@ from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
 
 FORMAT = "halludetect-bundle"
-FORMAT_VERSION = 2  # 2: the digest of the tensors and the metadata; 1 (read, unchecked): without it
+# 3: each threshold's validation and test rates, each split's hallucinated count (read with a
+#    warning without them: format 2); 2: the digest of the tensors and the metadata (read with a
+#    warning without it: format 1)
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 COMBINE = "mean_logit"
 META_KEY = "bundle"
 
@@ -87,8 +98,23 @@ class _Meta(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+Rate = Annotated[float, Field(ge=0, le=1)]
+
+
 class ThresholdMeta(_Meta):
     threshold: FiniteFloat
+    target_fpr: Annotated[float, Field(gt=0, lt=1)] | None = None  # fpr_<target> thresholds
+    val_fpr: Rate | None = None  # format 3 requires the rates (check_meta); older bundles may lack them
+    val_tpr: Rate | None = None
+    test_fpr: Rate | None = None
+    test_tpr: Rate | None = None
+
+
+class EvaluationMeta(_Meta):
+    n_val: PositiveInt | None = None
+    n_test: PositiveInt | None = None
+    n_val_hallucinated: NonNegativeInt | None = None  # format 3
+    n_test_hallucinated: NonNegativeInt | None = None
 
 
 class CalibrationMeta(_Meta):
@@ -125,7 +151,7 @@ class BundleMeta(_Meta):
     """What `load_bundle` requires of the metadata, type by type (relations: `check_meta`)."""
 
     format: Literal["halludetect-bundle"]
-    format_version: Literal[1, 2]
+    format_version: Literal[1, 2, 3]
     method: str
     params: dict[str, Any]
     d: PositiveInt
@@ -138,7 +164,7 @@ class BundleMeta(_Meta):
     thresholds: dict[str, ThresholdMeta] = Field(min_length=1)
     default_threshold: str
     calibration: CalibrationMeta
-    evaluation: dict[str, Any]
+    evaluation: EvaluationMeta
     digest: DigestMeta | None = None
 
 
@@ -157,34 +183,100 @@ def metadata_digest(meta: dict) -> str:
 
 
 # ------------------------------------------------------------------ thresholds and calibration
-def at_threshold(y: np.ndarray, z: np.ndarray, t: float) -> dict:
-    """What flagging z >= t does on (y, z): false- and true-positive rates, precision, F1."""
-    flag = z >= t
-    tp, fp = int((flag & (y == 1)).sum()), int((flag & (y == 0)).sum())
-    pos, neg = int((y == 1).sum()), int((y == 0).sum())
+def _labelled(y, z) -> tuple[np.ndarray, np.ndarray]:
+    """(y as bool [n], z as float64 [n]), checked: same length, finite scores, both classes."""
+    y, z = np.asarray(y).astype(bool), np.asarray(z, dtype=np.float64)
+    if y.shape != z.shape or y.ndim != 1:
+        raise ValueError(f"labels {y.shape} and scores {z.shape} must be two vectors of one length")
+    if not np.isfinite(z).all():
+        raise ValueError(f"{int((~np.isfinite(z)).sum())} score(s) are not finite")
+    pos, neg = int(y.sum()), int((~y).sum())
+    if not pos or not neg:
+        raise ValueError(
+            f"{pos} hallucinated and {neg} correct answer(s): a false- and a true-positive rate need both classes"
+        )
+    return y, z
+
+
+def rates_at_threshold(y, z, threshold: float) -> dict:
+    """What flagging `z >= threshold` does to labelled scores (y = 1: hallucinated): its false- and
+    true-positive rates, precision and F1, and the counts they come from. A transfer check calls it
+    with one dataset's threshold on another's scores."""
+    y, z = _labelled(y, z)
+    flag = z >= threshold
+    tp, fp = int((flag & y).sum()), int((flag & ~y).sum())
+    pos, neg = int(y.sum()), int((~y).sum())
     precision = tp / (tp + fp) if tp + fp else 0.0
-    recall = tp / pos
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"threshold": float(t), "val_fpr": fp / neg, "val_tpr": recall, "val_precision": precision, "val_f1": f1}
+    return {
+        "threshold": float(threshold),
+        "fpr": fp / neg,
+        "tpr": tp / pos,
+        "precision": precision,
+        "f1": 2 * tp / (tp + fp + pos),  # = 2 P R / (P + R), and 0 when nothing is flagged
+        "flagged": tp + fp,
+        "positives": pos,
+        "negatives": neg,
+    }
 
 
-def choose_thresholds(y: np.ndarray, z: np.ndarray, fpr_targets: list[float]) -> dict[str, dict]:
-    """Thresholds on validation logits: the lowest one whose false-positive rate is at most
-    each target (flag = z >= threshold), and the one of the best F1."""
-    from sklearn.metrics import precision_recall_curve, roc_curve  # export only: scoring never pays the import
+def _distinct(y: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every distinct score, highest first, and the true and false positives of flagging z >= it:
+    tied scores are flagged together, so a threshold never splits them."""
+    order = np.argsort(-z, kind="mergesort")
+    zs, ys = z[order], y[order]
+    ends = np.r_[np.flatnonzero(np.diff(zs)), len(zs) - 1]  # the last index of each distinct score
+    return zs[ends], np.cumsum(ys)[ends], np.cumsum(~ys)[ends]
 
-    out = {}
-    fpr, _, thr = roc_curve(y, z, drop_intermediate=False)  # thr decreasing, thr[0] = inf
-    for target in fpr_targets:
-        i = int(np.nonzero(fpr <= target)[0][-1])
-        # i = 0 only when the highest score is a negative's and one negative is already too
-        # many: then no score is flagged, with a finite threshold just above the highest.
-        t = float(thr[i]) if i > 0 else float(np.nextafter(z.max(), math.inf))
-        out[threshold_name(target)] = {"target_fpr": target, **at_threshold(y, z, t)}
-    precision, recall, thr = precision_recall_curve(y, z)
-    f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-300), 0.0)
-    best = int(np.argmax(f1[:-1]))  # the last point (recall 0) has no threshold
-    out["best_f1"] = at_threshold(y, z, float(thr[best]))
+
+def threshold_at_fpr(y, z, target_fpr: float) -> dict:
+    """The lowest threshold whose false-positive rate on (y, z) is at most `target_fpr` (flag =
+    z >= threshold), with `rates_at_threshold`'s figures and `target_fpr`: the most hallucinations
+    caught at that rate. Tied scores are flagged together, so the rate reached may be below the
+    target. When even the highest score is a correct answer's and flagging it alone exceeds the
+    target, the threshold sits just above the highest score and flags nothing (`flagged` 0)."""
+    if not 0.0 < target_fpr < 1.0:
+        raise ValueError(f"target false-positive rate {target_fpr!r} is not strictly between 0 and 1")
+    y, z = _labelled(y, z)
+    scores, _, fp = _distinct(y, z)
+    within = np.flatnonzero(fp / (~y).sum() <= target_fpr)  # a prefix: fp never decreases
+    t = float(scores[within[-1]]) if within.size else float(np.nextafter(scores[0], math.inf))
+    return {"target_fpr": target_fpr, **rates_at_threshold(y, z, t)}
+
+
+def threshold_best_f1(y, z) -> dict:
+    """The threshold of the highest F1 on (y, z) (the lowest such threshold on ties), with
+    `rates_at_threshold`'s figures."""
+    y, z = _labelled(y, z)
+    scores, tp, fp = _distinct(y, z)
+    f1 = 2 * tp / (tp + fp + y.sum())
+    best = np.flatnonzero(f1 == f1.max())[-1]
+    return rates_at_threshold(y, z, float(scores[best]))
+
+
+def threshold_entry(rule: dict, test: tuple[np.ndarray, np.ndarray]) -> dict:
+    """A bundle's record of a threshold chosen on validation (`rule`: `threshold_at_fpr`'s or
+    `threshold_best_f1`'s figures): what it does on validation, and on test, measured for the
+    reader only (test never chooses)."""
+    on_test = rates_at_threshold(*test, rule["threshold"])
+    return {
+        **({"target_fpr": rule["target_fpr"]} if "target_fpr" in rule else {}),
+        "threshold": rule["threshold"],
+        "val_fpr": rule["fpr"],
+        "val_tpr": rule["tpr"],
+        "val_precision": rule["precision"],
+        "val_f1": rule["f1"],
+        "test_fpr": on_test["fpr"],
+        "test_tpr": on_test["tpr"],
+    }
+
+
+def choose_thresholds(
+    y: np.ndarray, z: np.ndarray, fpr_targets: list[float], test: tuple[np.ndarray, np.ndarray]
+) -> dict[str, dict]:
+    """A bundle's thresholds on validation logits (y, z): at each target false-positive rate
+    (`fpr_<target>`) and at the best F1 (`best_f1`), each with its validation and test figures."""
+    out = {threshold_name(t): threshold_entry(threshold_at_fpr(y, z, t), test) for t in fpr_targets}
+    out["best_f1"] = threshold_entry(threshold_best_f1(y, z), test)
     return out
 
 
@@ -341,10 +433,10 @@ def check_meta(path: Path, meta: object) -> dict:
     the bundle and every key that is wrong."""
     if not isinstance(meta, dict):
         raise BundleError(f"{path}: the bundle metadata is {type(meta).__name__}, not an object: {RE_EXPORT}")
-    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, FORMAT_VERSION):
+    if meta.get("format") != FORMAT or meta.get("format_version") not in READS:
         raise BundleError(
             f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
-            f"halludetect reads {FORMAT!r} versions 1 and {FORMAT_VERSION}"
+            f"halludetect reads {FORMAT!r} versions {', '.join(map(str, READS[:-1]))} and {READS[-1]}"
         )
     try:
         BundleMeta.model_validate(meta)
@@ -371,13 +463,60 @@ def check_meta(path: Path, meta: object) -> dict:
         problems.append("'inputs.prompt_template' does not match 'inputs.prompt_hash'")
     if meta["format_version"] >= 2 and meta.get("digest") is None:
         problems.append(f"'digest' is missing (format version {meta['format_version']} records it)")
+    problems += _threshold_problems(meta)
     if problems:
         raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}")
     return meta
 
 
+# What format 3 added: each threshold's rates on validation and test, each split's hallucinated count.
+V3_THRESHOLD_KEYS = ("val_fpr", "val_tpr", "test_fpr", "test_tpr")
+V3_EVALUATION_KEYS = ("n_val", "n_test", "n_val_hallucinated", "n_test_hallucinated")
+
+
+def _threshold_problems(meta: dict) -> list[str]:
+    """How the thresholds fit their names and rates; in format 3, the keys it records."""
+    problems = []
+    v3 = meta["format_version"] >= 3
+    for name, entry in sorted(meta["thresholds"].items()):
+        if v3:
+            missing = [k for k in V3_THRESHOLD_KEYS if entry.get(k) is None]
+            problems += [f"'thresholds.{name}.{k}' is missing (format 3 records it)" for k in missing]
+        target = entry.get("target_fpr")
+        if name.startswith("fpr_") and (target is None or threshold_name(target) != name):
+            problems.append(f"'thresholds.{name}.target_fpr' is {target!r}, not the rate its name says")
+        elif target is not None and entry.get("val_fpr") is not None and entry["val_fpr"] > target:
+            problems.append(f"'thresholds.{name}.val_fpr' {entry['val_fpr']:g} is above its 'target_fpr' {target:g}")
+    if v3:
+        missing = [k for k in V3_EVALUATION_KEYS if meta["evaluation"].get(k) is None]
+        problems += [f"'evaluation.{k}' is missing (format 3 records it)" for k in missing]
+    return problems
+
+
 def _some(names: list[str]) -> str:
     return f"{len(names)} tensor(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
+def format_warnings(path: Path, meta: dict) -> list[str]:
+    """What a bundle older than format 3 lacks, and what its default threshold does on validation
+    when it is the best F1 (the default before format 3; it flags many correct answers)."""
+    lacks = any(e.get("test_fpr") is None for e in meta["thresholds"].values())
+    if meta["format_version"] >= 3 or not lacks:
+        return []
+    out = (
+        f"{path} is a format {meta['format_version']} bundle, written before bundles recorded how each "
+        "threshold does on test: `halludetect show` prints validation figures only; "
+        f"{RE_EXPORT.replace('or copy it again', 'to add them')}"
+    )
+    default = meta["thresholds"][meta["default_threshold"]]
+    if meta["default_threshold"] == "best_f1" and default.get("val_fpr") is not None:
+        today = ExportParams().threshold  # the export's default now
+        instead = f"pass --threshold {today} or re-export it" if today in meta["thresholds"] else "re-export it"
+        out += (
+            f"; its default threshold, best_f1, flags {default['val_fpr']:.0%} of validation's correct "
+            f"answers ({instead} for a default chosen at a false-positive rate)"
+        )
+    return [out]
 
 
 def check_tensors(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -444,7 +583,7 @@ def load_bundle(path: str | Path) -> Bundle:
     except ValueError as e:  # JSONDecodeError; also NaN spelt out, which the export never writes
         raise BundleError(f"{path}: the bundle metadata is not valid JSON ({e}): damaged; {RE_EXPORT}") from None
     meta = check_meta(path, meta)
-    warnings = check_tensors(path, meta, tensors)
+    warnings = check_tensors(path, meta, tensors) + format_warnings(path, meta)
     check_known(meta, path)  # a plugin's method: registered here, or named with how to register it
     detectors = {}
     try:
@@ -588,7 +727,15 @@ def export_bundle(
     check_scores_match_metrics(scores, metrics, layer, str(scores_path))
     y_val, z_val = ensemble_scores(scores, "val", seeds, str(scores_path))
     y_test, z_test = ensemble_scores(scores, "test", seeds, str(scores_path))
-    thresholds = choose_thresholds(y_val, z_val, fpr_targets)
+    for split, y in (("val", y_val), ("test", y_test)):
+        if y.min() == y.max():
+            raise DataError(
+                f"{scores_path}: every {split} answer is {'hallucinated' if y[0] else 'correct'}: a flag "
+                "threshold's false- and true-positive rates need both; re-run judge and train"
+            )
+    # export.threshold may name a rate that fpr_targets does not list: it is stored too
+    targets = sorted({*fpr_targets, *([float(default_threshold[4:])] if default_threshold != "best_f1" else [])})
+    thresholds = choose_thresholds(y_val, z_val, targets, (y_test, z_test))
     if default_threshold not in thresholds:
         raise DataError(f"export.threshold '{default_threshold}' is none of {sorted(thresholds)}")
     preset = manifest["preset"]
@@ -631,6 +778,8 @@ def export_bundle(
             "test_auroc_ensemble": float(auroc(y_test, z_test)),
             "n_val": int(len(y_val)),
             "n_test": int(len(y_test)),
+            "n_val_hallucinated": int(y_val.sum()),
+            "n_test_hallucinated": int(y_test.sum()),
             "layer_selection": metrics.get("layer_selection", "highest mean validation AUROC over seeds"),
         },
     }

@@ -24,7 +24,12 @@ from halludetect.scoring.bundle import (
     export_bundle,
     fit_platt,
     load_bundle,
+    metadata_digest,
+    rates_at_threshold,
     save_bundle,
+    tensor_digest,
+    threshold_at_fpr,
+    threshold_best_f1,
 )
 
 
@@ -36,15 +41,20 @@ def labelled_scores(n=400, seed=0):
 
 def test_thresholds_meet_their_false_positive_rate_and_best_f1_is_the_best():
     y, z = labelled_scores()
-    t = choose_thresholds(y, z, [0.01, 0.05, 0.1])
+    yt, zt = labelled_scores(seed=1)
+    t = choose_thresholds(y, z, [0.01, 0.05, 0.1], (yt, zt))
     assert sorted(t) == ["best_f1", "fpr_0.01", "fpr_0.05", "fpr_0.1"]
     neg = z[y == 0]
     for target in (0.01, 0.05, 0.1):
         entry = t[f"fpr_{target:g}"]
-        assert np.mean(neg >= entry["threshold"]) == entry["val_fpr"] <= target
+        assert np.mean(neg >= entry["threshold"]) == entry["val_fpr"] <= target == entry["target_fpr"]
+        assert np.mean(z[y == 1] >= entry["threshold"]) == entry["val_tpr"]
         # the lowest such threshold: one score lower and the target would be exceeded
         lower = z[z < entry["threshold"]].max()
         assert np.mean(neg >= lower) > target
+        # test figures of the same threshold, for the reader
+        assert entry["test_fpr"] == np.mean(zt[yt == 0] >= entry["threshold"])
+        assert entry["test_tpr"] == np.mean(zt[yt == 1] >= entry["threshold"])
 
     def f1(th):
         flag = z >= th
@@ -53,13 +63,62 @@ def test_thresholds_meet_their_false_positive_rate_and_best_f1_is_the_best():
 
     assert t["best_f1"]["val_f1"] == pytest.approx(max(f1(th) for th in z))
     assert t["best_f1"]["val_f1"] == pytest.approx(f1(t["best_f1"]["threshold"]))
+    assert "target_fpr" not in t["best_f1"]
 
 
-def test_unreachable_false_positive_rate_flags_nothing():
-    y = np.array([0, 0, 1, 1])
-    z = np.array([3.0, 0.0, 1.0, 2.0])  # the top score is a negative's: any flag has FPR >= 0.5
-    entry = choose_thresholds(y, z, [0.1])["fpr_0.1"]
-    assert entry["threshold"] > 3.0 and entry["val_fpr"] == 0.0 and entry["val_tpr"] == 0.0
+# Worked out by hand: 10 correct answers (0) and 5 hallucinated (1); three scores tie at 5.
+HAND_Y = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+HAND_Z = np.array([9.0, 5, 5, 4, 3, 2, 1, 0, -1, -2, 8, 6, 5, 3.5, -3])
+
+
+@pytest.mark.parametrize(
+    ("target", "threshold", "fpr", "tpr", "flagged"),
+    [
+        # at most 1 correct answer: 9 (correct), 8 and 6 (hallucinated); flagging 5 would add the
+        # two correct 5s with the hallucinated one (ties go together): FPR 0.3
+        (0.1, 6.0, 0.1, 0.4, 3),
+        (0.3, 5.0, 0.3, 0.6, 6),  # the tie included: exactly at the target
+        (0.35, 5.0, 0.3, 0.6, 6),  # 4 (correct) would make it 0.4
+        (0.5, 3.0, 0.5, 0.8, 9),  # 9, 8, 6, 5 x3, 4, 3.5, 3
+    ],
+)
+def test_threshold_at_a_target_false_positive_rate_on_scores_worked_out_by_hand(target, threshold, fpr, tpr, flagged):
+    got = threshold_at_fpr(HAND_Y, HAND_Z, target)
+    assert got["threshold"] == threshold and got["target_fpr"] == target
+    assert (got["fpr"], got["tpr"], got["flagged"], got["negatives"], got["positives"]) == (fpr, tpr, flagged, 10, 5)
+    # another set's rates at that threshold (a transfer check): its own counts
+    other = rates_at_threshold([0, 0, 1, 1], [threshold + 1, threshold - 1, threshold, threshold - 1], threshold)
+    assert (other["fpr"], other["tpr"], other["flagged"], other["precision"]) == (0.5, 0.5, 2, 0.5)
+
+
+def test_a_false_positive_rate_no_flag_reaches_flags_nothing():
+    """The highest score, 9, is a correct answer's: any flag costs FPR >= 0.1, above 5%. The threshold
+    then sits just above it: nothing is flagged (no threshold is ever missing)."""
+    got = threshold_at_fpr(HAND_Y, HAND_Z, 0.05)
+    assert got["threshold"] == np.nextafter(9.0, np.inf) and got["flagged"] == 0
+    assert (got["fpr"], got["tpr"], got["f1"]) == (0.0, 0.0, 0.0)
+
+
+def test_best_f1_is_still_there_worked_out_by_hand():
+    # F1 = 2 TP / (TP + FP + 5) at each distinct score: 8 -> 2/7, 6 -> 4/8, 5 -> 6/11, 3.5 -> 8/13 (best), 3 -> 8/14
+    got = threshold_best_f1(HAND_Y, HAND_Z)
+    assert got["threshold"] == 3.5 and got["f1"] == pytest.approx(8 / 13) and (got["fpr"], got["tpr"]) == (0.4, 0.8)
+    # a tie in F1: the lowest threshold, as before (sklearn's precision_recall_curve order)
+    assert threshold_best_f1([1, 0, 0, 1], [4.0, 3.0, 2.0, 1.0])["threshold"] == 1.0  # F1 2/3 at 4 and at 1
+
+
+@pytest.mark.parametrize(
+    ("y", "z", "target", "match"),
+    [
+        ([0, 0, 1], [1.0, 2.0, 3.0], 1.0, "target false-positive rate 1.0 is not strictly between 0 and 1"),
+        ([0, 0, 1], [1.0, 2.0, 3.0], 0.0, "target false-positive rate 0.0 is not strictly between 0 and 1"),
+        ([0, 0, 0], [1.0, 2.0, 3.0], 0.05, "0 hallucinated and 3 correct answer.s.: .* need both classes"),
+        ([0, 1, 1], [1.0, float("nan"), 3.0], 0.05, "1 score.s. are not finite"),
+    ],
+)
+def test_threshold_choice_refuses_what_has_no_rate(y, z, target, match):
+    with pytest.raises(ValueError, match=match):
+        threshold_at_fpr(y, z, target)
 
 
 def test_platt_scaling_is_an_unregularised_logistic_fit():
@@ -95,7 +154,7 @@ def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bund
         "states_dtype": "float16",
     }
     assert b.meta["evaluation"]["test_auroc_dag"] == metrics["test"]["auroc"]
-    assert b.meta["combine"] == "mean_logit" and b.meta["default_threshold"] == "best_f1"
+    assert b.meta["combine"] == "mean_logit" and b.meta["default_threshold"] == "fpr_0.05"
     # every seed's weights, equal to the trained files
     for seed in (0, 1):
         trained, _ = load_detector(contract / "detectors" / "max" / f"layer_{layer}" / f"seed_{seed}.safetensors")
@@ -117,8 +176,24 @@ def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bund
     )
     platt = fit_platt(val["label"].to_numpy(), val["score"].to_numpy())  # rows in another order: the optimiser's noise
     assert (b.meta["calibration"]["a"], b.meta["calibration"]["b"]) == pytest.approx((platt["a"], platt["b"]), rel=1e-6)
-    assert b.threshold() == ("best_f1", b.meta["thresholds"]["best_f1"]["threshold"])
-    assert b.threshold("fpr_0.05")[1] == b.meta["thresholds"]["fpr_0.05"]["threshold"]
+    # each threshold's validation and test rates, from the same mean logits
+    ensemble = {}
+    for split in ("val", "test"):
+        z = (
+            scores.filter(pl.col("split") == split)
+            .group_by("response_id")
+            .agg(pl.col("score").mean(), pl.col("label").first())
+        )
+        ensemble[split] = (z["label"].to_numpy(), z["score"].to_numpy())
+        assert b.meta["evaluation"][f"n_{split}_hallucinated"] == int(z["label"].sum())
+    for name, entry in b.meta["thresholds"].items():
+        for split in ("val", "test"):
+            y, z = ensemble[split]
+            flag = z >= entry["threshold"]
+            assert entry[f"{split}_fpr"] == pytest.approx(flag[y == 0].mean(), abs=1e-12), name
+            assert entry[f"{split}_tpr"] == pytest.approx(flag[y == 1].mean(), abs=1e-12), name
+    assert b.threshold() == ("fpr_0.05", b.meta["thresholds"]["fpr_0.05"]["threshold"])
+    assert b.threshold("best_f1")[1] == b.meta["thresholds"]["best_f1"]["threshold"]
     assert b.threshold("0.25") == ("0.25", 0.25)
     with pytest.raises(BundleError, match="unknown threshold 'fpr_0.5'.*best_f1"):
         b.threshold("fpr_0.5")
@@ -136,7 +211,7 @@ def test_the_same_bundle_gives_the_same_bytes(contract, bundle_path, tmp_path):
         states_dtype="float16",
         prompt_template=GENERATION,
         fpr_targets=[0.01, 0.05, 0.1],
-        default_threshold="best_f1",
+        default_threshold="fpr_0.05",
     )
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert digest(again) == digest(bundle_path)
@@ -214,9 +289,10 @@ def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path
         load_bundle(tmp_path / "v9.safetensors")
 
 
-def test_export_stage_writes_the_bundle(contract, tmp_path, capsys):
+def test_export_stage_writes_the_bundle(contract, tmp_path, caplog):
     from stages import export
 
+    caplog.set_level("INFO", "halludetect")
     out = tmp_path / "data" / "bundles" / "tiny" / "mini" / "max.safetensors"
     args = argparse.Namespace(
         metrics=contract / "metrics" / "max.json",
@@ -227,14 +303,24 @@ def test_export_stage_writes_the_bundle(contract, tmp_path, capsys):
         generation_metrics=None,  # a method that reads no P_sem: export_sp's alone pass them
         cluster_metrics=None,
     )
-    export.run(args, load_params("params.yaml"))
+    params = load_params("params.yaml")
+    export.run(args, params)
     b = load_bundle(out)
-    assert b.meta["default_threshold"] == "best_f1" and sorted(b.meta["thresholds"]) == [
-        "best_f1",
-        "fpr_0.01",
-        "fpr_0.05",
-        "fpr_0.1",
-    ]
+    assert b.meta["default_threshold"] == params.export.threshold == "fpr_0.05"
+    assert sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.01", "fpr_0.05", "fpr_0.1"]
+    t = b.meta["thresholds"]["fpr_0.05"]
+    assert f"default threshold fpr_0.05 = {t['threshold']:.3f}: validation FPR {t['val_fpr']:.3f}" in caplog.text
+
+
+def test_best_f1_stays_selectable_and_a_rate_outside_fpr_targets_is_stored(contract, tmp_path):
+    out = tmp_path / "b.safetensors"
+    export_bundle(out, **export_args(contract, tmp_path, fpr_targets=[0.1], default_threshold="best_f1"))
+    b = load_bundle(out)
+    assert b.threshold()[0] == "best_f1" and sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.1"]
+    export_bundle(out, **export_args(contract, tmp_path, fpr_targets=[0.1], default_threshold="fpr_0.2"))
+    b = load_bundle(out)
+    assert b.threshold()[0] == "fpr_0.2" and sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.1", "fpr_0.2"]
+    assert b.meta["thresholds"]["fpr_0.2"]["val_fpr"] <= 0.2
 
 
 # ------------------------------------------------------------------ damaged bundles are named, not used
@@ -251,12 +337,12 @@ def resaved(bundle_path, out, change_meta=None, change_state=None):
     return out
 
 
-def show(path, capsys) -> tuple[int, str, str]:
-    """`halludetect show PATH`: exit code, stdout, stderr."""
+def show(path, capsys, *extra: str) -> tuple[int, str, str]:
+    """`halludetect show PATH [extra]`: exit code, stdout, stderr."""
     from halludetect import cli
 
     try:
-        cli.main(["show", str(path)])
+        cli.main(["show", str(path), *extra])
         code = 0
     except SystemExit as e:
         code = e.code
@@ -319,6 +405,22 @@ def test_a_flipped_byte_in_a_bundle_is_named(bundle_path, tmp_path, capsys):
         (lambda m: m.update(default_threshold="fpr_0.5"), r"'default_threshold' 'fpr_0.5' is none of 'thresholds'"),
         (lambda m: m["inputs"].update(prompt_template="Q: {question}"), r"'inputs.prompt_template' does not match"),
         (lambda m: m.update(params={"dim": "wide"}), r"'params.dim': input should be a valid integer"),
+        # format 3: each threshold's rates, each split's hallucinated count, and how they fit together
+        (
+            lambda m: m["thresholds"]["fpr_0.05"].pop("test_fpr"),
+            r"'thresholds.fpr_0.05.test_fpr' is missing \(format 3 records it\)",
+        ),
+        (lambda m: m["evaluation"].pop("n_val_hallucinated"), r"'evaluation.n_val_hallucinated' is missing"),
+        (lambda m: m["evaluation"].update(n_test_hallucinated="3"), r"'evaluation.n_test_hallucinated': input should"),
+        (lambda m: m["thresholds"]["best_f1"].update(val_tpr=1.5), r"'thresholds.best_f1.val_tpr': input should be"),
+        (
+            lambda m: m["thresholds"]["fpr_0.05"].update(val_fpr=0.2),
+            r"'thresholds.fpr_0.05.val_fpr' 0.2 is above its 'target_fpr' 0.05",
+        ),
+        (
+            lambda m: m["thresholds"]["fpr_0.05"].update(target_fpr=0.1),
+            r"'thresholds.fpr_0.05.target_fpr' is 0.1, not the rate its name says",
+        ),
     ],
 )
 def test_bundle_metadata_of_the_wrong_type_or_shape_is_named_with_its_key(bundle_path, tmp_path, change, match):
@@ -351,13 +453,13 @@ def test_a_format_1_bundle_without_a_digest_is_read_with_a_warning(bundle_path, 
         f"{tmp_path / 'v1.safetensors'} is a format 1 bundle, written before bundles recorded a digest: damage "
         "to its bytes cannot be detected; re-export it (dvc repro export@<model>-<dataset>-<method>) to add one"
     ]
-    code, out, err = show(tmp_path / "v1.safetensors", capsys)
+    code, out, err = show(tmp_path / "v1.safetensors", capsys, "--json")
     assert code == 0 and json.loads(out)["format_version"] == 1 and err == f"warning: {b.warnings[0]}\n"
     tensors["seed_0.head.bias"][0] = float("nan")  # its weights are still checked
     save_file(tensors, str(tmp_path / "v1.safetensors"), metadata={"bundle": json.dumps(old)})
     with pytest.raises(BundleError, match="tensor 'seed_0.head.bias' holds 1 NaN"):
         load_bundle(tmp_path / "v1.safetensors")
-    assert load_bundle(bundle_path).warnings == []  # format 2: checked, nothing to warn of
+    assert load_bundle(bundle_path).warnings == []  # format 3: checked, nothing to warn of
 
 
 @pytest.mark.hostile
@@ -365,3 +467,58 @@ def test_a_format_1_bundle_without_a_digest_is_read_with_a_warning(bundle_path, 
 def test_a_non_finite_threshold_is_refused(bundle_path, choice):
     with pytest.raises(BundleError, match=rf"^threshold {choice!r} is not a finite logit: give one this bundle "):
         load_bundle(bundle_path).threshold(choice)
+
+
+def saved_as_version(bundle_path, out, version: int, change_meta) -> None:
+    """The bundle's tensors with changed metadata stamped `version`, with a valid digest (as that
+    version's export wrote it)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(bundle_path)
+    meta = {k: v for k, v in meta_of(bundle_path).items() if k != "digest"} | {"format_version": version}
+    change_meta(meta)
+    meta["digest"] = {
+        "algorithm": "sha256",
+        "tensors": {name: tensor_digest(t) for name, t in sorted(tensors.items())},
+        "metadata": metadata_digest(meta),
+    }
+    save_file(tensors, str(out), metadata={"bundle": json.dumps(meta, sort_keys=True)})
+
+
+def as_format_2(meta: dict) -> None:
+    """What the format 2 export wrote: no test rates, no hallucinated counts, best F1 the default."""
+    for entry in meta["thresholds"].values():
+        del entry["test_fpr"], entry["test_tpr"]
+    del meta["evaluation"]["n_val_hallucinated"], meta["evaluation"]["n_test_hallucinated"]
+    meta["default_threshold"] = "best_f1"
+
+
+@pytest.mark.hostile
+def test_a_format_2_bundle_is_read_with_a_warning_saying_what_it_lacks(bundle_path, tmp_path, capsys):
+    """Format 3 added each threshold's test rates: a format 2 bundle is read with every check and a
+    warning on every load, which also says what its best-F1 default flags on validation."""
+    out = tmp_path / "v2.safetensors"
+    saved_as_version(bundle_path, out, 2, as_format_2)
+    b = load_bundle(out)
+    fpr = b.meta["thresholds"]["best_f1"]["val_fpr"]
+    assert b.warnings == [
+        f"{out} is a format 2 bundle, written before bundles recorded how each threshold does on test: "
+        "`halludetect show` prints validation figures only; re-export it (dvc repro "
+        f"export@<model>-<dataset>-<method>) to add them; its default threshold, best_f1, flags {fpr:.0%} of "
+        "validation's correct answers (pass --threshold fpr_0.05 or re-export it for a default chosen at a "
+        "false-positive rate)"
+    ]
+    assert b.threshold() == ("best_f1", b.meta["thresholds"]["best_f1"]["threshold"])
+    code, text, err = show(out, capsys)
+    assert code == 0 and err == f"warning: {b.warnings[0]}\n"
+    assert "test: not recorded (format 2: re-export the bundle)" in text
+    assert "validation   " in text and " hallucinated" not in text.split("validation", 1)[1].splitlines()[0]
+    # a format 2 bundle without its digest is damaged, as before
+    saved_as_version(bundle_path, out, 2, lambda m: as_format_2(m))
+    raw = meta_of(out)
+    del raw["digest"]
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(out), str(out), metadata={"bundle": json.dumps(raw)})
+    with pytest.raises(BundleError, match=r"'digest' is missing \(format version 2 records it\)"):
+        load_bundle(out)

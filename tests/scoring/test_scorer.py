@@ -395,7 +395,7 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
     monkeypatch.undo()
     assert len(list((tmp_path / ".out.jsonl.parts").glob("unit_*"))) == 2
     logged = []
-    score_file(bundle_path, src, out, threshold="fpr_0.05", log=logged.append, **kw)
+    score_file(bundle_path, src, out, threshold="best_f1", log=logged.append, **kw)
     assert not any("resuming" in m for m in logged)  # another threshold: the two parts are not reused
     assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
 

@@ -39,7 +39,7 @@ def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monk
         ["bash", "-euo", "pipefail", "-c", blocks["bash"][0]], cwd=repo, env=env, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert '"method": "max"' in res.stdout  # halludetect show
+    assert "detector     max (Max pooling)" in res.stdout and "(the default)" in res.stdout  # halludetect show
     scores = pl.read_parquet(repo / "scores.parquet")
     assert scores["id"].to_list() == ["a1", "a2", "a3"]
     assert scores["reason"].to_list() == [None, None, "empty_answer"] and scores["score"].null_count() == 1
