@@ -7,6 +7,7 @@
     halludetect show B.safetensors
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
     halludetect sweep detectors.max.dim                                       # experiments -> a table
+    halludetect dag                                       # the DAG, each stage family on one line
 
 `score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
 (`halludetect.scoring.evidence_views`); `show` prints a bundle's metadata. Bad input
@@ -180,6 +181,16 @@ def _sweep(args) -> None:
     print(f"written: {out / table.name}.md and .tex", file=sys.stderr)
 
 
+def _dag(args) -> None:
+    from pathlib import Path
+
+    from halludetect.core.dag import collapsed, render
+
+    if not (Path(args.repo) / "dvc.yaml").is_file():
+        raise UserError(f"{args.repo} has no dvc.yaml: run it in the repository's root, or pass --repo")
+    sys.stdout.write(render(collapsed(args.repo)))
+
+
 def _literal(text: str):
     """A --where value as the params file would hold it (1 -> 1, 0.5 -> 0.5, true -> True, else the text)."""
     import yaml
@@ -339,6 +350,15 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--out-dir", default="metrics/sweeps", help="where the tables go (default: metrics/sweeps)")
     sw.add_argument("--params", default="params.yaml", help="params file, for the grid's paper identities")
     sw.set_defaults(run=_sweep)
+
+    dag = sub.add_parser(
+        "dag",
+        help="the pipeline's DAG with each stage family on one line (`train x 50 <- dump, judge`)",
+        description="Print the stage families of dvc.yaml (the matrix expanded with params.yaml, as DVC "
+        "does) in topological order, each with its count of stages and the families it reads from.",
+    )
+    dag.add_argument("--repo", default=".", help="the repository's root (default: .)")
+    dag.set_defaults(run=_dag)
     return p
 
 
