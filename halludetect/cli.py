@@ -7,7 +7,8 @@
     halludetect show B.safetensors [--json]
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
     halludetect sweep detectors.max.dim                                       # experiments -> a table
-    halludetect exp-push origin                    # experiments to git, their outputs to the DVC remote
+    halludetect exp-push origin                     # experiments to git, their outputs to the DVC remote
+    halludetect dag                                       # the DAG, each stage family on one line
 
 `score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
 (`halludetect.scoring.evidence_views`); `show` summarises a bundle (`--json`: its metadata). Bad input
@@ -232,6 +233,16 @@ def _exp_push(args) -> None:
     )
 
 
+def _dag(args) -> None:
+    from pathlib import Path
+
+    from halludetect.core.dag import collapsed, render
+
+    if not (Path(args.repo) / "dvc.yaml").is_file():
+        raise UserError(f"{args.repo} has no dvc.yaml: run it in the repository's root, or pass --repo")
+    sys.stdout.write(render(collapsed(args.repo)))
+
+
 def _literal(text: str):
     """A --where value as the params file would hold it (1 -> 1, 0.5 -> 0.5, true -> True, else the text)."""
     import yaml
@@ -427,6 +438,15 @@ def parser() -> argparse.ArgumentParser:
     ep.add_argument("-f", "--force", action="store_true", help="replace experiments of the same name on the remote")
     ep.add_argument("-j", "--jobs", type=int, help="parallel uploads (dvc push -j)")
     ep.set_defaults(run=_exp_push)
+
+    dag = sub.add_parser(
+        "dag",
+        help="the pipeline's DAG with each stage family on one line (`train x 50 <- dump, judge`)",
+        description="Print the stage families of dvc.yaml (the matrix expanded with params.yaml, as DVC "
+        "does) in topological order, each with its count of stages and the families it reads from.",
+    )
+    dag.add_argument("--repo", default=".", help="the repository's root (default: .)")
+    dag.set_defaults(run=_dag)
     return p
 
 

@@ -12,7 +12,7 @@ from halludetect.core.atomic_io import atomic_path, write_json, write_parquet
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import trained_params
 from halludetect.detectors.data import p_sem_table, split_data
-from halludetect.evaluation.analysis import analyze_split, histograms
+from halludetect.evaluation.analysis import QUANTITY, analyze_split, histograms
 from halludetect.evaluation.evaluate import load_models
 from halludetect.labels.readers import read_clusters, read_judgments
 from halludetect.methods import ANALYZABLE, SP_METHODS
@@ -106,11 +106,14 @@ def run(args, params):
         del data
     rows = pl.concat(frames)
     write_parquet(args.responses, rows)
-    with atomic_path(Path(args.plots), is_dir=True) as tmp:
-        for split in ap.splits:
-            at_best = rows.filter((pl.col("layer") == best) & (pl.col("split") == split))
-            for name, frame in histograms(at_best, ap.bins).items():
-                frame.write_csv(tmp / f"{split}_{name}.csv", float_precision=6)
+    # one file, a `panel` per quantity and split: DVC draws one chart of panels (.dvc/plots/panels.json)
+    panels = []
+    for split in ap.splits:
+        at_best = rows.filter((pl.col("layer") == best) & (pl.col("split") == split))
+        for name, frame in histograms(at_best, ap.bins).items():
+            panels.append(frame.with_columns(pl.lit(f"{QUANTITY[name]} ({split})").alias("panel")))
+    with atomic_path(args.plots) as tmp:
+        pl.concat(panels).write_csv(tmp, float_precision=6)
     scaling = f"lam = {lam:g}" + ("" if args.method in SP_METHODS else ", HaMI (SP)'s, applied to HaMI")
     figures.save_png(
         figures.sensitivity(
@@ -136,7 +139,7 @@ if __name__ == "__main__":
         ("--detectors", "the method's detector directory (layer_<L>/seed_<S>.safetensors)"),
         ("--out", "analysis metrics JSON"),
         ("--responses", "per-response Parquet"),
-        ("--plots", "directory of distribution CSVs (DVC plots)"),
+        ("--plots", "CSV of the distributions by class, one panel per quantity and split (a DVC plot)"),
         ("--figure", "PNG of the C_B^int and P_sem C_B^int distributions per class"),
     ]:
         p.add_argument(flag, required=True, help=text)

@@ -35,7 +35,7 @@ if __name__ == "__main__":
         ("--clusters", "clusters Parquet"),
         ("--generations", "generations Parquet"),
         ("--figures", "directory of the PNGs"),
-        ("--plots", "root of the plot data (layers/, roc/, distributions/)"),
+        ("--plots", "root of the plot data (layers/, roc/, epochs/, scores/, responses/)"),
     ]:
         p.add_argument(flag, required=True, help=text)
     common.main(run, p)

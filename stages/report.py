@@ -1,10 +1,13 @@
-"""Rebuild the paper's tables (Markdown and LaTeX, one file each) and a summary from the metrics JSON."""
+"""Rebuild the paper's tables (Markdown and LaTeX, one file each), a summary and the headline figures
+(the pipeline's only DVC metrics: one small file per method and baseline) from the metrics JSON."""
 
+import json
 from pathlib import Path
 
-from halludetect.core.atomic_io import write_json, write_text
+from halludetect.core.atomic_io import atomic_path, write_json, write_text
 from halludetect.report import paper
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
+from halludetect.report.headline import headlines
 from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.report.tables import to_latex, to_markdown
 from stages import common
@@ -41,6 +44,11 @@ def run(args, params):
         write_text(out / f"{table.name}.md", to_markdown(table))
         write_text(out / f"{table.name}.tex", to_latex(table))
     write_json(args.summary, summary(metrics, analysis))
+    # the whole directory at once, so a method dropped from the grid leaves no stale headline behind
+    with atomic_path(args.headline_dir, is_dir=True) as tmp:
+        for rel, figures in headlines(metrics, analysis).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(json.dumps(figures, indent=2, sort_keys=True, allow_nan=False) + "\n")
     print((out / "auroc.md").read_text())
 
 
@@ -57,4 +65,9 @@ if __name__ == "__main__":
     p.add_argument("--evidence-dir", required=True, help="directory of <model>/<dataset>.json token evidence")
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
+    p.add_argument(
+        "--headline-dir",
+        required=True,
+        help="directory of the headline figures, eval/<model>/<dataset>/<name>.json (the DVC metrics)",
+    )
     common.main(run, p)

@@ -98,6 +98,13 @@ def test_dag_writes_the_comparison_table(repo):
     assert p_true["cost_per_response"]["seconds"] > 0 and p_true["test"]["n"] > 0
     sep = json.loads((repo / "metrics/layers/world/world/sep_slt/layer_1.json").read_text())
     assert "too_short" in sep["excluded"]["train"]
+    # the only DVC metrics are the headline files, a row each, whatever else the DAG wrote
+    # (docs/sweeps-and-sharing.md "Readable views"; tests/report/test_headline.py: the world's width)
+    shown = run(["dvc", "metrics", "show", "--md"], repo).strip().splitlines()
+    headline = sorted((repo / "metrics/headline").rglob("*.json"))
+    assert len(shown) == 2 + len(headline) == 2 + len(METHODS) + len(SP_METHODS) + 7, shown
+    assert all(row.startswith("| metrics/headline/eval/world/world/") for row in shown[2:])
+    assert max(map(len, shown)) <= 200
     eigen = json.loads((repo / "metrics/eval/world/world/eigenscore.json").read_text())
     assert eigen["test"]["margin"] is None and eigen["cost_per_response"]["extra_seconds"] > 0
     for name in (

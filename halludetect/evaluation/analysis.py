@@ -141,6 +141,10 @@ def mean_over_seeds(per_seed: list[dict]) -> dict:
     return out
 
 
+# histograms' quantities as a chart's panels name them
+QUANTITY = {"c_int": "C_B^int", "p_sem_c_int": "P_sem C_B^int", "c0": "C_B", "p_sem_c0": "P_sem C_B"}
+
+
 def histograms(rows: pl.DataFrame, bins: int) -> dict[str, pl.DataFrame]:
     """Density per class of C_B^int, P_sem C_B^int, C_B and P_sem C_B (all seeds pooled), on shared
     bins: long-format frames (value, series, density) for DVC's `series` plot template."""

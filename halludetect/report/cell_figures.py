@@ -19,7 +19,6 @@ import polars as pl
 from halludetect.activations.layer_format import layer_filename
 from halludetect.config import BaselinesParams, GridParams
 from halludetect.core.artifacts import read_parquet
-from halludetect.core.atomic_io import atomic_path
 from halludetect.core.errors import DataError
 from halludetect.evaluation.baselines import baseline_scores
 from halludetect.evaluation.evaluate import read_scores
@@ -66,7 +65,7 @@ def draw_cell(
         aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
         pooled = np.concatenate(per_seed)
         score_panels[f"{m} (layer {best[m]})"] = (pooled, np.tile(y, len(per_seed)))
-        score_data[m] = class_histogram_data(pooled, np.tile(y, len(per_seed)))
+        score_data[f"{m} (layer {best[m]})"] = class_histogram_data(pooled, np.tile(y, len(per_seed)))
     labels = judged.filter(pl.col("kept")).select(response_ids(judged).alias("rid"), "split", "label")
     for name in grid.baselines:  # the same test responses' scores without hidden states
         s = labels.filter(pl.col("split") == "test").join(
@@ -90,10 +89,10 @@ def draw_cell(
             continue
         y = part["label"].to_numpy()
         response_panels[f"answer tokens ({split})"] = (part["n_tokens"].to_numpy(), y)
-        response_data[f"{split}_n_tokens"] = class_histogram_data(part["n_tokens"].to_numpy(), y, discrete=True)
+        response_data[f"answer tokens ({split})"] = class_histogram_data(part["n_tokens"].to_numpy(), y, discrete=True)
         has = part.filter(pl.col("p_sem").is_not_null())
         response_panels[f"P_sem ({split})"] = (has["p_sem"].to_numpy(), has["label"].to_numpy())
-        response_data[f"{split}_p_sem"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
+        response_data[f"P_sem ({split})"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
 
     if not curves:
         raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")
@@ -137,8 +136,9 @@ def draw_cell(
     figures.save_csv(figures.margins_by_epoch_data(by_epoch), plots / "epochs" / model / f"{dataset}.csv")
     figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / model / f"{dataset}.csv")
     figures.save_csv(figures.roc_data(curves), plots / "roc" / model / f"{dataset}.csv")
+    # One file per cell and purpose, a `panel` column per method (or quantity): DVC draws one chart
+    # of panels from it (.dvc/plots/panels.json), where a file per panel made a chart each.
     for sub, data in (("scores", score_data), ("responses", response_data)):
-        with atomic_path(plots / "distributions" / model / dataset / sub, is_dir=True) as tmp:
-            for name, frame in data.items():
-                frame.write_csv(tmp / f"{name}.csv", float_precision=6)
+        frame = pl.concat([f.with_columns(pl.lit(name).alias("panel")) for name, f in data.items()])
+        figures.save_csv(frame, plots / sub / model / f"{dataset}.csv")
     log("figures of %s in %s", cell, figs)

@@ -101,7 +101,7 @@ def run_stage(root: Path, method="hami_sp", params="params.yaml", out="out"):
         "--responses",
         str(out / "responses.parquet"),
         "--plots",
-        str(out / "plots"),
+        str(out / "plots.csv"),
         "--figure",
         str(out / "sensitivity.png"),
     ]
@@ -129,13 +129,14 @@ def test_analyze_stage_writes_every_layer_split_and_seed(cell):
     rows = pl.read_parquet(out / "responses.parquet")
     assert rows.height == 2 * 2 * (60 + 60)  # layers x seeds x (train + test responses)
     assert set(rows["split"]) == {"train", "test"} and set(rows["layer"]) == {0, 1}
-    plots = sorted(p.name for p in (out / "plots").iterdir())
-    assert plots == sorted(
-        f"{s}_{q}.csv" for s in ("train", "test") for q in ("c0", "c_int", "p_sem_c0", "p_sem_c_int")
+    plots = pl.read_csv(out / "plots.csv")  # one chart, a panel per quantity and split
+    assert plots.columns == ["value", "series", "density", "panel"]
+    assert sorted(set(plots["panel"])) == sorted(
+        f"{q} ({s})" for s in ("train", "test") for q in ("C_B", "C_B^int", "P_sem C_B", "P_sem C_B^int")
     )
     assert (out / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
-    hist = pl.read_csv(out / "plots" / "test_c_int.csv")
-    assert hist.columns == ["value", "series", "density"] and hist.height == 2 * 10
+    hist = plots.filter(pl.col("panel") == "C_B^int (test)")
+    assert hist.height == 2 * 10 and set(hist["series"]) == {"correct (neg)", "hallucinated (pos)"}
 
 
 def test_analyze_refuses_what_it_cannot_analyse(cell, tmp_path):

@@ -128,14 +128,13 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     roc = pl.read_csv(tmp_path / "plots" / "roc" / "m" / "d.csv")
     assert set(roc["series"]) == {*methods, "p_sem", "length"} and roc.columns == ["fpr", "series", "tpr"]
     assert set(pl.read_csv(tmp_path / "plots" / "layers" / "m" / "d.csv")["series"]) == set(methods)
-    dist = tmp_path / "plots" / "distributions" / "m" / "d"
-    assert sorted(p.name for p in (dist / "scores").iterdir()) == ["hami_sp.csv", "max.csv"]
-    assert sorted(p.name for p in (dist / "responses").iterdir()) == [
-        "test_n_tokens.csv",
-        "test_p_sem.csv",
-        "train_n_tokens.csv",
-        "train_p_sem.csv",
-    ]
+    scores = pl.read_csv(tmp_path / "plots" / "scores" / "m" / "d.csv")  # one chart, a panel per method
+    assert scores.columns == ["value", "series", "density", "panel"]
+    assert set(scores["panel"]) == {
+        f"{m} (layer {json.loads((tmp_path / 'eval' / f'{m}.json').read_text())['best_layer']})" for m in methods
+    }
+    responses = pl.read_csv(tmp_path / "plots" / "responses" / "m" / "d.csv")
+    assert set(responses["panel"]) == {f"{q} ({s})" for q in ("answer tokens", "P_sem") for s in ("train", "test")}
     from halludetect.core.artifacts import ArtifactError
     from halludetect.evaluation.evaluate import read_scores
 

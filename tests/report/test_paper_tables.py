@@ -374,6 +374,8 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             str(tmp_path / "tables"),
             "--summary",
             str(tmp_path / "summary.json"),
+            "--headline-dir",
+            str(tmp_path / "headline"),
         ],
         cwd=ROOT,
         capture_output=True,

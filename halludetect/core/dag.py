@@ -1,0 +1,69 @@
+"""The pipeline's DAG with each stage family collapsed: one line per family (`train x 65`), in
+topological order, with the families it reads from. `dvc dag` draws every stage of every matrix,
+6,061 columns wide on the demo world (issue 22); this is what a person reads.
+
+    world
+    world_check             <- world
+    manifest                <- world
+    ...
+    train x 50              <- dump, judge
+    evaluate x 10           <- generate, dump, judge, train
+
+The stages and their edges are DVC's own (`dvc.repo.Repo(...).index.graph`, the matrix expanded
+with the params), so this view never disagrees with `dvc dag`; a family is a stage name before `@`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Family:
+    name: str
+    stages: int = 0
+    upstream: list[str] = field(default_factory=list)  # families it reads from, in this view's order
+
+
+def families(edges: list[tuple[str, str]], stages: list[str]) -> list[Family]:
+    """Collapse `stages` (DVC addresses, `name` or `name@item`, in dvc.yaml's order) and `edges`
+    ((stage, a stage it depends on)) into families in topological order (dvc.yaml's order among
+    families with no order between them)."""
+    name = lambda stage: stage.split("@", 1)[0]  # noqa: E731
+    fams: dict[str, Family] = {}
+    for s in stages:
+        fams.setdefault(name(s), Family(name(s))).stages += 1
+    up: dict[str, set[str]] = {f: set() for f in fams}
+    for stage, dep in edges:
+        if name(stage) != name(dep):
+            up[name(stage)].add(name(dep))
+    order, placed = [], set()
+    while len(order) < len(fams):
+        ready = [f for f in fams if f not in placed and up[f] <= placed]
+        if not ready:  # DVC refuses cycles; families of one stage each cannot have one either
+            raise ValueError(f"stage families with a cycle: {sorted(set(fams) - placed)}")
+        order.append(ready[0])
+        placed.add(ready[0])
+    rank = {f: i for i, f in enumerate(order)}
+    for f in order:
+        fams[f].upstream = sorted(up[f], key=rank.__getitem__)
+    return [fams[f] for f in order]
+
+
+def collapsed(repo: str | Path = ".") -> list[Family]:
+    """The families of the DVC pipeline of `repo` (its dvc.yaml files, with its params)."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        graph = r.index.graph
+        stages = [s.addressing for s in r.index.stages]
+        edges = [(a.addressing, b.addressing) for a, b in graph.edges]
+    return families(edges, stages)
+
+
+def render(fams: list[Family]) -> str:
+    """One line per family: its name, `x N` for a matrix of N stages, and `<- ` its upstream."""
+    labels = [f.name if f.stages == 1 else f"{f.name} x {f.stages}" for f in fams]
+    width = max(map(len, labels), default=0)
+    lines = [f"{label:<{width}}  <- {', '.join(f.upstream)}" if f.upstream else label for label, f in zip(labels, fams)]
+    return "\n".join(lines) + "\n"
