@@ -1,10 +1,12 @@
 """Reproducible CPU numerics (halludetect/core/numerics.py): a stage's bytes do not depend on the
-machine's core count, on what the environment asks of torch and MKL, or on how many workers
-train seeds side by side."""
+machine's core count, on what the environment asks of torch and MKL, on the CPU's vendor (MKL
+runs the branch asked for), or on how many workers train seeds side by side."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 
@@ -58,6 +60,54 @@ def test_portable_numerics_ignore_the_instruction_sets_mkl_would_use():
     reference = world_digest(HALLUDETECT_NUMERICS="portable")
     assert world_digest(HALLUDETECT_NUMERICS="portable", MKL_ENABLE_INSTRUCTIONS="AVX2") == reference
     assert world_digest(HALLUDETECT_NUMERICS="portable", MKL_ENABLE_INSTRUCTIONS="SSE4_2") == reference
+
+
+X86_LINUX = pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() != "x86_64", reason="MKL is in torch's x86-64 Linux wheels only"
+)
+
+
+@X86_LINUX
+def test_mkl_runs_the_branch_it_is_asked_for_whatever_the_vendor():
+    """On an AMD CPU MKL ignores MKL_CBWR unless its vendor check is answered (it reported AUTO,
+    2, on the AMD EPYC of 2026-11-25); pinned, it runs AVX2 in reproducible mode (this process,
+    pinned by conftest) and COMPATIBLE in portable mode, on Intel and AMD alike."""
+    assert numerics.mkl_branch() == numerics.MKL_BRANCH_CODE["AVX2"]
+    clean = {k: v for k, v in os.environ.items() if k not in numerics.PINNED}
+    code = "import stages; from halludetect.core import numerics; print(numerics.mkl_branch())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**clean, "HALLUDETECT_NUMERICS": "portable"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(out.stdout) == numerics.MKL_BRANCH_CODE["COMPATIBLE"]
+
+
+@X86_LINUX
+def test_elementwise_sqrt_is_correctly_rounded_as_on_intel():
+    """torch's float sqrt is MKL's vector sqrt: on its Intel AVX2 branch the rounded exact root,
+    on its AMD branch about 1 element in 6 one ulp off (an AMD EPYC, unshimmed). The pinned
+    branch gives numpy's (IEEE) roots on every vendor."""
+    x = torch.rand(20_000, generator=torch.Generator().manual_seed(0)) * 10
+    np.testing.assert_array_equal(x.sqrt().numpy(), np.sqrt(x.numpy()))
+
+
+@X86_LINUX
+def test_the_mkl_shim_answers_intel_and_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    shim = numerics.mkl_intel_shim(tmp_path / "cache")
+    assert (
+        shim is not None and shim.parent == tmp_path / "cache" and ctypes.CDLL(str(shim)).mkl_serv_intel_cpu_true() == 1
+    )
+    assert numerics.mkl_intel_shim(tmp_path / "cache") == shim  # built once, then reused
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert numerics.mkl_intel_shim(tmp_path / "other", vendor="GenuineIntel") is None  # MKL says Intel itself
+    with pytest.raises(
+        RuntimeError, match=r"AuthenticAMD CPU needs a one-line C shim.*no C compiler was found.*apt-get install gcc"
+    ):
+        numerics.mkl_intel_shim(tmp_path / "other", vendor="AuthenticAMD")
 
 
 def test_seeds_give_the_same_bytes_however_many_workers_train_them():
