@@ -179,9 +179,9 @@ def missing_from_remote(repo: Path, stage: str, deps: list[str], remote: str | N
     return (
         f"{stage} needs {what}, and neither the local cache nor the DVC remote '{name}' has the version "
         "this clone's dvc.lock records. Likely cause: the dvc.lock you cloned does not record the run "
-        "that was pushed: it was committed from another run (another machine's, another CPU vendor's: "
-        "docs/reproducible-numbers.md), or whoever pushed did not commit the dvc.lock of their run, or "
-        "never ran `dvc push`. "
+        "that was pushed: it was committed from another run (another machine's: files that hold wall-clock "
+        "times differ on every run), or whoever pushed did not commit the dvc.lock of their run, or never "
+        "ran `dvc push`. "
         "Fix: whoever pushed commits the dvc.lock of the run they pushed (`git add dvc.lock && git "
         f"commit && git push`) and runs `dvc push`; or run the writing stages here (`dvc repro {stage}`)"
     )
