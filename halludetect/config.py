@@ -531,6 +531,11 @@ class Params(Section):
                     f"grid: '{name}' reads a state that a '{self.dump.positions}' bag does not hold: set "
                     f"dump.positions: {m.positions[0]} or drop it from the grid"
                 )
+        if "transfer" in self.grid.datasets:
+            problems.append(
+                "grid.datasets: a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/ with "
+                "the transfer stage's results: rename the preset"
+            )
         if not isinstance(self.grid.transfer, str):
             for a, b in self.grid.transfer:
                 if bad := [d for d in (a, b) if d not in self.grid.datasets]:

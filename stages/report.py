@@ -53,7 +53,7 @@ if __name__ == "__main__":
         "--metrics-dir",
         required=True,
         help="directory of <model>/<dataset>/<method>.json (and the analyses, "
-        "<model>/<dataset>/analysis/<method>.json, and the transfers, <model>/<train>/transfer/<test>.json)",
+        "<model>/<dataset>/analysis/<method>.json, and the transfers, <model>/transfer/<train>__<test>.json)",
     )
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")

@@ -217,3 +217,15 @@ def test_transfer_pair_naming_a_dataset_not_in_the_grid():
     data["grid"]["transfer"] = [["world", "trivia_qa"]]
     with pytest.raises(ParamsError, match=r"the pair \[world, trivia_qa\] names \['trivia_qa'\], not in grid.datasets"):
         parse_params(data)
+
+
+def test_a_dataset_named_transfer_is_refused():
+    data = base()
+    data["datasets"]["transfer"] = data["datasets"]["world"]
+    data["grid"]["datasets"] = ["transfer"]
+    data["grid"]["transfer"] = "off"
+    data["grid"]["transfer_stages"] = {}
+    with pytest.raises(
+        ParamsError, match="a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/"
+    ):
+        parse_params(data)

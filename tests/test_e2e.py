@@ -304,7 +304,7 @@ def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_on
     """The in-distribution cell comes from the transfer code on the dataset's own test split: the
     evaluation's layer and test AUROC, per seed. A transfer setting re-runs the transfer stages
     and the report, nothing else; and the transfer tables are written."""
-    cell = json.loads((repo / "metrics/eval/world/world/transfer/world.json").read_text())
+    cell = json.loads((repo / "metrics/eval/world/transfer/world__world.json").read_text())
     assert cell["in_distribution"] and set(cell["methods"]) == {*METHODS, *SP_METHODS}
     for method, m in cell["methods"].items():
         ev = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())

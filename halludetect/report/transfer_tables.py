@@ -1,4 +1,4 @@
-"""The tables of cross-dataset transfer (from the transfer stage's metrics/eval/<m>/<A>/transfer/<B>.json):
+"""The tables of cross-dataset transfer (from the transfer stage's metrics/eval/<m>/transfer/<A>__<B>.json):
 
 transfer_<method>  one per method and model: test AUROC (seed mean ± SE, question-bootstrap
                    interval) of detectors trained on the row's dataset and tested on the
@@ -23,7 +23,7 @@ def load_transfer(directory: str | Path, stages: dict[str, dict]) -> dict[tuple[
     """{(model, train, test): the pair's JSON} for every stage of grid.transfer_stages."""
     out, missing = {}, []
     for s in stages.values():
-        path = Path(directory) / s["model"] / s["train"] / "transfer" / f"{s['test']}.json"
+        path = Path(directory) / s["model"] / "transfer" / f"{s['train']}__{s['test']}.json"
         if path.exists():
             out[(s["model"], s["train"], s["test"])] = json.loads(path.read_text())
         else:

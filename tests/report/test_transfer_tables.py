@@ -26,7 +26,7 @@ def cell(auroc: float) -> dict:
 def write(tmp_path):
     stages = {}
     for (a, b), v in AUROC.items():
-        path = tmp_path / "m" / a / "transfer" / f"{b}.json"
+        path = tmp_path / "m" / "transfer" / f"{a}__{b}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"methods": {"max": cell(v)}}))
         stages[f"m-{a}-{b}"] = {"model": "m", "train": a, "test": b}
@@ -53,7 +53,7 @@ def test_matrix_and_mean_off_diagonal_drop(tmp_path):
 
 def test_a_missing_pair_file_names_the_transfer_stage(tmp_path):
     stages = write(tmp_path)
-    (tmp_path / "m" / "a" / "transfer" / "b.json").unlink()
+    (tmp_path / "m" / "transfer" / "a__b.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"1 transfer file\(s\) missing.*run the transfer stage"):
         load_transfer(tmp_path, stages)
 
