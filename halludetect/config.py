@@ -158,6 +158,12 @@ class WorldParams(Section):
         return self
 
 
+class LookalikeParams(Section):
+    """The world's second dataset, look-alike names (stage lookalike, docs/demo-world.md)."""
+
+    seed: int = 0  # its own random stream: the look-alike names and their facts, never the world's
+
+
 class PrepareParams(Section):
     seed: int = 0
     train: SplitFraction = 0.5
@@ -422,6 +428,12 @@ def _threshold_choice(value: str) -> str:
         raise ValueError(f"'{value}': {e}") from None
 
 
+class TransferParams(Section):
+    """Cross-dataset transfer (stage transfer; the pairs are grid.transfer's)."""
+
+    ece_bins: PositiveInt = 10  # equal-width probability bins of the calibration error
+
+
 class ExportParams(Section):
     """The detector bundle of each evaluated method's best layer (stage export; `halludetect score` reads it)."""
 
@@ -434,6 +446,18 @@ class ExportParams(Section):
     fpr_targets: list[TargetFPR] = [0.01, 0.05, 0.1]  # also stored, for --threshold (export.threshold's is added)
 
 
+class TransferStage(Section):
+    """One transfer stage: detectors trained on `train`, tested on `test`, within `model`."""
+
+    model: str
+    train: str
+    test: str
+
+
+def transfer_stage_name(model: str, train: str, test: str) -> str:
+    return f"{model}-{train}-{test}"
+
+
 class GridParams(Section):
     models: list[str]
     datasets: list[str]
@@ -444,6 +468,34 @@ class GridParams(Section):
     baselines: list[str] = []  # scores without hidden states (baselines@)
     model_baselines: list[str] = []  # scores that run the model again (model_baselines@): p_true
     analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
+    # Cross-dataset transfer (stage transfer@<m>-<train>-<test>, docs/transfer.md): off, all (every
+    # ordered pair of grid.datasets), or [train, test] pairs; the diagonal of every dataset named
+    # comes with them. Within each model: a detector reads its own model's hidden states.
+    transfer: Literal["off", "all"] | list[Annotated[list[str], Field(min_length=2, max_length=2)]] = "off"
+    # What DVC fans the transfer stage out over (dvc.yaml cannot expand `all`): derived from
+    # grid.transfer, checked, and the error writes it out when it differs.
+    transfer_stages: dict[str, TransferStage] = {}
+
+    def transfer_pairs(self) -> list[tuple[str, str]]:
+        """The ordered (train, test) pairs of grid.transfer, the diagonal of every dataset named
+        included (the in-distribution cells), in grid.datasets order."""
+        if self.transfer == "off":
+            return []
+        if self.transfer == "all":
+            named = set(self.datasets)
+            wanted = {(a, b) for a in self.datasets for b in self.datasets}
+        else:
+            named = {d for pair in self.transfer for d in pair}
+            wanted = {tuple(pair) for pair in self.transfer} | {(d, d) for d in named}
+        order = {d: i for i, d in enumerate(self.datasets)}
+        return sorted(wanted, key=lambda p: (order.get(p[0], len(order)), order.get(p[1], len(order)), p))
+
+    def expected_transfer_stages(self) -> dict[str, dict]:
+        return {
+            transfer_stage_name(m, a, b): {"model": m, "train": a, "test": b}
+            for m in self.models
+            for a, b in self.transfer_pairs()
+        }
 
 
 class Params(Section):
@@ -451,6 +503,7 @@ class Params(Section):
     models: dict[str, ModelPreset]
     datasets: dict[str, DatasetPreset]
     world: WorldParams = WorldParams()
+    lookalike: LookalikeParams = LookalikeParams()
     prepare: PrepareParams = PrepareParams()
     generate: GenerateParams = GenerateParams()
     dump: DumpParams = DumpParams()
@@ -463,6 +516,7 @@ class Params(Section):
     evaluate: EvaluateParams = EvaluateParams()
     p_true: PTrueParams = PTrueParams()
     export: ExportParams = ExportParams()
+    transfer: TransferParams = TransferParams()
     latency: LatencyParams = LatencyParams()
     analyze: AnalyzeParams = AnalyzeParams()
 
@@ -507,6 +561,26 @@ class Params(Section):
                     f"grid: '{name}' reads a state that a '{self.dump.positions}' bag does not hold: set "
                     f"dump.positions: {m.positions[0]} or drop it from the grid"
                 )
+        if "transfer" in self.grid.datasets:
+            problems.append(
+                "grid.datasets: a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/ with "
+                "the transfer stage's results: rename the preset"
+            )
+        if not isinstance(self.grid.transfer, str):
+            for a, b in self.grid.transfer:
+                if bad := [d for d in (a, b) if d not in self.grid.datasets]:
+                    problems.append(
+                        f"grid.transfer: the pair [{a}, {b}] names {bad}, not in grid.datasets "
+                        f"{self.grid.datasets}: add it there or drop the pair"
+                    )
+        stages = {k: v.model_dump() for k, v in self.grid.transfer_stages.items()}
+        if not problems and stages != (want := self.grid.expected_transfer_stages()):
+            entries = (f"{k}: {{model: {v['model']}, train: {v['train']}, test: {v['test']}}}" for k, v in want.items())
+            flow = "{" + ", ".join(entries) + "}"
+            problems.append(
+                f"grid.transfer_stages does not match grid.transfer ({self.grid.transfer!r}) over grid.models x "
+                f"grid.datasets (dvc.yaml fans the transfer stage out over it): set it to {flow}"
+            )
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):

@@ -90,6 +90,16 @@ def mean_se(values: list[float]) -> dict:
     return {"mean": float(v.mean()), "stderr": se, "sd": sd, "per_seed": [float(x) for x in v]}
 
 
+def expected_calibration_error(y01: np.ndarray, prob: np.ndarray, bins: int = 10) -> float:
+    """ECE: the mean |observed hallucination rate - mean probability| over `bins` equal-width
+    probability bins, each weighted by its share of answers (an empty bin weighs nothing)."""
+    y = np.asarray(y01, dtype=np.float64)
+    p = np.asarray(prob, dtype=np.float64)
+    which = np.minimum((p * bins).astype(np.int64), bins - 1)  # p = 1 falls in the last bin
+    gap = np.abs(np.bincount(which, weights=y, minlength=bins) - np.bincount(which, weights=p, minlength=bins))
+    return float(gap.sum() / len(y))
+
+
 # ------------------------------------------------------------------ rejection and FPR
 def _normalise(quality: np.ndarray) -> np.ndarray:
     """Min-max to [0, 1], as lm-polygraph's `normalize` (a constant becomes 0.5)."""

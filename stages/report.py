@@ -10,6 +10,7 @@ from halludetect.report.evidence_tables import evidence_tables, load_evidence
 from halludetect.report.headline import headlines
 from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.report.tables import to_latex, to_markdown
+from halludetect.report.transfer_tables import load_transfer, transfer_tables
 from stages import common
 
 
@@ -36,6 +37,8 @@ def run(args, params):
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets))
+    stages = {k: v.model_dump() for k, v in g.transfer_stages.items()}
+    tables += transfer_tables(load_transfer(args.metrics_dir, stages), g.datasets, [*g.methods, *g.sp_methods])
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
     common.log.info(
         "%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)"
@@ -57,8 +60,8 @@ if __name__ == "__main__":
     p.add_argument(
         "--metrics-dir",
         required=True,
-        help="directory of <model>/<dataset>/<method>.json (and the "
-        "analyses, <model>/<dataset>/analysis/<method>.json)",
+        help="directory of <model>/<dataset>/<method>.json (and the analyses, "
+        "<model>/<dataset>/analysis/<method>.json, and the transfers, <model>/transfer/<train>__<test>.json)",
     )
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")

@@ -46,8 +46,10 @@ SMALL = {
     "train": {"epochs": 8, "seeds": [0]},
     "evaluate": {"bootstrap": 20, "throughput_repeats": 1},
     "analyze": {"steps": 50},
-    # one of each kind of stage; every method is covered by the unit tests
+    # one of each kind of stage; every method is covered by the unit tests; one dataset, so the
+    # transfer stage is its diagonal alone (transfer@world-world-world)
     "grid": {
+        "datasets": ["world"],
         "methods": ["hami", "max"],
         "sp_methods": ["hami_sp"],
         "layers": [1, 2],
@@ -83,6 +85,17 @@ def set_params(repo: Path, updates: dict) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def derive_transfer_stages(repo: Path) -> None:
+    """grid.transfer_stages written from the repository's grid (set_params merges dicts, so the
+    shipped params' pairs of datasets this grid lacks would stay)."""
+    from halludetect.config import GridParams
+
+    path = repo / "params.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["grid"]["transfer_stages"] = GridParams.model_validate(data["grid"]).expected_transfer_stages()
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def changed(repo: Path) -> set[str]:
     """Stages `dvc status` marks as changed (their own deps or params changed)."""
     return set(json.loads(run([sys.executable, "-m", "dvc", "status", "--json"], repo) or "{}"))
@@ -104,6 +117,7 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
         shutil.rmtree(pycache)
     for params in (SMALL, *updates):
         set_params(repo, params)
+    derive_transfer_stages(repo)
     if prepare is not None:
         prepare(repo)
     run(["git", "init", "-q"], repo)

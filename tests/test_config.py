@@ -197,3 +197,52 @@ def test_params_reject_an_unknown_device_naming_the_key():
     data = base_params()
     data["dump"]["device"], data["cluster"]["hf"]["device"], data["train"]["device"] = "cuda:1", "mps", "cuda"
     parse_params(data)  # real devices pass
+
+
+def test_grid_transfer_expands_to_ordered_pairs_with_their_diagonals():
+    p = load_params("params.yaml")
+    assert p.grid.transfer == "all"
+    assert p.grid.transfer_pairs() == [(a, b) for a in p.grid.datasets for b in p.grid.datasets]
+    data = base()
+    data["grid"]["datasets"] = ["world", "world_lookalike", "trivia_qa"]
+    data["grid"]["transfer"] = [["world", "trivia_qa"]]
+    data["grid"]["transfer_stages"] = {
+        f"world-{a}-{b}": {"model": "world", "train": a, "test": b}
+        for a, b in [("world", "world"), ("world", "trivia_qa"), ("trivia_qa", "trivia_qa")]
+    }
+    assert parse_params(data).grid.transfer_pairs() == [
+        ("world", "world"),
+        ("world", "trivia_qa"),
+        ("trivia_qa", "trivia_qa"),
+    ]
+
+
+def test_grid_transfer_stages_that_differ_from_grid_transfer_are_written_out():
+    data = base()
+    data["grid"]["transfer"] = "off"
+    with pytest.raises(
+        ParamsError, match=r"grid.transfer_stages does not match grid.transfer \('off'\).*set it to \{\}"
+    ):
+        parse_params(data)
+    data["grid"]["transfer_stages"] = {}
+    assert parse_params(data).grid.transfer_pairs() == []
+
+
+@pytest.mark.hostile
+def test_transfer_pair_naming_a_dataset_not_in_the_grid():
+    data = base()
+    data["grid"]["transfer"] = [["world", "trivia_qa"]]
+    with pytest.raises(ParamsError, match=r"the pair \[world, trivia_qa\] names \['trivia_qa'\], not in grid.datasets"):
+        parse_params(data)
+
+
+def test_a_dataset_named_transfer_is_refused():
+    data = base()
+    data["datasets"]["transfer"] = data["datasets"]["world"]
+    data["grid"]["datasets"] = ["transfer"]
+    data["grid"]["transfer"] = "off"
+    data["grid"]["transfer_stages"] = {}
+    with pytest.raises(
+        ParamsError, match="a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/"
+    ):
+        parse_params(data)

@@ -273,7 +273,13 @@ def test_training_param_reruns_only_training_and_after(repo):
     log = run([sys.executable, "-m", "dvc", "repro", "evaluate@world-world-max"], repo)
     assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max"}
     # what reads the evaluation is stale now (what `dvc repro` runs next), and nothing else
-    assert changed(repo) == {"export@world-world-max", "figures@world-world", "evidence@world-world", "report"}
+    assert changed(repo) == {
+        "export@world-world-max",
+        "figures@world-world",
+        "evidence@world-world",
+        "transfer@world-world-world",
+        "report",
+    }
     restore(repo)
 
 
@@ -291,13 +297,34 @@ def test_a_new_method_file_re_runs_only_what_uses_methods(repo):
         run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
         stale = changed(repo)
         assert stale and all(
-            s.startswith(("train", "evaluate", "export", "analyze", "figures", "evidence", "report")) for s in stale
+            s.startswith(("train", "evaluate", "export", "analyze", "figures", "evidence", "transfer", "report"))
+            for s in stale
         ), stale
         assert {f"train@world-world-max-{layer}" for layer in LAYERS} <= stale
     finally:
         new.unlink()
         run(["git", "checkout", "-q", "HEAD", "--", "dvc.yaml"], repo)
     assert changed(repo) == set()
+
+
+def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_only_the_pairs(repo):
+    """The in-distribution cell comes from the transfer code on the dataset's own test split: the
+    evaluation's layer and test AUROC, per seed. A transfer setting re-runs the transfer stages
+    and the report, nothing else; and the transfer tables are written."""
+    cell = json.loads((repo / "metrics/eval/world/transfer/world__world.json").read_text())
+    assert cell["in_distribution"] and set(cell["methods"]) == {*METHODS, *SP_METHODS}
+    for method, m in cell["methods"].items():
+        ev = json.loads((repo / f"metrics/eval/world/world/{method}.json").read_text())
+        assert m["layer"] == ev["best_layer"], method
+        assert m["test"]["auroc"]["per_seed"] == pytest.approx(ev["test"]["auroc"]["per_seed"], abs=1e-9), method
+    assert (repo / "metrics/tables/transfer_max.md").exists() and (
+        repo / "metrics/tables/transfer_hami_sp.tex"
+    ).exists()
+    set_params(repo, {"transfer": {"ece_bins": 5}})
+    assert changed(repo) == {"transfer@world-world-world"}
+    log = run([sys.executable, "-m", "dvc", "repro"], repo)
+    assert ran(log) == {"transfer@world-world-world", "report"}
+    restore(repo)
 
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):

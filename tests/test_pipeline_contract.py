@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def stages() -> dict[str, dict]:
-    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return {k: code_deps.stage_body(v) for k, v in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items()}
 
 
 def stage_module(stage: dict) -> str:
@@ -206,6 +206,8 @@ STAGE_SECTIONS = [
     "train",
     "evaluate",
     "export",
+    "transfer",
+    "lookalike",
     "latency",
     "analyze",
 ]

@@ -223,12 +223,18 @@ def code_dep_line() -> re.Pattern:
     return re.compile(rf"^(\s+)- ((?:{dirs})/\S+)\s*(#.*)?$")
 
 
+def stage_body(stage: dict) -> dict:
+    """A stage's definition: its `do:` for a `foreach` stage (the transfer stage), else itself."""
+    return stage.get("do", stage)
+
+
 def stage_modules(dvc_yaml: str) -> dict[str, str]:
     """Each stage's `python -m stages.<name>` module."""
     import yaml
 
     out = {}
     for name, stage in (yaml.safe_load(dvc_yaml).get("stages") or {}).items():
+        stage = stage_body(stage)
         match = MODULE.search(stage.get("cmd", ""))
         if not match:
             raise ValueError(f"dvc.yaml: stage '{name}' does not run `python -m stages.<name>`: {stage.get('cmd')!r}")
@@ -263,7 +269,7 @@ def stale_stages(dvc_yaml: str) -> list[str]:
     dirs = code_dirs()
     stale = []
     for name, module in stage_modules(dvc_yaml).items():
-        listed = sorted(d for d in stages[name].get("deps", []) if d.split("/")[0] in dirs)
+        listed = sorted(d for d in stage_body(stages[name]).get("deps", []) if d.split("/")[0] in dirs)
         if listed != [relative(p) for p in closure(module)]:
             stale.append(name)
     return stale

@@ -44,7 +44,8 @@ from halludetect.core.lookup import suggest
 from halludetect.report.paper_tables import Grid, sweep_table
 from halludetect.report.tables import Table
 
-EVAL = re.compile(r"^metrics/eval/(?P<model>[^/]+)/(?P<dataset>[^/]+)/(?P<method>[^/]+)\.json$")  # evaluate's output
+# evaluate's outputs; metrics/eval/<model>/transfer/ holds the transfer stage's (no dataset is named so)
+EVAL = re.compile(r"^metrics/eval/(?P<model>[^/]+)/(?P<dataset>(?!transfer/)[^/]+)/(?P<method>[^/]+)\.json$")
 UNFINISHED = {"Queued": "queued", "Running": "running", "Failed": "failed"}  # exp_show's State -> the table's mark
 META = {"Experiment", "rev", "typ", "Created", "parent", "State", "Executor"}
 

@@ -1,0 +1,62 @@
+"""The transfer tables (halludetect/report/transfer_tables.py): one matrix per method, rows trained
+on and columns tested on, the diagonal in-distribution; the mean off-diagonal drop per method; both
+rendered to Markdown and LaTeX (compiled where pdflatex is installed)."""
+
+import json
+import shutil
+
+import pytest
+from support import pdflatex
+
+from halludetect.report.tables import to_latex, to_markdown
+from halludetect.report.transfer_tables import load_transfer, transfer_tables
+
+AUROC = {("a", "a"): 0.9, ("a", "b"): 0.6, ("b", "a"): 0.7, ("b", "b"): 0.8}
+
+
+def cell(auroc: float) -> dict:
+    return {
+        "layer": 2,
+        "test": {"auroc": {"mean": auroc, "stderr": 0.01}, "auroc_ci95": [auroc - 0.05, auroc + 0.05]},
+        "calibration": {"ece": 0.1 if auroc > 0.75 else 0.3},
+        "thresholds": {"best_f1": {"fpr": 0.4, "train_val_fpr": 0.1}},
+    }
+
+
+def write(tmp_path):
+    stages = {}
+    for (a, b), v in AUROC.items():
+        path = tmp_path / "m" / "transfer" / f"{a}__{b}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"methods": {"max": cell(v)}}))
+        stages[f"m-{a}-{b}"] = {"model": "m", "train": a, "test": b}
+    return stages
+
+
+def test_matrix_and_mean_off_diagonal_drop(tmp_path):
+    stages = write(tmp_path)
+    matrix, drop = transfer_tables(load_transfer(tmp_path, stages), ["a", "b"], ["max"])
+    assert [r.label for r in matrix.rows] == ["a", "b"] and matrix.groups == [("tested on", ["a", "b"])]
+    assert [[c.value for c in r.cells] for r in matrix.rows] == [[0.9, 0.6], [0.7, 0.8]]
+    md = to_markdown(matrix)
+    assert "| a | 0.900 ± 0.010 [0.850, 0.950] L2 | 0.600 ± 0.010 [0.550, 0.650] L2 |" in md
+    # drop: (0.8 - 0.6) for a -> b and (0.9 - 0.7) for b -> a; largest 0.2; ECE and FPR shift
+    values = [c.value for c in drop.rows[0].cells]
+    assert values == pytest.approx([0.2, 0.2, 0.1, 0.3, 0.3, 2])
+    assert "Max pooling" in to_markdown(drop)
+    if shutil.which("pdflatex"):
+        res = pdflatex([matrix, drop], tmp_path)
+        assert res.returncode == 0, res.stdout[-2000:]
+    else:
+        assert "\\begin{tabular}" in to_latex(drop)
+
+
+def test_a_missing_pair_file_names_the_transfer_stage(tmp_path):
+    stages = write(tmp_path)
+    (tmp_path / "m" / "transfer" / "a__b.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"1 transfer file\(s\) missing.*run the transfer stage"):
+        load_transfer(tmp_path, stages)
+
+
+def test_no_transfer_no_table():
+    assert transfer_tables({}, ["a"], ["max"]) == []
