@@ -110,7 +110,7 @@ class SplitSizes(Section):
 
 
 class DatasetPreset(Section):
-    loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file"]
+    loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file", "truthful_qa", "halueval_qa", "svamp"]
     path: str | None = Field(None, description="local file for loaders that read one")
     hf_id: str | None = None
     hf_config: str | None = None
