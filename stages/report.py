@@ -5,6 +5,7 @@ from pathlib import Path
 from halludetect.core.atomic_io import write_json, write_text
 from halludetect.report import paper
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
+from halludetect.report.leaks import flag_leaks, load_leaks
 from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.report.tables import to_latex, to_markdown
 from stages import common
@@ -33,6 +34,8 @@ def run(args, params):
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets))
+    # A dataset whose prompt gives the answer away is marked in every table (report.leak_threshold).
+    flag_leaks(tables, load_leaks(args.prepare_dir, g.datasets), params.report.leak_threshold, g.models)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
     common.log.info(
         "%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)"
@@ -55,6 +58,9 @@ if __name__ == "__main__":
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--evidence-dir", required=True, help="directory of <model>/<dataset>.json token evidence")
+    p.add_argument(
+        "--prepare-dir", required=True, help="directory of <dataset>.json prepare metrics (their leak check)"
+    )
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
     common.main(run, p)

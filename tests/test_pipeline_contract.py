@@ -208,6 +208,7 @@ STAGE_SECTIONS = [
     "export",
     "latency",
     "analyze",
+    "report",
 ]
 
 
