@@ -43,7 +43,8 @@ def test_no_dataset_above_the_threshold_marks_nothing():
     assert after == before  # "above": a share equal to the threshold is not flagged
 
 
-def test_load_leaks_reads_prepare_metrics_and_names_an_old_one(tmp_path):
+@pytest.mark.hostile
+def test_report_names_a_prepare_json_without_the_leak_check_and_the_fix(tmp_path):
     (tmp_path / "squad.json").write_text(json.dumps({"questions": 3, "leak": {"prompt_fraction": 0.5}}))
     assert load_leaks(tmp_path, ["squad"]) == {"squad": 0.5}
     (tmp_path / "old.json").write_text(json.dumps({"questions": 3}))
