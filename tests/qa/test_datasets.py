@@ -292,6 +292,12 @@ def test_the_new_presets_fit_their_datasets():
     assert (he.sizes.train, he.sizes.val, he.sizes.test) == (4000, 800, 1200)
     assert (sv.sizes.train, sv.train_hf_split, sv.sizes.val + sv.sizes.test, sv.hf_split) == (700, "train", 300, "test")
     assert p.grid.datasets == ["world"]  # the demo grid is unchanged
+    # the whole of TruthfulQA and SVAMP: their presets, pointed at the full samples, take every question
+    for name, preset in (("truthful_qa", tq), ("svamp", sv)):
+        local = preset.model_copy(update={"path": shared_sample(f"{name}.jsonl")})
+        df, _ = prepare(local, p.prepare, name)
+        sizes = {s: int(n) for s, n in df.group_by("split").len().iter_rows()}
+        assert sizes == preset.sizes.model_dump() and df.height == {"truthful_qa": 817, "svamp": 1000}[name]
 
 
 def test_sizes_are_checked_with_the_other_keys():
