@@ -28,7 +28,7 @@ What a record may hold:
     category  optional: a string or null (TruthfulQA's category)
 Other fields are ignored.
 
-The context is kept for the judge and the leak check, never shown to the model: prompt 1 is
+The context is kept in the questions table (the leak check reads it), never shown to the model: prompt 1 is
 the question alone, as in the paper ("without providing any additional context"). A dataset
 whose problem needs its passage to be answerable therefore puts it into the question (SVAMP).
 """
