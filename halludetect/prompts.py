@@ -1,4 +1,4 @@
-"""The paper's three prompts (appendix, Setup), as format strings.
+"""The paper's three prompts (appendix, Setup), as format strings, and pass 1's form with known wrong answers.
 
 They are the specification: generation (prompt 1), labelling (prompt 2) and entailment
 (prompt 3). The demo world is trained on prompt 1 so that the same code path that asks
@@ -30,6 +30,21 @@ LABELING_WITH_REFERENCE = (
     "Response:"
 )
 
+# Pass 1 for a dataset that also lists known wrong answers (TruthfulQA's incorrect answers,
+# HaluEval's hallucinated one): the same prompt with them named, so that an answer close to a
+# listed falsehood ("You digest the watermelon seeds") is not read as matching a true one. Used
+# only when a question has wrong answers; the paper's four datasets have none and keep the
+# prompt above unchanged.
+LABELING_WITH_REFERENCE_AND_INCORRECT = (
+    "We are assessing the quality of answers to the following question: {question}\n"
+    "{expected}\n"
+    "{incorrect}\n"
+    "The proposed answer is: {predicted_answer}\n"
+    "Within the context of the question, does the proposed answer mean the same as {which} "
+    "rather than any of the incorrect answers? Respond only with yes or no.\n"
+    "Response:"
+)
+
 ENTAILMENT = (
     "Context: Question asked to an AI: '{question}'\n"
     "Answer A: {text1}\n"
@@ -44,8 +59,11 @@ def generation_prompt(question: str, template: str = GENERATION) -> str:
     return template.format(question=question.strip())
 
 
-def labeling_prompt(question: str, answer: str, references: tuple[str, ...] | None = None) -> str:
-    """Prompt 2 (no references: pass 2), or its pass-1 form with the reference answers."""
+def labeling_prompt(
+    question: str, answer: str, references: tuple[str, ...] | None = None, incorrect: tuple[str, ...] = ()
+) -> str:
+    """Prompt 2 (no references: pass 2), or its pass-1 form with the reference answers, and with
+    the known wrong answers when there are any (`incorrect`; pass 1 only)."""
     if references is None:
         return LABELING.format(question=question.strip(), predicted_answer=answer.strip())
     refs = [r.strip() for r in references]
@@ -54,6 +72,16 @@ def labeling_prompt(question: str, answer: str, references: tuple[str, ...] | No
     else:
         expected = f"The following are expected answers to this question: {'; '.join(refs)}."
         which = "any of the expected answers"
+    if incorrect:
+        wrong = [w.strip() for w in incorrect]
+        listed = (
+            f"An incorrect answer is: {wrong[0]}."
+            if len(wrong) == 1
+            else f"The following are incorrect answers to this question: {'; '.join(wrong)}."
+        )
+        return LABELING_WITH_REFERENCE_AND_INCORRECT.format(
+            question=question.strip(), expected=expected, incorrect=listed, predicted_answer=answer.strip(), which=which
+        )
     return LABELING_WITH_REFERENCE.format(
         question=question.strip(), expected=expected, predicted_answer=answer.strip(), which=which
     )

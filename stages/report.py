@@ -8,6 +8,7 @@ from halludetect.core.atomic_io import atomic_path, write_json, write_text
 from halludetect.report import paper
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
 from halludetect.report.headline import headlines
+from halludetect.report.leaks import flag_leaks, load_leaks
 from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.report.tables import to_latex, to_markdown
 from halludetect.report.transfer_tables import load_transfer, transfer_tables
@@ -39,6 +40,8 @@ def run(args, params):
     tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets))
     stages = {k: v.model_dump() for k, v in g.transfer_stages.items()}
     tables += transfer_tables(load_transfer(args.metrics_dir, stages), g.datasets, [*g.methods, *g.sp_methods])
+    # A dataset whose prompt gives the answer away is marked in every table (report.leak_threshold).
+    flag_leaks(tables, load_leaks(args.prepare_dir, g.datasets), params.report.leak_threshold, g.models)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}
     common.log.info(
         "%d tables; paper figures for %s", len(tables), with_paper or "no cell (no paper model in the grid)"
@@ -66,6 +69,9 @@ if __name__ == "__main__":
     p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--evidence-dir", required=True, help="directory of <model>/<dataset>.json token evidence")
+    p.add_argument(
+        "--prepare-dir", required=True, help="directory of <dataset>.json prepare metrics (their leak check)"
+    )
     p.add_argument("--out-dir", required=True, help="directory for the tables")
     p.add_argument("--summary", required=True, help="summary JSON")
     p.add_argument(

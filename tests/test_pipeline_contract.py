@@ -210,6 +210,7 @@ STAGE_SECTIONS = [
     "lookalike",
     "latency",
     "analyze",
+    "report",
 ]
 
 

@@ -31,3 +31,17 @@ def test_template_hash_is_short_stable_and_tells_templates_apart():
     h = template_hash(GENERATION)
     assert len(h) == 16 and h == template_hash(GENERATION)
     assert template_hash(GENERATION + " ") != h
+
+
+def test_labeling_prompt_lists_wrong_answers_in_pass_1_only_when_given():
+    """TruthfulQA's incorrect answers (HaluEval's hallucinated one) join pass 1; the paper's
+    prompts are unchanged for a question without any."""
+    both = labeling_prompt("Who?", "Smith", ("John Smith",), ("Mary Jones", "Bob"))
+    assert (
+        "The expected answer is: John Smith.\nThe following are incorrect answers to this question: Mary Jones; Bob.\n"
+        in both
+    )
+    assert "mean the same as the expected answer rather than any of the incorrect answers?" in both
+    assert "An incorrect answer is: Bob.\n" in labeling_prompt("Who?", "Smith", ("John Smith",), ("Bob",))
+    assert labeling_prompt("Who?", "Smith", ("John Smith",), ()) == labeling_prompt("Who?", "Smith", ("John Smith",))
+    assert "incorrect" not in labeling_prompt("Who?", "Smith", ("John Smith",))

@@ -2,7 +2,9 @@
 
 Common schema (one row per question):
     id: str, question: str, answers: list[str] (non-empty), context: str | None,
-    split: "train" | "val" | "test"
+    split: "train" | "val" | "test",
+    incorrect_answers: list[str] (known wrong answers, for the judge; [] for most datasets),
+    category: str | None (TruthfulQA's category; null elsewhere)
 
 Every loader first produces raw records {id, question, answers, context}, from the hub or
 from a local file, each with where it came from (file and 1-based line, Parquet row, hub
@@ -21,7 +23,14 @@ What a record may hold:
     answers   a string, a list of strings, or SQuAD's {"text": [...], "answer_start": [...]};
               [] marks an unanswerable question (dropped, counted)
     context   a string or null
+    incorrect_answers  optional: a string or a list of strings, known wrong answers the judge
+              may use (TruthfulQA's incorrect answers, HaluEval's hallucinated answer)
+    category  optional: a string or null (TruthfulQA's category)
 Other fields are ignored.
+
+The context is kept in the questions table (the leak check reads it), never shown to the model: prompt 1 is
+the question alone, as in the paper ("without providing any additional context"). A dataset
+whose problem needs its passage to be answerable therefore puts it into the question (SVAMP).
 """
 
 from __future__ import annotations
@@ -47,7 +56,12 @@ SCHEMA = {
     "answers": pl.List(pl.String),
     "context": pl.String,
     "split": pl.String,
+    "incorrect_answers": pl.List(pl.String),
+    "category": pl.String,
 }
+# Columns added after the first release: a questions file written before them reads with these
+# values (no known wrong answers, no category), which is what the loaders of that time produced.
+OPTIONAL_COLUMNS = {"incorrect_answers": [], "category": None}
 SPLITS = ("train", "val", "test")
 MAX_LISTED = 20  # problems shown in one error message (all are counted)
 
@@ -105,6 +119,8 @@ class QARecord(BaseModel):
     question: str
     answers: list[str]
     context: str | None = None
+    incorrect_answers: list[str] = []
+    category: str | None = None
 
     @field_validator("id", mode="before")
     @classmethod
@@ -160,12 +176,26 @@ class QARecord(BaseModel):
                 raise ValueError(f"item {i} is {_kind(a)}, not a string ({fix})")
         return _dedupe(v)
 
-    @field_validator("context", mode="before")
+    @field_validator("context", "category", mode="before")
     @classmethod
     def _context(cls, v):
         if v is not None and not isinstance(v, str):
             raise ValueError(f"{_kind(v)}, not a string or null")
         return v
+
+    @field_validator("incorrect_answers", mode="before")
+    @classmethod
+    def _incorrect(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list | tuple):
+            raise ValueError(f"{_kind(v)}, not a string or a list of strings (the known wrong answers; [] for none)")
+        for i, a in enumerate(v):
+            if not isinstance(a, str):
+                raise ValueError(f"item {i} is {_kind(a)}, not a string (a flat list of the wrong answers' texts)")
+        return _dedupe(v)
 
 
 @dataclass(frozen=True)
@@ -481,6 +511,122 @@ def _load_bioasq(preset: DatasetPreset, report: LoadReport) -> list[Located]:
     return validate_records(rows, str(path), report)
 
 
+def _load_truthful_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
+    """TruthfulQA's generation set (817 questions, one split). answers: the best answer, then the
+    correct ones; incorrect_answers and category are kept for the judge. The id is the 0-based
+    row, as in the shipped sample (the upstream CSV's row order, which the hub keeps)."""
+    if preset.path:
+        return _load_file(preset, report)
+    ds = _hub_rows(preset, "truthfulqa/truthful_qa", "generation", "validation")
+    where = _hub_where(preset, "truthfulqa/truthful_qa")
+    rows = [
+        (
+            where(n),
+            {
+                "id": str(n - 1),
+                "question": r["question"],
+                # the hub keeps the empty piece a trailing ';' leaves: _dedupe drops it
+                "answers": [r["best_answer"], *r["correct_answers"]],
+                "incorrect_answers": r["incorrect_answers"],
+                "category": r["category"],
+                "context": None,
+            },
+        )
+        for n, r in enumerate(ds, 1)
+    ]
+    report.read = len(rows)
+    return validate_records(rows, "truthful_qa (hub)", report)
+
+
+def _halueval_wrong_answer(where: str, raw: Any) -> tuple[str, Any]:
+    """A local HaluEval record with its `hallucinated_answer` read as the known wrong answer."""
+    if not isinstance(raw, dict) or "hallucinated_answer" not in raw or "incorrect_answers" in raw:
+        return where, raw
+    wrong = raw["hallucinated_answer"]
+    if wrong is not None and not isinstance(wrong, str):
+        return where, Unreadable(
+            f"hallucinated_answer: {_kind(wrong)}, not a string or null (HaluEval's one wrong answer, as text)"
+        )
+    return where, {**raw, "incorrect_answers": wrong}
+
+
+def _load_halueval_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
+    """HaluEval QA (10,000 HotpotQA questions): the right answer as the reference, the knowledge
+    passage as context (kept for the leak check, not shown to the model), the hallucinated answer
+    as a known wrong one. The id is the 0-based row of qa_data.json, as in the shipped sample."""
+    if preset.path:
+        # the shared sample's shape (and HaluEval's own): the wrong answer is `hallucinated_answer`
+        rows = [_halueval_wrong_answer(where, raw) for where, raw in read_records(preset.path)]
+        report.read = len(rows)
+        return validate_records(rows, preset.path, report)
+    ds = _hub_rows(preset, "pminervini/HaluEval", "qa", "data")
+    where = _hub_where(preset, "pminervini/HaluEval")
+    rows = [
+        (
+            where(n),
+            {
+                "id": str(n - 1),
+                "question": r["question"],
+                "answers": r["right_answer"],
+                "incorrect_answers": r["hallucinated_answer"],
+                "context": r["knowledge"],
+            },
+        )
+        for n, r in enumerate(ds, 1)
+    ]
+    report.read = len(rows)
+    return validate_records(rows, "halueval_qa (hub)", report)
+
+
+def svamp_answer(value: Any) -> Any:
+    """SVAMP's Answer as text: 51.0 -> "51" (all 1,000 are integers; a fraction stays "2.5").
+    Anything but a number is passed on for the validator to name."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def _load_svamp(preset: DatasetPreset, report: LoadReport) -> list[Located]:
+    """SVAMP (1,000 arithmetic word problems). Prompt 1 shows the question alone, so the question is
+    the whole problem, Body + " " + Question (the semantic-entropy code's split, Question as the
+    question and Body as the context, would ask "How much do you have to pay?" with no numbers);
+    context stays null. The answer is the number as text ("51", not "51.0")."""
+    if preset.path:
+        return _load_file(preset, report)
+    ds = _hub_rows(preset, "ChilleD/SVAMP", None, "test")
+    where = _hub_where(preset, "ChilleD/SVAMP")
+    rows = []
+    for n, r in enumerate(ds, 1):
+        body, question = r.get("Body"), r.get("Question")
+        bad = next((k for k, v in (("Body", body), ("Question", question)) if not isinstance(v, str)), None)
+        if bad is not None:  # the validator reports it with the rest
+            rows.append(
+                (
+                    where(n),
+                    Unreadable(
+                        f"{bad}: {_kind(r.get(bad))}, not a string (SVAMP's problem text; check that "
+                        "hf_id, hf_config and hf_split name SVAMP)"
+                    ),
+                )
+            )
+            continue
+        rows.append(
+            (
+                where(n),
+                {
+                    "id": r.get("ID"),
+                    "question": f"{body.strip()} {question.strip()}",
+                    "answers": svamp_answer(r.get("Answer")),
+                    "context": None,
+                },
+            )
+        )
+    report.read = len(rows)
+    return validate_records(rows, "svamp (hub)", report)
+
+
 LOADERS: dict[str, Callable[[DatasetPreset, LoadReport], list[Located]]] = {
     "world": _load_file,
     "file": _load_file,
@@ -488,6 +634,9 @@ LOADERS: dict[str, Callable[[DatasetPreset, LoadReport], list[Located]]] = {
     "squad": _load_squad,
     "nq": _load_nq,
     "bioasq": _load_bioasq,
+    "truthful_qa": _load_truthful_qa,
+    "halueval_qa": _load_halueval_qa,
+    "svamp": _load_svamp,
 }
 
 
@@ -500,7 +649,14 @@ def normalise(records: list[Located], report: LoadReport) -> list[dict]:
             report.drop("no reference answer")
         else:
             out.append(
-                {"id": x.rid, "question": x.record.question, "answers": x.record.answers, "context": x.record.context}
+                {
+                    "id": x.rid,
+                    "question": x.record.question,
+                    "answers": x.record.answers,
+                    "context": x.record.context,
+                    "incorrect_answers": x.record.incorrect_answers,
+                    "category": x.record.category,
+                }
             )
     return out
 
@@ -594,6 +750,9 @@ def read_questions(path: str | Path) -> pl.DataFrame:
     """The questions table `prepare` wrote, checked: the columns, and ids that are unique, not
     null and free of control characters (a hand-edited file fails here, before any model runs)."""
     df = read_parquet(path, "prepare", "questions table")
+    df = df.with_columns(
+        pl.Series(k, [v] * df.height, dtype=SCHEMA[k]) for k, v in OPTIONAL_COLUMNS.items() if k not in df.columns
+    )
     missing = set(SCHEMA) - set(df.columns)
     if missing:
         raise DatasetError(f"{path}: not a questions file (missing columns {sorted(missing)}); re-run prepare")

@@ -355,6 +355,9 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             }
         )
     )
+    # prepare's leak check: tqa's prompts hold their answer for half the questions (above report.leak_threshold)
+    (tmp_path / "prepare").mkdir()
+    (tmp_path / "prepare" / "tqa.json").write_text(json.dumps({"leak": {"prompt_fraction": 0.5}}))
     res = subprocess.run(
         [
             sys.executable,
@@ -370,6 +373,8 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             str(tmp_path / "labels"),
             "--evidence-dir",
             str(tmp_path / "evidence"),
+            "--prepare-dir",
+            str(tmp_path / "prepare"),
             "--out-dir",
             str(tmp_path / "tables"),
             "--summary",
@@ -403,11 +408,12 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     assert "| Max pooling | 12.5 L2; all 5 layers 60 s |" in times and "recipe paper, 100 epochs, batch 128" in times
     assert "LLaMA-3.1-8B 140 s" in times  # the paper's appendix total, in the notes
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
-    assert "| my-llama / tqa / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
+    assert "| my-llama / tqa [leak] / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
     # p(True) (stage model_baselines) in the block of the field's baselines, under the paper's methods
     main = (tmp_path / "tables" / "auroc.md").read_text()
     assert "| p(True) [sampling, a forward pass] | <u>0.610</u> ± 0.005 [0.590, 0.630] 12.3 ms/resp. |" in main
     assert main.index("| Max pooling |") < main.index("| p(True) [")
+    assert "| my-llama / tqa [leak] |" in main and "- [leak]: the prompt the model sees" in main
     assert (
         "| p(True) [sampling, a forward pass] | <u>81.3</u> 12.3 ms/resp. |"
         in (tmp_path / "tables" / "throughput.md").read_text()

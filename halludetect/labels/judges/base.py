@@ -22,6 +22,7 @@ class JudgeItem:
     question: str
     answer: str
     references: tuple[str, ...]
+    incorrect: tuple[str, ...] = ()  # known wrong answers (TruthfulQA, HaluEval); () for most datasets
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """`openai`: an LLM judge behind any OpenAI-compatible endpoint (the paper: GPT-5 mini).
 
-Pass 1 asks with the reference answers, pass 2 with prompt 2 (no references). Replies are
+Pass 1 asks with the reference answers (and the known wrong answers where the dataset lists
+them, TruthfulQA's and HaluEval's: `prompts.LABELING_WITH_REFERENCE_AND_INCORRECT`), pass 2 with
+prompt 2 (no references, the paper's prompt unchanged). Replies are
 parsed strictly (`text.parse_choice`): an unparseable one is asked again, then marked
 invalid, which the protocol drops and counts. Calls are cached and resumable (`chat_client.py`, `call_cache.py`).
 """
@@ -25,7 +27,9 @@ class OpenAIJudge:
     def judge(self, items: list[JudgeItem], with_reference: bool) -> list[Verdict]:
         ask = [i for i, it in enumerate(items) if it.answer.strip()]
         prompts = [
-            labeling_prompt(items[i].question, items[i].answer, items[i].references if with_reference else None)
+            labeling_prompt(items[i].question, items[i].answer, items[i].references, items[i].incorrect)
+            if with_reference
+            else labeling_prompt(items[i].question, items[i].answer)
             for i in ask
         ]
         replies = self.runner.run(prompts, lambda t: parse_choice(t, YES_NO), desc=f"pass {1 if with_reference else 2}")

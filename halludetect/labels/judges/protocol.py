@@ -1,6 +1,7 @@
 """The paper's two-pass labelling protocol.
 
-Pass 1 judges every answer against the reference answers. Only answers judged wrong go to
+Pass 1 judges every answer against the reference answers (and the known wrong answers, where a
+dataset lists them: TruthfulQA, HaluEval). Only answers judged wrong go to
 pass 2, which judges them without the references. An answer wrong in both passes is a
 hallucination (label 1); right in pass 1 it is correct (label 0); wrong in pass 1 but right
 in pass 2 it is inconsistent and dropped (kept = false). An invalid verdict in either pass
@@ -32,9 +33,15 @@ JUDGMENTS_SCHEMA = {
 
 
 def two_pass(judge: Judge, questions: pl.DataFrame, generations: pl.DataFrame, second_pass: bool = True):
-    refs = {r["id"]: (r["question"], tuple(r["answers"])) for r in questions.iter_rows(named=True)}
+    # Known wrong answers (TruthfulQA's, HaluEval's) go to pass 1 with the references; a table
+    # without the column (a hand-built one) has none.
+    wrong = "incorrect_answers" in questions.columns
+    refs = {
+        r["id"]: (r["question"], tuple(r["answers"]), tuple(r["incorrect_answers"] or ()) if wrong else ())
+        for r in questions.iter_rows(named=True)
+    }
     rows = generations.select("question_id", "sample_index", "split", "text").to_dicts()
-    items = [JudgeItem(refs[r["question_id"]][0], r["text"], refs[r["question_id"]][1]) for r in rows]
+    items = [JudgeItem(refs[r["question_id"]][0], r["text"], *refs[r["question_id"]][1:]) for r in rows]
     first = judge.judge(items, with_reference=True)
     wrong = [i for i, v in enumerate(first) if v.verdict == "no"]
     second = dict(zip(wrong, judge.judge([items[i] for i in wrong], with_reference=False))) if second_pass else {}
