@@ -25,6 +25,7 @@ import polars as pl
 
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import read_layer
+from halludetect.config import threshold_name
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import read_meta, trained_params
@@ -34,7 +35,13 @@ from halludetect.evaluation.evaluate import best_layer, load_models
 from halludetect.methods import CLUSTER_METHODS
 from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc, check_two_classes, expected_calibration_error, question_groups, split_metrics
-from halludetect.scoring.bundle import at_threshold, choose_thresholds, ensemble_scores, fit_platt
+from halludetect.scoring.bundle import (
+    ensemble_scores,
+    fit_platt,
+    rates_at_threshold,
+    threshold_at_fpr,
+    threshold_best_f1,
+)
 
 
 def pair_name(train: str, test: str) -> str:
@@ -122,16 +129,19 @@ def transfer_method(
     platt = fit_platt(y_val, z_val)
     prob = lambda v: 1 / (1 + np.exp(-(platt["a"] * v + platt["b"])))  # noqa: E731
     thresholds = {}
-    for name, fitted in choose_thresholds(y_val, z_val, fpr_targets).items():
-        here = at_threshold(y, z, fitted["threshold"])
+    # the bundle's rules, as export fits them on A's validation logits
+    rules = {threshold_name(t): threshold_at_fpr(y_val, z_val, t) for t in fpr_targets}
+    rules["best_f1"] = threshold_best_f1(y_val, z_val)
+    for name, fitted in rules.items():
+        here = rates_at_threshold(y, z, fitted["threshold"])  # on B's test
         thresholds[name] = {
             "threshold": fitted["threshold"],
-            "train_val_fpr": fitted["val_fpr"],
-            "train_val_tpr": fitted["val_tpr"],
-            "fpr": here["val_fpr"],  # at_threshold names its figures for validation; here they are B's test
-            "tpr": here["val_tpr"],
-            "precision": here["val_precision"],
-            "f1": here["val_f1"],
+            "train_val_fpr": fitted["fpr"],
+            "train_val_tpr": fitted["tpr"],
+            "fpr": here["fpr"],
+            "tpr": here["tpr"],
+            "precision": here["precision"],
+            "f1": here["f1"],
         }
     return {
         "method": method,
