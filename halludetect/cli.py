@@ -450,7 +450,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _inherit_numerics() -> None:
+    """Started from a pinned process (its environment carries the pins: a stage's shell, the
+    tests), load the MKL shim as well, which a child does not inherit, so that the command
+    computes its parent's bytes (halludetect/core/numerics.py). Otherwise the command keeps the
+    machine's own numerics, all cores. Before any command imports torch."""
+    import ctypes
+
+    from halludetect.core import numerics
+
+    if "MKL_CBWR" not in os.environ or numerics.mode() == "native" or "torch" in sys.modules:
+        return
+    shim = numerics.mkl_intel_shim()
+    if shim is not None:
+        ctypes.CDLL(str(shim), mode=os.RTLD_GLOBAL)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _inherit_numerics()
     args = parser().parse_args(argv)
     try:
         args.run(args)
