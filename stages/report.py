@@ -39,7 +39,9 @@ def run(args, params):
     tables = build_tables(metrics, grid, labels, analysis)
     tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets))
     stages = {k: v.model_dump() for k, v in g.transfer_stages.items()}
-    tables += transfer_tables(load_transfer(args.metrics_dir, stages), g.datasets, [*g.methods, *g.sp_methods])
+    tables += transfer_tables(
+        load_transfer(args.metrics_dir, stages), g.datasets, [*g.methods, *g.sp_methods], params.export.threshold
+    )
     # A dataset whose prompt gives the answer away is marked in every table (report.leak_threshold).
     flag_leaks(tables, load_leaks(args.prepare_dir, g.datasets), params.report.leak_threshold, g.models)
     with_paper = {m: k for m, k in grid.model_keys.items() if k}

@@ -76,13 +76,15 @@ def matrix_tables(transfer: dict, datasets: list[str], methods: list[str]) -> li
     return tables
 
 
-def drop_table(transfer: dict, methods: list[str]) -> Table | None:
-    """The mean off-diagonal drop per method (and model), with what a bundle user lives with."""
+def drop_table(transfer: dict, methods: list[str], default_threshold: str = "fpr_0.05") -> Table | None:
+    """The mean off-diagonal drop per method (and model), with what a bundle user lives with: the
+    calibration, and the false-positive rate on B of the bundle's default flag (export.threshold,
+    `default_threshold`) and of its best-F1 threshold, both chosen on A's validation."""
     rows = []
     models = sorted({k[0] for k in transfer})
     for model in models:
         for method in methods:
-            drops, eces, fprs, diag_eces = [], [], [], []
+            drops, eces, fprs, diag_eces, default_fprs = [], [], [], [], []
             for (m, a, b), pair in transfer.items():
                 if m != model or method not in pair["methods"]:
                     continue
@@ -96,6 +98,8 @@ def drop_table(transfer: dict, methods: list[str]) -> Table | None:
                 drops.append(home["methods"][method]["test"]["auroc"]["mean"] - cell["test"]["auroc"]["mean"])
                 eces.append(cell["calibration"]["ece"])
                 fprs.append(cell["thresholds"]["best_f1"]["fpr"] - cell["thresholds"]["best_f1"]["train_val_fpr"])
+                if default_threshold in cell["thresholds"]:
+                    default_fprs.append(cell["thresholds"][default_threshold]["fpr"])
             if not drops:
                 continue
             label = lookup_method(method).display + (f" ({model})" if len(models) > 1 else "")
@@ -107,6 +111,7 @@ def drop_table(transfer: dict, methods: list[str]) -> Table | None:
                         Cell(float(np.max(drops)), group=None),
                         Cell(float(np.mean(diag_eces)) if diag_eces else None, group=None),
                         Cell(float(np.mean(eces)), group=None),
+                        Cell(float(np.mean(default_fprs)) if default_fprs else None, group=None),
                         Cell(float(np.mean(fprs)), group=None),
                         Cell(len(drops), fmt="int", group=None),
                     ],
@@ -126,6 +131,7 @@ def drop_table(transfer: dict, methods: list[str]) -> Table | None:
                     "largest drop",
                     "ECE in-distribution",
                     "ECE transferred",
+                    f"FPR on B of the {default_threshold} flag",
                     "best-F1 FPR shift",
                     "pairs",
                 ],
@@ -137,16 +143,21 @@ def drop_table(transfer: dict, methods: list[str]) -> Table | None:
             "over the ordered pairs A != B; positive means the detector lost ranking ability away from home.",
             "ECE: the calibration error (10 equal-width bins by default, transfer.ece_bins) on the test "
             "split of the Platt scaling fitted on the training dataset's validation split, as the bundle's.",
+            f"FPR on B of the {default_threshold} flag: the false-positive rate on B's test split of the "
+            f"threshold a bundle flags by default (export.threshold: {default_threshold}), chosen on A's "
+            "validation split, where it flags the target share of correct answers.",
             "Best-F1 FPR shift: the false-positive rate on B's test split of A's best-F1 threshold minus its "
             "rate on A's validation split; every threshold of export.fpr_targets is in the pair's JSON.",
         ],
     )
 
 
-def transfer_tables(transfer: dict, datasets: list[str], methods: list[str]) -> list[Table]:
+def transfer_tables(
+    transfer: dict, datasets: list[str], methods: list[str], default_threshold: str = "fpr_0.05"
+) -> list[Table]:
     if not transfer:
         return []
     tables = matrix_tables(transfer, datasets, methods)
-    if (drop := drop_table(transfer, methods)) is not None:
+    if (drop := drop_table(transfer, methods, default_threshold)) is not None:
         tables.append(drop)
     return tables

@@ -19,7 +19,7 @@ def cell(auroc: float) -> dict:
         "layer": 2,
         "test": {"auroc": {"mean": auroc, "stderr": 0.01}, "auroc_ci95": [auroc - 0.05, auroc + 0.05]},
         "calibration": {"ece": 0.1 if auroc > 0.75 else 0.3},
-        "thresholds": {"best_f1": {"fpr": 0.4, "train_val_fpr": 0.1}},
+        "thresholds": {"best_f1": {"fpr": 0.4, "train_val_fpr": 0.1}, "fpr_0.05": {"fpr": 0.15, "train_val_fpr": 0.05}},
     }
 
 
@@ -40,9 +40,11 @@ def test_matrix_and_mean_off_diagonal_drop(tmp_path):
     assert [[c.value for c in r.cells] for r in matrix.rows] == [[0.9, 0.6], [0.7, 0.8]]
     md = to_markdown(matrix)
     assert "| a | 0.900 ± 0.010 [0.850, 0.950] L2 | 0.600 ± 0.010 [0.550, 0.650] L2 |" in md
-    # drop: (0.8 - 0.6) for a -> b and (0.9 - 0.7) for b -> a; largest 0.2; ECE and FPR shift
+    # drop: (0.8 - 0.6) for a -> b and (0.9 - 0.7) for b -> a; largest 0.2; ECE; the default flag's FPR
+    # on B (fpr_0.05: 0.15 where A's validation gave 0.05); best-F1 FPR shift
     values = [c.value for c in drop.rows[0].cells]
-    assert values == pytest.approx([0.2, 0.2, 0.1, 0.3, 0.3, 2])
+    assert values == pytest.approx([0.2, 0.2, 0.1, 0.3, 0.15, 0.3, 2])
+    assert "FPR on B of the fpr_0.05 flag" in to_markdown(drop)
     assert "Max pooling" in to_markdown(drop)
     if shutil.which("pdflatex"):
         res = pdflatex([matrix, drop], tmp_path)
