@@ -255,5 +255,6 @@ print(json.dumps(out))
             "\n  figures:",
             "\n  report:",
             "\n  evidence:",
+            "\n  transfer:",
         )
     )
