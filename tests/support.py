@@ -25,14 +25,15 @@ from halludetect.activations.layer_writer import LayerWriter
 from halludetect.labels.text import YES_NO, parse_choice
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
-# The shared QA samples (TruthfulQA, HaluEval QA, SVAMP) are read where CI lays shared/: beside the clone.
-SHARED_QA = ROOT.parent / "shared" / "data" / "qa_samples"
+# The real QA samples the tests read (TriviaQA, SQuAD v2, NQ-open, TruthfulQA, HaluEval QA, SVAMP) ship
+# with the repository; their sources and licences are in LICENSES.md and MANIFEST.json there.
+QA_SAMPLES = ROOT / "tests" / "fixtures" / "qa_samples"
 
 
-def shared_sample(name: str) -> str:
-    """The path of a shared QA sample; a clear failure (not a skip) where shared/ is not beside the clone."""
-    path = SHARED_QA / name
-    assert path.exists(), f"{path}: the shared QA samples are read from ../shared/data/qa_samples beside the clone"
+def qa_sample(name: str) -> str:
+    """The path of a QA sample shipped in tests/fixtures/qa_samples; a clear failure where it is missing."""
+    path = QA_SAMPLES / name
+    assert path.exists(), f"{path}: no such QA sample in tests/fixtures/qa_samples (see its MANIFEST.json)"
     return str(path)
 
 

@@ -7,7 +7,7 @@ import json
 
 import polars as pl
 import pytest
-from support import KEY, label_inputs, shared_sample, stage
+from support import KEY, label_inputs, qa_sample, stage
 
 from halludetect.labels.judges import get_judge, label_distribution, two_pass
 from halludetect.labels.judges.base import JudgeItem
@@ -139,11 +139,11 @@ def test_openai_judge_matches_the_offline_judge_and_pass_2_has_no_references():
 
 # ------------------------------------------------ TruthfulQA: the judge sees the wrong answers
 def truthful_questions() -> pl.DataFrame:
-    """Question 0 of the shared TruthfulQA sample, through its loader (the real questions table)."""
+    """Question 0 of the TruthfulQA sample, through its loader (the real questions table)."""
     from halludetect.config import DatasetPreset, PrepareParams
     from halludetect.qa.datasets import prepare
 
-    df, _ = prepare(DatasetPreset(loader="truthful_qa", path=shared_sample("truthful_qa.jsonl")), PrepareParams())
+    df, _ = prepare(DatasetPreset(loader="truthful_qa", path=qa_sample("truthful_qa.jsonl")), PrepareParams())
     return df.filter(pl.col("id") == "0")
 
 

@@ -7,13 +7,12 @@ import json
 
 import polars as pl
 import pytest
-from support import ROOT, base_params, shared_sample, stage, write_params
+from support import QA_SAMPLES, base_params, qa_sample, stage, write_params
 
 from halludetect.config import DatasetPreset, PrepareParams, ReportParams
 from halludetect.labels.leak import leak_check
 from halludetect.qa.datasets import prepare
 
-SAMPLES = ROOT / "tests" / "fixtures" / "qa_samples"
 THRESHOLD = ReportParams().leak_threshold
 
 
@@ -22,14 +21,14 @@ def questions(loader: str, path) -> pl.DataFrame:
 
 
 def test_squad_passage_holds_the_answer_but_the_prompt_does_not_show_it():
-    squad = leak_check(questions("squad", SAMPLES / "squad.jsonl"))
+    squad = leak_check(questions("squad", QA_SAMPLES / "squad.jsonl"))
     assert squad["questions"] == 263 and squad["with_context"] == 263
     assert squad["context_fraction"] > 0.95  # an answer is a span of its passage
     assert squad["prompt_fraction"] < THRESHOLD  # prompt 1 is the question alone
 
 
 def test_trivia_qa_prompts_rarely_hold_an_answer():
-    trivia = leak_check(questions("trivia_qa", SAMPLES / "trivia_qa.jsonl"))
+    trivia = leak_check(questions("trivia_qa", QA_SAMPLES / "trivia_qa.jsonl"))
     # a few questions name an alias of the answer ("... born Heather Renee Sweet?"); none has a context
     assert trivia["prompt_fraction"] < THRESHOLD and trivia["context_fraction"] is None
     assert trivia["prompt_count"] > 0 and len(trivia["examples"]) == min(trivia["prompt_count"], 10)
@@ -37,7 +36,7 @@ def test_trivia_qa_prompts_rarely_hold_an_answer():
 
 def test_squad_with_its_passage_in_the_question_leaks(tmp_path):
     """What a user gets by writing the passage into the question (the prompt then shows it)."""
-    rows = [json.loads(line) for line in (SAMPLES / "squad.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (QA_SAMPLES / "squad.jsonl").read_text().splitlines()]
     path = tmp_path / "open_book.jsonl"
     path.write_text(
         "\n".join(json.dumps({**r, "question": f"{r['context']} {r['question']}", "context": None}) for r in rows)
@@ -51,7 +50,7 @@ def test_squad_with_its_passage_in_the_question_leaks(tmp_path):
     [("truthful_qa", "truthful_qa.jsonl", False), ("halueval_qa", "halueval_qa.jsonl", True)],
 )
 def test_the_new_datasets_prompts_stay_below_the_threshold(loader, name, context):
-    leak = leak_check(questions(loader, shared_sample(name)))
+    leak = leak_check(questions(loader, qa_sample(name)))
     assert leak["prompt_fraction"] < THRESHOLD
     # HaluEval's knowledge holds the right answer mostly; it is not shown either
     assert (leak["context_fraction"] is not None and leak["context_fraction"] > 0.5) == context
@@ -59,7 +58,7 @@ def test_the_new_datasets_prompts_stay_below_the_threshold(loader, name, context
 
 def test_prepare_writes_the_leak_check_into_its_metrics(tmp_path):
     data = base_params()
-    data["datasets"]["squad"] = {"loader": "squad", "path": str(SAMPLES / "squad.jsonl")}
+    data["datasets"]["squad"] = {"loader": "squad", "path": str(QA_SAMPLES / "squad.jsonl")}
     res = stage(
         "stages.prepare",
         "--params",

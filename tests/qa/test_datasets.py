@@ -9,13 +9,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from support import ROOT, base_params, shared_sample, stage, write_params
+from support import QA_SAMPLES, base_params, qa_sample, stage, write_params
 
 from halludetect.config import DatasetPreset, PrepareParams
 from halludetect.qa.datasets import DatasetError, assign_splits, md5_id, prepare, read_questions
-
-SAMPLES = ROOT / "tests" / "fixtures" / "qa_samples"
-
 
 SPLIT = PrepareParams(seed=0, train=0.5, val=0.2, test=0.3)
 
@@ -24,7 +21,7 @@ THIRDS = PrepareParams(seed=0, train=0.34, val=0.33, test=0.33)  # 3 questions: 
 
 
 def test_trivia_qa_sample():
-    df, report = prepare(DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl")), SPLIT)
+    df, report = prepare(DatasetPreset(loader="trivia_qa", path=str(QA_SAMPLES / "trivia_qa.jsonl")), SPLIT)
     assert df.height == 500 and report.dropped == {}
     row = df.filter(df["question"].str.starts_with("What type of animal is a dik-dik")).row(0, named=True)
     assert row["answers"][0] == "Antelope" and "Antelopes" in row["answers"]
@@ -32,14 +29,14 @@ def test_trivia_qa_sample():
 
 
 def test_squad_keeps_answerable_only():
-    df, report = prepare(DatasetPreset(loader="squad", path=str(SAMPLES / "squad.jsonl")), SPLIT)
+    df, report = prepare(DatasetPreset(loader="squad", path=str(QA_SAMPLES / "squad.jsonl")), SPLIT)
     assert df.height == 263
     assert report.dropped == {"squad: unanswerable (no reference answer)": 237}
     assert df["context"].null_count() == 0  # SQuAD keeps its passage
 
 
 def test_nq_appends_question_mark():
-    df, _ = prepare(DatasetPreset(loader="nq", path=str(SAMPLES / "nq_open.jsonl")), SPLIT)
+    df, _ = prepare(DatasetPreset(loader="nq", path=str(QA_SAMPLES / "nq_open.jsonl")), SPLIT)
     assert df.height == 500
     assert df["question"].str.ends_with("?").all()
     assert "when was the last time anyone was on the moon?" in df["question"].to_list()
@@ -103,7 +100,7 @@ def test_split_sizes_and_stability():
 
 
 def test_max_questions_and_schema():
-    preset = DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"), max_questions=100)
+    preset = DatasetPreset(loader="trivia_qa", path=str(QA_SAMPLES / "trivia_qa.jsonl"), max_questions=100)
     df, _ = prepare(preset, SPLIT)
     assert df.height == 100
     assert df.columns == ["id", "question", "answers", "context", "split", "incorrect_answers", "category"]
@@ -112,14 +109,14 @@ def test_max_questions_and_schema():
 
 def test_sizes_give_exact_question_counts_from_one_source():
     preset = DatasetPreset(
-        loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"), sizes={"train": 300, "val": 80, "test": 120}
+        loader="trivia_qa", path=str(QA_SAMPLES / "trivia_qa.jsonl"), sizes={"train": 300, "val": 80, "test": 120}
     )
     df, _ = prepare(preset, SPLIT, "tqa")
     assert {s: int(n) for s, n in df.group_by("split").len().iter_rows()} == {"train": 300, "val": 80, "test": 120}
     again, _ = prepare(preset, SPLIT, "tqa")
     assert again.equals(df)  # deterministic for a seed
     too_many = DatasetPreset(
-        loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl"), sizes={"train": 400, "val": 100, "test": 100}
+        loader="trivia_qa", path=str(QA_SAMPLES / "trivia_qa.jsonl"), sizes={"train": 400, "val": 100, "test": 100}
     )
     with pytest.raises(
         DatasetError,
@@ -156,7 +153,7 @@ def test_train_questions_come_from_their_own_hub_split(monkeypatch):
 
 # ------------------------------------------------- TruthfulQA, HaluEval QA, SVAMP (issue 25)
 def test_truthful_qa_sample_keeps_its_wrong_answers_and_category():
-    df, report = prepare(DatasetPreset(loader="truthful_qa", path=shared_sample("truthful_qa.jsonl")), SPLIT)
+    df, report = prepare(DatasetPreset(loader="truthful_qa", path=qa_sample("truthful_qa.jsonl")), SPLIT)
     assert df.height == 817 and report.dropped == {} and report.repeated_ids == []
     row = df.filter(df["id"] == "0").row(0, named=True)
     assert row["question"] == "What happens to you if you eat watermelon seeds?"
@@ -167,7 +164,7 @@ def test_truthful_qa_sample_keeps_its_wrong_answers_and_category():
 
 
 def test_halueval_qa_sample_keeps_knowledge_as_context_and_the_hallucinated_answer():
-    df, report = prepare(DatasetPreset(loader="halueval_qa", path=shared_sample("halueval_qa.jsonl")), SPLIT)
+    df, report = prepare(DatasetPreset(loader="halueval_qa", path=qa_sample("halueval_qa.jsonl")), SPLIT)
     assert df.height == 500 and report.dropped == {}
     row = df.filter(df["id"] == "1").row(0, named=True)
     assert row["answers"] == ["Delhi"] and "head office in Delhi" in row["context"]
@@ -176,7 +173,7 @@ def test_halueval_qa_sample_keeps_knowledge_as_context_and_the_hallucinated_answ
 
 
 def test_svamp_sample_asks_the_whole_problem_without_context():
-    df, report = prepare(DatasetPreset(loader="svamp", path=shared_sample("svamp.jsonl")), SPLIT)
+    df, report = prepare(DatasetPreset(loader="svamp", path=qa_sample("svamp.jsonl")), SPLIT)
     assert df.height == 1000 and report.dropped == {}
     row = df.filter(df["id"] == "chal-1").row(0, named=True)
     assert row["question"].startswith("Each pack of dvds costs 76 dollars.")
@@ -186,7 +183,7 @@ def test_svamp_sample_asks_the_whole_problem_without_context():
 
 
 def raw_sample(name: str, n: int) -> list[dict]:
-    with open(shared_sample(name)) as f:
+    with open(qa_sample(name)) as f:
         return [json.loads(line) for _, line in zip(range(n), f)]
 
 
@@ -205,7 +202,7 @@ def fake_load_dataset(monkeypatch, tables: dict) -> list:
 
 
 def test_truthful_qa_hub_rows_give_the_samples_records(monkeypatch):
-    """The hub's fields (as the HF script names them) become the shared sample's records: the
+    """The hub's fields (as the HF script names them) become the sample's records: the
     best answer first, the empty piece a trailing ';' leaves dropped, the 0-based row as id."""
     sample = raw_sample("truthful_qa.jsonl", 6)
     hub = [
@@ -294,7 +291,7 @@ def test_the_new_presets_fit_their_datasets():
     assert not {"truthful_qa", "halueval_qa", "svamp"} & set(p.grid.datasets)  # the demo grid runs offline
     # the whole of TruthfulQA and SVAMP: their presets, pointed at the full samples, take every question
     for name, preset in (("truthful_qa", tq), ("svamp", sv)):
-        local = preset.model_copy(update={"path": shared_sample(f"{name}.jsonl")})
+        local = preset.model_copy(update={"path": qa_sample(f"{name}.jsonl")})
         df, _ = prepare(local, p.prepare, name)
         sizes = {s: int(n) for s, n in df.group_by("split").len().iter_rows()}
         assert sizes == preset.sizes.model_dump() and df.height == {"truthful_qa": 817, "svamp": 1000}[name]
@@ -580,7 +577,7 @@ def test_prepare_names_the_hub_row_of_a_svamp_problem_without_its_text(monkeypat
 def test_a_questions_file_written_before_the_wrong_answers_column_still_reads(tmp_path):
     """A questions table from before issue 25 has no incorrect_answers or category: it reads with
     none (what every loader of that time produced)."""
-    df, _ = prepare(DatasetPreset(loader="trivia_qa", path=str(SAMPLES / "trivia_qa.jsonl")), SPLIT)
+    df, _ = prepare(DatasetPreset(loader="trivia_qa", path=str(QA_SAMPLES / "trivia_qa.jsonl")), SPLIT)
     old = tmp_path / "old.parquet"
     df.drop("incorrect_answers", "category").write_parquet(old)
     back = read_questions(old)
