@@ -134,7 +134,15 @@ def _train_layer(args) -> None:
     )
     print(
         json.dumps(
-            {"stage": fetched.stage, "fetched_bytes": fetched.bytes, "fetched": fetched.files}, indent=2, sort_keys=True
+            {
+                "stage": fetched.stage,
+                "layer": args.layer,
+                "fetched_bytes": fetched.bytes,
+                "fetched": fetched.files,
+                "recorded": fetched.recorded,
+            },
+            indent=2,
+            sort_keys=True,
         )
     )
 
@@ -371,9 +379,9 @@ def parser() -> argparse.ArgumentParser:
         "train-layer",
         help="fetch one layer's states and the labels from the DVC remote and train "
         "a method on that layer (nothing upstream runs)",
-        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method>-"
-        "<layer> needs from the DVC remote, then run that stage alone (dvc repro "
-        "--single-item). Run it in the repository's root.",
+        description="Pull the one layer file and the labels that train@<model>-<dataset>-<method> needs "
+        "for that layer from the DVC remote, train the layer alone with the stage's own command, and "
+        "compare each file it wrote with the version dvc.lock records. Run it in the repository's root.",
     )
     tl.add_argument("--model", required=True, help="model preset (grid.models)")
     tl.add_argument("--dataset", required=True, help="dataset preset (grid.datasets)")

@@ -1,5 +1,7 @@
 """Evaluate one detector method: every layer's figures, the best layer chosen on validation only,
-its full metrics (bootstrap interval), its inference throughput, and HaMI (SP)'s extra cost."""
+its full metrics (bootstrap interval), its inference throughput, and HaMI (SP)'s extra cost; then
+export that layer as a self-contained bundle for `halludetect score` (stages/export.py's run, in
+this stage's process: a stage of its own cost DVC a dvc.lock rewrite for seconds of work)."""
 
 import json
 from pathlib import Path
@@ -23,16 +25,16 @@ from halludetect.evaluation.evaluate import (
     missing_layer_files,
 )
 from halludetect.labels.readers import read_judgments
-from halludetect.methods import SP_METHODS
+from halludetect.methods import CLUSTER_METHODS
 from halludetect.methods import method as lookup_method
-from stages import common
+from stages import common, export
 
 
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
     # Every trained layer's files, before anything is read: grid.layers lists the layers evaluated.
     cell = f"{args.model}-{args.dataset}"
-    train = f"{'train_sp' if args.method in SP_METHODS else 'train'}@{cell}-{args.method}-{{layer}}"
+    train = f"{'train_sp' if args.method in CLUSTER_METHODS else 'train'}@{cell}-{args.method}"
     dirs = {
         "layer_metrics": args.layer_metrics,
         "scores": args.scores,
@@ -45,11 +47,8 @@ def run(args, params):
     for layer in params.grid.layers:
         per_layer[layer] = json.loads((Path(args.layer_metrics) / f"layer_{layer}.json").read_text())
     # each layer's training time, kept apart from its figures (wall times differ on every run)
-    timing = {
-        layer: json.loads(t.read_text())
-        for layer in params.grid.layers
-        if (t := Path(args.layer_metrics) / f"layer_{layer}.timing.json").exists()
-    }
+    times = json.loads(Path(args.timing).read_text()) if args.timing and Path(args.timing).exists() else {}
+    timing = {layer: times[f"layer_{layer}"] for layer in params.grid.layers if f"layer_{layer}" in times}
     metrics = {
         "model": args.model,
         "dataset": args.dataset,
@@ -110,6 +109,8 @@ def run(args, params):
     write_json(args.out, metrics)
     write_json(args.plot, metrics["layers"])
     common.log.info("%s: best layer %d, test AUROC %.3f", args.method, best, metrics["test"]["auroc"]["mean"])
+    if args.bundle:
+        export.run(args, params)
 
 
 if __name__ == "__main__":
@@ -131,4 +132,8 @@ if __name__ == "__main__":
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
     p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
     p.add_argument("--latency", help="latency metrics JSON (one response at a time), for hami_sp's sequential cost")
+    p.add_argument("--timing", help="the layers' training times (JSON: layer_<L> -> seconds), train's --timing")
+    p.add_argument("--bundle", help="bundle file (.safetensors) of the best layer, for `halludetect score`")
+    p.add_argument("--manifest", help="model manifest JSON (what pins the base model), with --bundle")
+    p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp's bundle")
     common.main(run, p)

@@ -1,5 +1,8 @@
 """Export an evaluated detector as a self-contained bundle for `halludetect score`.
 
+The evaluate stage runs this after its evaluation (`--bundle`); `python -m stages.export` runs it
+alone on an evaluation's files.
+
 The best layer (chosen on validation by evaluate), every evaluated seed's weights at that
 layer, thresholds and a Platt calibration fitted on that layer's validation scores, and what
 reproduces its input: the base model and what pins it (manifest), the position convention,
@@ -9,6 +12,7 @@ the prompt template, the stored dtype. Format: halludetect/scoring/bundle.py.
 import json
 from pathlib import Path
 
+from halludetect.core.errors import DataError
 from halludetect.prompts import GENERATION
 from halludetect.scoring.bundle import export_bundle
 from stages import common
@@ -29,10 +33,14 @@ def p_sem_input(args) -> dict | None:
 
 
 def run(args, params):
-    metrics = json.loads(Path(args.metrics).read_text())
+    """`args`: the evaluate stage's (--out the evaluation, --bundle the bundle) or this module's own."""
+    evaluation, bundle = (args.out, args.bundle) if getattr(args, "bundle", None) else (args.metrics, args.out)
+    if not args.manifest:
+        raise DataError("pass --manifest (the model manifest) with --bundle: the bundle pins the base model")
+    metrics = json.loads(Path(evaluation).read_text())
     manifest = json.loads(Path(args.manifest).read_text())
     meta = export_bundle(
-        args.out,
+        bundle,
         metrics=metrics,
         detectors_dir=args.detectors,
         scores_dir=args.scores,

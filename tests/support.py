@@ -113,22 +113,19 @@ def cell(tmp_path: Path, layers=(0, 1)) -> tuple[Path, pl.DataFrame, Path]:
 
 
 def train_stage(tmp_path, acts, judgments: Path, params: Path, layer: int = 1) -> subprocess.CompletedProcess:
-    """The train stage of one layer, its outputs under tmp_path."""
-    outs = {
-        "--out": tmp_path / "dets" / f"layer_{layer}",
-        "--scores": tmp_path / "scores" / f"layer_{layer}.parquet",
-        "--metrics": tmp_path / "layers" / f"layer_{layer}.json",
-    }
+    """The train stage on one layer of the dump directory `acts` (`--layers`), its outputs under tmp_path
+    (dets/layer_<L>/, scores/layer_<L>.parquet, layers/layer_<L>.json)."""
+    outs = {"--out": tmp_path / "dets", "--scores": tmp_path / "scores", "--metrics": tmp_path / "layers"}
     return stage(
         "stages.train",
         "--params",
         str(params),
         "--method",
         "max",
-        "--layer",
+        "--layers",
         str(layer),
         "--activations",
-        str(acts / layer_filename(layer)),
+        str(acts),
         "--judgments",
         str(judgments),
         *(x for flag, path in outs.items() for x in (flag, str(path))),

@@ -35,12 +35,9 @@ LAYERS = (1, 2)
 # registered by an entry point of a package in the repository's root.
 METHODS = ("hami", "max", "eigenscore", "wide_max")
 SP_METHODS = ("hami_sp", "sep_slt")
-DETECTOR_STAGES = (
-    {f"train@world-world-{m}-{layer}" for m in METHODS for layer in LAYERS}
-    | {f"{kind}@world-world-{m}" for m in METHODS for kind in ("evaluate", "export")}
-    | {f"train_sp@world-world-{m}-{layer}" for m in SP_METHODS for layer in LAYERS}
-    | {f"{kind}@world-world-{m}" for m in SP_METHODS for kind in ("evaluate_sp", "export_sp")}
-)
+DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in METHODS for kind in ("train", "evaluate")} | {
+    f"{kind}@world-world-{m}" for m in SP_METHODS for kind in ("train_sp", "evaluate_sp")
+}
 SP_STAGES = {s for s in DETECTOR_STAGES if any(m in s for m in SP_METHODS)}
 FIELD = {
     "grid": {
@@ -269,42 +266,53 @@ def test_the_tables_state_their_conventions_and_training_is_measured_by_epoch(re
 
 def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
-    assert changed(repo) == {f"train@world-world-max-{layer}" for layer in LAYERS}
+    assert changed(repo) == {"train@world-world-max", "code"}  # code: it reads detectors for the plugins' keys
     log = run([sys.executable, "-m", "dvc", "repro", "evaluate@world-world-max"], repo)
-    assert ran(log) == {f"train@world-world-max-{layer}" for layer in LAYERS} | {"evaluate@world-world-max"}
+    assert ran(log) == {"code", "train@world-world-max", "evaluate@world-world-max"}
     # what reads the evaluation is stale now (what `dvc repro` runs next), and nothing else
-    assert changed(repo) == {
-        "export@world-world-max",
-        "figures@world-world",
-        "evidence@world-world",
-        "transfer@world-world-world",
-        "report",
-    }
+    assert changed(repo) == {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
     restore(repo)
 
 
-def test_a_new_method_file_re_runs_only_what_uses_methods(repo):
-    """Adding a detection method is one file (methods/) and `make deps`: the stages that train,
-    evaluate, export, analyse, draw or report detectors see it, sampling, dumping and labelling do
-    not (config.py imports methods/ only to validate params)."""
-    new = repo / "halludetect" / "methods" / "extra.py"
-    new.write_text(
+def stale_after_edit(repo: Path, rel: str, text: str) -> set[str]:
+    """The stages an edit of `rel` makes stale: DVC sees the code stage's folders change, the code stage
+    re-runs (a second), and what its changed digests feed is stale. The edit is undone after."""
+    path = repo / rel
+    before = path.read_text() if path.exists() else None
+    path.write_text(text if before is None else before + text)
+    try:
+        assert changed(repo) == {"code"}
+        run([sys.executable, "-m", "dvc", "repro", "code"], repo)
+        return changed(repo)
+    finally:
+        path.unlink() if before is None else path.write_text(before)
+        run([sys.executable, "-m", "dvc", "repro", "code"], repo)
+        assert changed(repo) == set()
+
+
+def test_one_methods_code_edit_re_runs_that_method_only(repo):
+    """A comment in methods/pooling.py (max; mean and the raw poolings are not in this grid) re-runs
+    max's train and evaluate stages and the stages of the cell that read every method (figures,
+    evidence, transfer, report), never another method's, and nothing upstream."""
+    stale = stale_after_edit(repo, "halludetect/methods/pooling.py", "# a comment\n")
+    cell = {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
+    assert stale == {"train@world-world-max", "evaluate@world-world-max"} | cell, stale
+    # one of the field's methods: SEP's file re-runs the SE probe's stages alone
+    stale = stale_after_edit(repo, "halludetect/methods/sep.py", "# a comment\n")
+    assert stale == {"train_sp@world-world-sep_slt", "evaluate_sp@world-world-sep_slt"} | cell, stale
+
+
+def test_a_new_method_file_re_runs_only_what_reads_every_method(repo):
+    """Adding a detection method is one file (methods/): the stages that draw, report or compare
+    every method see it; no method's training does (its own digest holds its own file), nor does
+    sampling, dumping or labelling (config.py imports methods/ only to validate params)."""
+    text = (
         '"""A method that only needs to exist."""\n\nfrom halludetect.methods.pooling import PoolingParams\n'
         "from halludetect.methods.spec import Method, register\n\n"
         'register(Method("extra", "Extra", PoolingParams, build=lambda net, d, p: net.LastTokenProbe(d)))\n'
     )
-    try:
-        run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
-        stale = changed(repo)
-        assert stale and all(
-            s.startswith(("train", "evaluate", "export", "analyze", "figures", "evidence", "transfer", "report"))
-            for s in stale
-        ), stale
-        assert {f"train@world-world-max-{layer}" for layer in LAYERS} <= stale
-    finally:
-        new.unlink()
-        run(["git", "checkout", "-q", "HEAD", "--", "dvc.yaml"], repo)
-    assert changed(repo) == set()
+    stale = stale_after_edit(repo, "halludetect/methods/extra.py", text)
+    assert stale == {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}, stale
 
 
 def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_only_the_pairs(repo):
@@ -389,8 +397,8 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
 def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
     # the bundles record the position convention their detectors read
-    assert changed(repo) == {"dump@world-world"} | {f"export@world-world-{m}" for m in METHODS} | {
-        f"export_sp@world-world-{m}" for m in SP_METHODS
+    assert changed(repo) == {"dump@world-world"} | {f"evaluate@world-world-{m}" for m in METHODS} | {
+        f"evaluate_sp@world-world-{m}" for m in SP_METHODS
     }
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"dump@world-world"}

@@ -100,11 +100,11 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (fake / "core" / "bad.py").write_text("def f():\n    from halludetect.detectors.build import X\n")
     monkeypatch.setattr(code_deps, "ROOT", tmp_path)
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
-    code_deps.imports_of.cache_clear()
+    code_deps.explicit_imports.cache_clear()
     try:
         assert upward("halludetect.core.bad") == [
             "halludetect.core.bad (floor 0, core) imports halludetect.detectors.build (floor 5, detectors)"
         ]
         assert upward("halludetect.detectors.build") == []
     finally:
-        code_deps.imports_of.cache_clear()
+        code_deps.explicit_imports.cache_clear()

@@ -86,10 +86,15 @@ def _discovers_modules(tree: ast.Module) -> bool:
     return False
 
 
-@cache
 def imports_of(path: Path, package: str) -> frozenset[str]:
-    """Our modules that `path` imports anywhere in its body (functions included); `package` is
-    the package relative imports resolve against."""
+    """Our modules that `path` imports anywhere in its body (functions included), and those its
+    package's __init__ imports by discovery; `package` is the package relative imports resolve against."""
+    return explicit_imports(path, package) | discovered(path, package)
+
+
+@cache
+def explicit_imports(path: Path, package: str) -> frozenset[str]:
+    """Our modules that `path` names in an import statement anywhere in its body."""
     tree = ast.parse(path.read_text(), str(path))
     found = set()
     for node in ast.walk(tree):
@@ -104,29 +109,40 @@ def imports_of(path: Path, package: str) -> frozenset[str]:
         else:
             continue
         found |= {n for n in names if module_file(n)}
-    if path.name == "__init__.py" and _discovers_modules(tree):
-        found |= {f"{package}.{p.stem}" for p in path.parent.glob("*.py") if p.name != "__init__.py"}
     return frozenset(found)
+
+
+def discovered(path: Path, package: str) -> frozenset[str]:
+    """The modules a package's __init__ imports by discovery (every module of its folder), if it does."""
+    if path.name != "__init__.py" or not _discovers_modules(ast.parse(path.read_text(), str(path))):
+        return frozenset()
+    return frozenset(f"{package}.{p.stem}" for p in path.parent.glob("*.py") if p.name != "__init__.py")
 
 
 def plugin_modules(params_file: Path | None = None) -> list[str]:
     """The modules that define plugin detectors, read without importing anything: the installed
     entry points of PLUGIN_GROUP and params.yaml's detectors.<name>.factory ('module:factory')."""
+    found = {ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
+    found |= set(_params_factories(params_file).values())
+    return sorted(m for m in found if m)
+
+
+def _params_factories(params_file: Path | None = None) -> dict[str, str]:
+    """{method name: module} of params.yaml's detectors.<name>.factory keys."""
     import yaml
 
-    found = {ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
     path = ROOT / "params.yaml" if params_file is None else Path(params_file)
     try:
         detectors = (yaml.safe_load(path.read_text()) or {}).get("detectors") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         detectors = {}  # no or a broken params file: the stages say what is wrong with it
-    if isinstance(detectors, dict):
-        found |= {
-            str(s["factory"]).partition(":")[0].strip()
-            for s in detectors.values()
-            if isinstance(s, dict) and "factory" in s
-        }
-    return sorted(m for m in found if m)
+    if not isinstance(detectors, dict):
+        return {}
+    return {
+        str(name): str(s["factory"]).partition(":")[0].strip()
+        for name, s in detectors.items()
+        if isinstance(s, dict) and "factory" in s
+    }
 
 
 def plugin_root(module: str) -> Path | None:
@@ -139,10 +155,15 @@ def plugin_root(module: str) -> Path | None:
     return origin.parent.parent if spec.submodule_search_locations else origin.parent
 
 
-def plugin_files(params_file: Path | None = None) -> list[Path]:
-    """Every file the plugin modules run (their import closure within their own packages)."""
+def plugin_files(params_file: Path | None = None, *, only: str | None = None) -> list[Path]:
+    """Every file the plugin modules run (their import closure within their own packages); with
+    `only`, those of that method's plugin (none for a built-in method)."""
     files: set[Path] = set()
-    for module in plugin_modules(params_file):
+    modules = plugin_modules(params_file)
+    if only is not None:
+        mine = plugin_methods(params_file).get(only) if only not in builtin_methods() else None
+        modules = [m for m in modules if m == mine]
+    for module in modules:
         root = plugin_root(module)
         if root is None or module.split(".")[0] in PACKAGES:
             continue
@@ -152,17 +173,25 @@ def plugin_files(params_file: Path | None = None) -> list[Path]:
     return sorted(files)
 
 
-def closure(module: str, *, plugins: bool = True) -> list[Path]:
+def closure(module: str, *, plugins: bool = True, method: str | None = None) -> list[Path]:
     """Every file of ours that runs when `python -m module` runs (or `import module`), sorted; for a
     module that runs methods/, the plugins' files too (those inside the repository: the ones
-    dvc.yaml can list; `code_digest` takes them all)."""
-    files = _closure(module)
+    dvc.yaml can list; `code_digest` takes them all).
+
+    With `method`, what that one method's run of the module depends on: methods/ imports every
+    method's file by discovery, but a method's results depend only on its own file (and what that
+    imports); the other methods' files only register other names. So an edit to methods/sep.py
+    re-runs SEP's stages and no other method's (the code stage writes one digest per method)."""
+    keep = None if method is None else method_modules(method)
+    files = _closure(module, keep)
     if plugins and METHODS_INIT in files:
-        files = sorted(set(files) | {p for p in plugin_files() if p.is_relative_to(ROOT)})
+        mine = plugin_files(only=method) if method is not None else plugin_files()
+        files = sorted(set(files) | {p for p in mine if p.is_relative_to(ROOT)})
     return files
 
 
-def _closure(module: str) -> list[Path]:
+def _closure(module: str, keep: frozenset[str] | None = None) -> list[Path]:
+    """`keep`: of the modules a package imports by discovery, follow only these (None: all)."""
     if module_file(module) is None:
         raise ValueError(f"no module '{module}' under {ROOT} (expected one of the packages {', '.join(PACKAGES)})")
     seen: set[Path] = set()
@@ -177,8 +206,58 @@ def _closure(module: str) -> list[Path]:
             seen.add(path)
             package = ".".join(parts[:k]) if path.name == "__init__.py" else ".".join(parts[: k - 1])
             skip = VALIDATION_ONLY.get(".".join(parts[:k]), ())
-            todo += [n for n in imports_of(path, package) if not any(n == s or n.startswith(s + ".") for s in skip)]
+            found = discovered(path, package)
+            names = explicit_imports(path, package) | (found if keep is None else found & keep)
+            todo += [n for n in names if not any(n == s or n.startswith(s + ".") for s in skip)]
     return sorted(p for p in seen - {FRONT_DOOR} if not _runs_nothing(p))
+
+
+# ------------------------------------------------------------------------------ one method's code
+METHOD_CALL = "Method"  # methods/<file>.py registers a method by `Method("<name>", ...)`
+
+
+def builtin_methods() -> dict[str, str]:
+    """{method name: the module of methods/ that declares it}, read from the source (no import): the
+    first argument of each `Method(...)` call in a file of methods/ (spec.py and plugins.py declare
+    none)."""
+    found: dict[str, str] = {}
+    for path in sorted(METHODS_INIT.parent.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == METHOD_CALL
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                found.setdefault(node.args[0].value, f"halludetect.methods.{path.stem}")
+    return found
+
+
+def plugin_methods(params_file: Path | None = None) -> dict[str, str]:
+    """{method name: module} of the plugins (entry point names and params keys), without importing."""
+    found = {ep.name: ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
+    for name, module in _params_factories(params_file).items():
+        found.setdefault(name, module)
+    return found
+
+
+def all_methods() -> dict[str, str]:
+    """Every method a digest is written for: {name: module}, built-ins and plugins."""
+    return {**plugin_methods(), **builtin_methods()}
+
+
+def method_modules(method: str) -> frozenset[str]:
+    """The modules of methods/ a method's results depend on: its own declaring module (a plugin: none
+    of methods/, its own package is added by closure())."""
+    builtin = builtin_methods()
+    if method in builtin:
+        return frozenset({builtin[method]})
+    if method in plugin_methods():
+        return frozenset()
+    raise ValueError(f"no method '{method}': neither a file of halludetect/methods/ nor a plugin declares it")
 
 
 @cache
@@ -212,15 +291,67 @@ def code_dirs() -> tuple[str, ...]:
     return (*PACKAGES, *sorted(extra - set(PACKAGES)))
 
 
+# ------------------------------------------------------------------------------ the code stage
+# dvc.yaml lists no code file in any stage but one: the `code` stage depends on the code folders
+# (one entry each in dvc.lock) and writes a small digest file per stage module, and per method for
+# the modules that run methods/ (`<out>/<module>.txt`, `<out>/<module>/<method>.txt`: the sha256 of
+# every file of that closure). Every other stage lists the one digest file of its module (of its
+# method, where its matrix has one), so its entry in dvc.lock is one dep instead of ~35 files, and
+# an edit re-runs exactly the stages whose digest changed: the code stage re-runs on any edit (a
+# second), and DVC compares the digest files' hashes, which change only for the closures that hold
+# the edited file.
+STAGES_DIR = ROOT / "stages"
+NOT_STAGES = ("__init__", "common", "code")  # modules of stages/ that are no stage with a digest
+
+
+def stage_module_names() -> list[str]:
+    """Every stage module that gets a digest: stages/<name>.py but the plumbing and the code stage."""
+    return sorted(f"stages.{p.stem}" for p in STAGES_DIR.glob("*.py") if p.stem not in NOT_STAGES)
+
+
+def runs_methods(module: str) -> bool:
+    return METHODS_INIT in _closure(module)
+
+
+def digest_text(files: list[Path]) -> str:
+    """One line per file: its sha256 and its repository path (files outside the repository, a
+    plugin installed elsewhere, are left out: DVC tracks no library, and an absolute path would make
+    the digest differ between machines)."""
+    inside = [p for p in files if p.is_relative_to(ROOT)]
+    return "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {relative(p)}\n" for p in inside)
+
+
+def digests() -> dict[str, str]:
+    """{relative path under the code stage's output: content} for every stage module and method."""
+    out = {}
+    methods = sorted(all_methods())
+    for module in stage_module_names():
+        short = module.split(".", 1)[1]
+        out[f"{short}.txt"] = digest_text(closure(module))
+        if runs_methods(module):
+            for m in methods:
+                out[f"{short}/{m}.txt"] = digest_text(closure(module, method=m))
+    return out
+
+
+def write_digests(out_dir: str | Path) -> dict[str, str]:
+    """Write `digests()` under `out_dir` (atomically, as one directory)."""
+    from halludetect.core.atomic_io import atomic_path
+
+    found = digests()
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        for rel, text in found.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+    return found
+
+
 # ------------------------------------------------------------------------------ dvc.yaml
-STAGE = re.compile(r"^  ([\w-]+):\s*(#.*)?$")  # a stage's key, under `stages:`
 MODULE = re.compile(r"python -m (stages\.\w+)")
-
-
-def code_dep_line() -> re.Pattern:
-    """A code dep's line in dvc.yaml: a path under one of `code_dirs()`."""
-    dirs = "|".join(re.escape(d) for d in code_dirs())
-    return re.compile(rf"^(\s+)- ((?:{dirs})/\S+)\s*(#.*)?$")
+CODE_STAGE = "code"
+STAGE_KEY = re.compile(r"^  ([\w-]+):\s*(#.*)?$")  # a stage's key, under `stages:`
+FIELD_KEY = re.compile(r"^    (\w+):")  # a stage's field: cmd, deps, params, outs
+DIGEST = re.compile(r"^(?P<dir>.+)/(?P<module>\w+)(?:/(?P<method>\$\{item\.method\}))?\.txt$")
 
 
 def stage_body(stage: dict) -> dict:
@@ -242,19 +373,55 @@ def stage_modules(dvc_yaml: str) -> dict[str, str]:
     return out
 
 
+def code_out(stages: dict) -> str:
+    """The code stage's output directory, as dvc.yaml writes it."""
+    outs = stage_body(stages.get(CODE_STAGE) or {}).get("outs") or []
+    if len(outs) != 1:
+        raise ValueError(f"dvc.yaml: the stage '{CODE_STAGE}' must have one output, the digests' directory")
+    return str(outs[0])
+
+
+def stage_problems(dvc_yaml: str) -> dict[str, str]:
+    """{stage: what is wrong with its code deps}: the code stage must list exactly `code_dirs()`; every
+    other stage exactly one digest of the code stage's output, of its own module, per method where
+    its matrix has a method and its module runs methods/, and no code file."""
+    import yaml
+
+    stages = yaml.safe_load(dvc_yaml)["stages"]
+    dirs, out = code_dirs(), code_out(stages)
+    problems = {}
+    for name, module in stage_modules(dvc_yaml).items():
+        body = stage_body(stages[name])
+        deps = [str(d).split("#")[0].strip() for d in body.get("deps", [])]
+        if name == CODE_STAGE:
+            if sorted(deps) != sorted(dirs):
+                problems[name] = f"lists {deps}, expected the code folders {list(dirs)}: run `make deps`"
+            continue
+        code = [d for d in deps if d.split("/")[0] in dirs]
+        if code:
+            problems[name] = f"lists code files {code}: a stage lists its code stage digest, not files"
+            continue
+        digests = [d for d in deps if d.startswith(out + "/")]
+        short = module.split(".", 1)[1]
+        per_method = "method" in (stages[name].get("matrix") or {}) and runs_methods(module)
+        want = f"{out}/{short}/${{item.method}}.txt" if per_method else f"{out}/{short}.txt"
+        if digests != [want]:
+            problems[name] = f"lists the code digests {digests}, expected [{want}]"
+    return problems
+
+
 def render(dvc_yaml: str) -> str:
-    """dvc.yaml with each stage's code deps replaced by its closure, where its first code dep was;
-    every other line (data deps, comments, params, outs) is kept as it is."""
-    modules = stage_modules(dvc_yaml)
-    code_dep = code_dep_line()
-    out, stage, written = [], None, False
-    for line in dvc_yaml.splitlines(keepends=True):
-        if m := STAGE.match(line):
-            stage, written = m.group(1), False
-        dep = code_dep.match(line)
-        if stage in modules and dep:
+    """dvc.yaml with the code stage's deps written as `code_dirs()` (an in-repository plugin's folder
+    joins them); every other line is kept as it is."""
+    lines, out, in_code, in_deps, written = dvc_yaml.splitlines(keepends=True), [], False, False, False
+    for line in lines:
+        if m := STAGE_KEY.match(line):
+            in_code, in_deps = m.group(1) == CODE_STAGE, False
+        elif in_code and (m := FIELD_KEY.match(line)):
+            in_deps = m.group(1) == "deps"
+        elif in_code and in_deps and line.strip().startswith("- "):
             if not written:
-                out += [f"{dep.group(1)}- {relative(p)}\n" for p in closure(modules[stage])]
+                out += [f"      - {d}\n" for d in code_dirs()]
                 written = True
             continue
         out.append(line)
@@ -262,17 +429,7 @@ def render(dvc_yaml: str) -> str:
 
 
 def stale_stages(dvc_yaml: str) -> list[str]:
-    """Stages whose code deps in `dvc_yaml` differ from their closure (or that list none)."""
-    import yaml
-
-    stages = yaml.safe_load(dvc_yaml)["stages"]
-    dirs = code_dirs()
-    stale = []
-    for name, module in stage_modules(dvc_yaml).items():
-        listed = sorted(d for d in stage_body(stages[name]).get("deps", []) if d.split("/")[0] in dirs)
-        if listed != [relative(p) for p in closure(module)]:
-            stale.append(name)
-    return stale
+    return sorted(stage_problems(dvc_yaml))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite the code deps of every stage")
     mode.add_argument("--check", action="store_true", help="exit 1 naming the stages whose code deps are stale")
     mode.add_argument("--module", help="print the files one module runs, one per line")
+    p.add_argument("--method", help="with --module: the files one method's run of it depends on")
     args = p.parse_args(argv)
     try:
         return _run(args)
@@ -292,13 +450,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.module:
-        print("\n".join(relative(f) for f in closure(args.module)))
+        print("\n".join(relative(f) for f in closure(args.module, method=args.method)))
         return 0
     path = Path(args.dvc_yaml)
     text = path.read_text()
     if args.check:
-        if stale := stale_stages(text):
-            print(f"{path}: stale code deps in {', '.join(stale)}: run `make deps`", file=sys.stderr)
+        if problems := stage_problems(text):
+            for stage, why in problems.items():
+                print(f"{path}: stage '{stage}' {why}", file=sys.stderr)
             return 1
         return 0
     new = render(text)

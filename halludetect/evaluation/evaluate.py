@@ -143,7 +143,7 @@ def missing_layer_files(
 ) -> list[str]:
     """Every file a trained layer of `layers` should have and lacks, each naming its layer and the
     stage that writes it. `dirs`: layer_metrics, scores, detectors, activations; `stages`: train
-    (the layer's train stage, with `{layer}` in it) and dump. The evaluation chooses among all of
+    (the method's train stage) and dump. The evaluation chooses among all of
     them, and DVC records the whole dump directory as its input: a missing file is no layer to
     leave out quietly."""
     problems = []

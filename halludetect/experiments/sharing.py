@@ -1,15 +1,18 @@
 """Training on shared activations: fetch one layer file and the labels it needs from the DVC
-remote, then run that layer's train stage, and nothing upstream of it.
+remote, then train the method on that layer alone, and nothing upstream of it.
 
     halludetect train-layer --model llama3-8b --dataset trivia_qa --method max --layer 16
 
 A colleague who dumped the activations (GPU hours) ran `dvc push`; this clone has an empty
-cache. The command pulls exactly the stage's data dependencies (one `layer_<L>.h5` of the dump's
-directory, `judgments.parquet`, and `clusters.parquet` for the methods that read P_sem), then
-runs `dvc repro --single-item train@<model>-<dataset>-<method>-<L>`: DVC records the run in
-dvc.lock, so `dvc status` of that stage is clean afterwards, and the stage's outputs (weights,
-the layer's val/test scores and figures) can be pushed back. DVC's own messages (no remote, a
-remote it cannot reach, credentials) are shown unchanged, before anything trains.
+cache. The command pulls exactly what the layer needs of the method's train stage's inputs (one
+`layer_<L>.h5` of the dump's directory, `judgments.parquet`, and `clusters.parquet` for the methods
+that read the clustering), then runs that stage's own command from dvc.yaml with `--layers L`: the
+layer's weights, val/test scores and figures land where the stage writes them. The stage trains
+every layer of grid.layers (one stage per method, docs/development.md#stage-granularity), so DVC
+cannot record one layer's run: instead each file the layer wrote is compared with the version the
+clone's dvc.lock records for it (read from DVC's listing of the stage's output directories,
+locally or on the remote), and the result says which are identical. DVC's own messages (no remote,
+a remote it cannot reach, credentials) are shown unchanged, before anything trains.
 
 What it reports as fetched is what came from the remote: the bytes of the cache objects that
 were not in the local cache before the pull (0 when everything was cached, even if the files
@@ -18,9 +21,10 @@ had to be checked out again).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from halludetect.activations.layer_format import layer_filename
@@ -34,10 +38,10 @@ class SharingError(UserError):
     """A layer or stage that the shared pipeline does not have."""
 
 
-def train_stage_name(model: str, dataset: str, method: str, layer: int) -> str:
-    """The DVC stage that trains `method` on one layer (train_sp for the methods that read P_sem)."""
+def train_stage_name(model: str, dataset: str, method: str) -> str:
+    """The DVC stage that trains `method` on every layer (train_sp for the methods that read the clustering)."""
     kind = "train_sp" if method in CLUSTER_METHODS else "train"
-    return f"{kind}@{model}-{dataset}-{method}-{layer}"
+    return f"{kind}@{model}-{dataset}-{method}"
 
 
 def check_in_grid(params: Params, model: str, dataset: str, method: str) -> None:
@@ -191,10 +195,54 @@ def missing_from_remote(repo: Path, stage: str, deps: list[str], remote: str | N
 class Fetched:
     stage: str
     files: dict[str, int]  # path -> bytes fetched from the remote for it (0: it was in the local cache)
+    # each file the layer wrote -> "identical" to what dvc.lock records, "differs", or "not recorded"
+    recorded: dict[str, str] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
         return sum(self.files.values())
+
+
+def stage_command(repo: Path, stage: str) -> tuple[str, list[str]]:
+    """The stage's command as dvc.yaml renders it, and its outputs."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        (found,) = r.stage.collect(stage)
+        return found.cmd, [str(o.def_path) for o in found.outs]
+
+
+def layer_files(outs: list[str], layer: int) -> list[str]:
+    """What one layer's training writes inside the train stage's output directories."""
+    name = f"layer_{layer}"
+    return [f"{o}/{name}" for o in outs if not o.endswith(".json")] + [
+        f"{o}/{name}.json" for o in outs if o.startswith("metrics/layers/")
+    ]
+
+
+def compare_with_record(repo: Path, paths: list[str]) -> dict[str, str]:
+    """Each file under `paths` (files or directories the layer wrote) against the md5 dvc.lock records
+    for it, read through DVC's file system (the local cache, else the remote's listing)."""
+    import hashlib
+
+    from dvc.api import DVCFileSystem
+
+    fs = DVCFileSystem(str(repo))
+    out = {}
+    for top in paths:
+        local = repo / top
+        files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+        for f in files:
+            rel = f.relative_to(repo).as_posix()
+            try:
+                want = (fs.info(rel).get("dvc_info") or {}).get("md5")
+            except (FileNotFoundError, OSError):
+                want = None
+            if want is None:
+                out[rel] = "not recorded"
+            else:
+                out[rel] = "identical" if hashlib.md5(f.read_bytes()).hexdigest() == want else "differs"
+    return out
 
 
 def train_layer_from_remote(
@@ -208,25 +256,27 @@ def train_layer_from_remote(
     remote: str | None = None,
     jobs: int | None = None,
 ) -> Fetched:
-    """Pull the one layer file and the labels a layer's train stage needs, then run that stage
-    alone (`dvc repro --single-item`). Returns what was fetched."""
+    """Pull the one layer file and the labels the method's train stage needs for it, train that layer
+    alone with the stage's own command, and compare what it wrote with what dvc.lock records.
+    Returns what was fetched and the comparison."""
     check_in_grid(params, model, dataset, method)
+    stage = train_stage_name(model, dataset, method)
+    data = stage_data_deps(repo, stage)
+    activations = next(d for d in data if (writer(repo, d) or "").startswith("dump@"))
     if layer not in params.grid.layers:
-        # No stage for it: find the cell's dump directory through a layer that has one.
-        some = stage_data_deps(repo, train_stage_name(model, dataset, method, params.grid.layers[0]))
-        activations = str(Path(next(d for d in some if d.endswith(".h5"))).parent)
         raise SharingError(
             _not_dumped(repo, activations, model, dataset, layer)
             or f"grid.layers {params.grid.layers} has no layer {layer}: add it to params.yaml"
         )
-    stage = train_stage_name(model, dataset, method, layer)
-    deps = stage_data_deps(repo, stage)
+    # the layer's file of the dump directory, the labels; not the code digest (the command runs the code)
+    deps = [f"{activations}/{layer_filename(layer)}" if d == activations else d for d in data]
+    deps = [d for d in deps if not (writer(repo, d) or "").startswith("code")]
     cached_before = {
-        oid for objects in cache_objects(repo, stage, deps).values() for oid, f in objects.items() if f.exists()
+        oid for objects in cache_objects(repo, stage, data).values() for oid, f in objects.items() if f.exists()
     }
     if dvc("pull", *(["-r", remote] if remote else []), *(["-j", str(jobs)] if jobs else []), *deps, cwd=repo):
         raise SharingError(
-            missing_from_remote(repo, stage, deps, remote)
+            missing_from_remote(repo, stage, data, remote)
             or f"`dvc pull` of {stage}'s inputs failed; DVC's message is above"
         )
     if absent := [d for d in deps if not (repo / d).exists()]:
@@ -236,12 +286,18 @@ def train_layer_from_remote(
             (layer_file and _not_dumped(repo, str(Path(layer_file).parent), model, dataset, layer))
             or f"the remote has no {absent}: whoever ran the pipeline must `dvc push` them"
         )
-    fetched = {
-        path: sum(f.stat().st_size for oid, f in objects.items() if oid not in cached_before and f.exists())
-        for path, objects in cache_objects(repo, stage, deps).items()
-    }
-    dvc_or_fail("repro", "--single-item", stage, cwd=repo)
-    return Fetched(stage, {d: fetched.get(d, 0) for d in deps})
+    fetched = {}
+    for path, objects in cache_objects(repo, stage, data).items():
+        got = {oid: f for oid, f in objects.items() if oid not in cached_before and f.exists()}
+        if path == activations:  # a directory: only its listing and the one layer's file were fetched
+            path = f"{activations}/{layer_filename(layer)}"
+        fetched[path] = sum(f.stat().st_size for f in got.values())
+    cmd, outs = stage_command(repo, stage)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if code := subprocess.run(f"{cmd} --layers {layer}", shell=True, cwd=repo, env=env).returncode:
+        raise SharingError(f"{stage} on layer {layer} failed (exit {code}); its message is above")
+    recorded = compare_with_record(repo, layer_files(outs, layer))
+    return Fetched(stage, {d: fetched.get(d, 0) for d in deps}, recorded)
 
 
 def _not_dumped(repo: Path, activations: str, model: str, dataset: str, layer: int) -> str | None:

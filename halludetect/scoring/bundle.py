@@ -421,7 +421,7 @@ def save_bundle(path: str | Path, detectors: dict[int, dict[str, torch.Tensor]],
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
 
 
-RE_EXPORT = "re-export it (dvc repro export@<model>-<dataset>-<method>) or copy it again"
+RE_EXPORT = "re-export it (dvc repro evaluate@<model>-<dataset>-<method>) or copy it again"
 
 
 def _key(loc: tuple) -> str:

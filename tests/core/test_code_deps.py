@@ -32,10 +32,10 @@ def code_copy(tmp_path, monkeypatch):
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(code_deps, "ROOT", copy)
     monkeypatch.setattr(code_deps, "FRONT_DOOR", copy / "halludetect" / "__init__.py")
-    code_deps.imports_of.cache_clear()
+    code_deps.explicit_imports.cache_clear()
     code_deps._runs_nothing.cache_clear()
     yield copy
-    code_deps.imports_of.cache_clear()
+    code_deps.explicit_imports.cache_clear()
     code_deps._runs_nothing.cache_clear()
 
 

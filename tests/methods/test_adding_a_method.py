@@ -1,5 +1,5 @@
 """The registry of detection methods (halludetect/methods/): one file declares a method, and the
-params, the trait lists, the report and dvc.yaml's code deps follow from it."""
+params, the trait lists, the report and the code stage's digests follow from it."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ except Exception as e:
 print(json.dumps({"shape": list(z.shape), "dim": params.detectors.wide_max.dim, "sp": "wide_max" in SP_METHODS,
                   "name": NAMES["wide_max"], "refused": refused,
                   "train_runs_it": "halludetect/methods/wide_max.py" in
-                      [code_deps.relative(p) for p in code_deps.closure("stages.train")]}))
+                      [code_deps.relative(p) for p in code_deps.closure("stages.train")],
+                  "own_digest": "halludetect/methods/wide_max.py" in code_deps.digests()["train/wide_max.txt"],
+                  "others_digest": "halludetect/methods/wide_max.py" in code_deps.digests()["train/max.txt"]}))
 """
 
 
@@ -61,8 +63,8 @@ def test_every_method_has_a_params_section_a_display_name_and_builds():
 def test_adding_a_method_is_one_file(tmp_path):
     """The example of docs/detectors.md "Adding a detector", dropped into methods/ of a copy of the
     code as written, is a method everywhere: grid.methods accepts it, its params section validates
-    (an unknown key in it is refused), it builds, the report names it, and the train stage's code
-    deps list its file."""
+    (an unknown key in it is refused), it builds, the report names it, and the code stage writes
+    its own digest with its file (and no other method's digest holds it)."""
     for part in ("halludetect", "stages"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
@@ -79,6 +81,7 @@ def test_adding_a_method_is_one_file(tmp_path):
     got = json.loads(out.stdout)
     assert got["shape"] == [2] and got["dim"] == 4 and not got["sp"]
     assert got["name"] == "Wide max pooling" and got["train_runs_it"]
+    assert got["own_digest"] and not got["others_digest"]  # its train stage's digest, no other method's
     assert "detectors.wide_max.dimm: unknown key; did you mean 'dim'?" in got["refused"]
 
 

@@ -205,8 +205,10 @@ except Exception as e:
 
 
 def test_a_plugin_in_the_repository_is_code_of_the_stages_that_run_methods_only(tmp_path):
-    """make deps lists an in-repository plugin (params key) in train's code deps, never in
-    generate's; --write then --check agree; an edit to the plugin changes the score fingerprint."""
+    """make deps lists an in-repository plugin's folder (params key) among the code stage's deps; its
+    file is in the plugin's own digests and in those of the stages that read every method, never in
+    generate's or another method's; --write then --check agree; an edit to the plugin changes the
+    score fingerprint."""
     for part in ("halludetect", "stages"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("params.yaml", "dvc.yaml"):
@@ -226,6 +228,9 @@ import json
 from halludetect.core import code_deps
 stages = ("stages.train", "stages.generate", "stages.report")
 out = {m: [code_deps.relative(p) for p in code_deps.closure(m)] for m in stages}
+digests = code_deps.digests()
+out["train/wide_max"] = digests["train/wide_max.txt"]
+out["train/max"] = digests["train/max.txt"]
 out["digest"] = "my_detectors/wide.py" in code_deps.code_digest("halludetect.scoring.scorer")
 print(json.dumps(out))
 """
@@ -234,27 +239,14 @@ print(json.dumps(out))
     got = json.loads(out.stdout)
     assert "my_detectors/wide.py" in got["stages.train"] and "my_detectors/wide.py" in got["stages.report"]
     assert "my_detectors/wide.py" not in got["stages.generate"] and got["digest"]
+    assert "my_detectors/wide.py" in got["train/wide_max"] and "my_detectors/wide.py" not in got["train/max"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     tool = [sys.executable, "-m", "halludetect.core.code_deps"]
     stale = subprocess.run([*tool, "--check"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert stale.returncode == 1 and "train" in stale.stderr
+    assert stale.returncode == 1 and "stage 'code'" in stale.stderr and "my_detectors" in stale.stderr
     subprocess.run([*tool, "--write"], cwd=tmp_path, env=env, check=True, capture_output=True)
     assert subprocess.run([*tool, "--check"], cwd=tmp_path, env=env, capture_output=True).returncode == 0
     subprocess.run([*tool, "--write"], cwd=tmp_path, env=env, check=True, capture_output=True)  # idempotent
     dvc_yaml = (tmp_path / "dvc.yaml").read_text()
-    assert dvc_yaml.count("      - my_detectors/wide.py\n") == sum(
-        s in dvc_yaml
-        for s in (
-            "\n  train:",
-            "\n  train_sp:",
-            "\n  evaluate:",
-            "\n  evaluate_sp:",
-            "\n  export:",
-            "\n  export_sp:",
-            "\n  analyze:",
-            "\n  figures:",
-            "\n  report:",
-            "\n  evidence:",
-            "\n  transfer:",
-        )
-    )
+    assert dvc_yaml.count("      - my_detectors\n") == 1  # the code stage's deps only
+    assert "my_detectors/" not in dvc_yaml

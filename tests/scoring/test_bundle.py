@@ -451,7 +451,7 @@ def test_a_format_1_bundle_without_a_digest_is_read_with_a_warning(bundle_path, 
     b = load_bundle(tmp_path / "v1.safetensors")
     assert b.warnings == [
         f"{tmp_path / 'v1.safetensors'} is a format 1 bundle, written before bundles recorded a digest: damage "
-        "to its bytes cannot be detected; re-export it (dvc repro export@<model>-<dataset>-<method>) to add one"
+        "to its bytes cannot be detected; re-export it (dvc repro evaluate@<model>-<dataset>-<method>) to add one"
     ]
     code, out, err = show(tmp_path / "v1.safetensors", capsys, "--json")
     assert code == 0 and json.loads(out)["format_version"] == 1 and err == f"warning: {b.warnings[0]}\n"
@@ -504,7 +504,7 @@ def test_a_format_2_bundle_is_read_with_a_warning_saying_what_it_lacks(bundle_pa
     assert b.warnings == [
         f"{out} is a format 2 bundle, written before bundles recorded how each threshold does on test: "
         "`halludetect show` prints validation figures only; re-export it (dvc repro "
-        f"export@<model>-<dataset>-<method>) to add them; its default threshold, best_f1, flags {fpr:.0%} of "
+        f"evaluate@<model>-<dataset>-<method>) to add them; its default threshold, best_f1, flags {fpr:.0%} of "
         "validation's correct answers (pass --threshold fpr_0.05 or re-export it for a default chosen at a "
         "false-positive rate)"
     ]

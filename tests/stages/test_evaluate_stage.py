@@ -58,7 +58,7 @@ def test_evaluate_fails_naming_a_missing_layer_file_of_a_trained_layer(trained):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert (
         f"error: max: 1 file(s) of the trained layers missing: layer 1: {figures} is missing (re-run "
-        f"train@m-d-max-1, or `dvc pull {figures}`)\n"
+        f"train@m-d-max, or `dvc pull {figures}`)\n"
     ) in res.stderr
     figures.write_bytes(kept)
     assert evaluate_stage(trained).returncode == 0  # whole again
@@ -71,7 +71,7 @@ def test_evaluate_fails_naming_a_missing_layer_file_of_a_trained_layer(trained):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert (
         f"error: max: 2 file(s) of the trained layers missing: layer 1: {trained / 'scores' / 'layer_1.parquet'} is "
-        f"missing (re-run train@m-d-max-1, or `dvc pull {trained / 'scores' / 'layer_1.parquet'}`); layer 1: "
+        f"missing (re-run train@m-d-max, or `dvc pull {trained / 'scores' / 'layer_1.parquet'}`); layer 1: "
         f"{layer_file} is missing (re-run dump@m-d, or `dvc pull {layer_file}`)\n"
     ) in res.stderr
     assert not (trained / "e.json").exists()

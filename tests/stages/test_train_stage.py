@@ -33,26 +33,34 @@ def test_bad_layer_files_stop_the_train_stage_before_any_training(tmp_path):
             "stages.train",
             "--method",
             "max",
-            "--layer",
+            "--layers",
             str(layer),
             "--activations",
-            str(acts / layer_filename(1)),
+            str(acts),
             "--judgments",
             str(tmp_path / "labels.parquet"),
             "--out",
             str(out),
             "--scores",
-            str(tmp_path / "s.parquet"),
+            str(tmp_path / "s"),
             "--metrics",
-            str(tmp_path / "m.json"),
+            str(tmp_path / "m"),
         )
 
     res = train(1)
     assert res.returncode == 2, res.stderr
     assert f"{acts / layer_filename(1)}: non-finite hidden states (NaN or inf) in response train7/0" in res.stderr
     assert "seed 0" not in res.stderr and not out.exists()  # nothing trained, nothing written
+    (acts / layer_filename(0)).write_bytes((acts / layer_filename(1)).read_bytes())  # layer 1's file named layer 0
     res = train(0)
     assert res.returncode == 2 and "holds layer 1, not layer 0: re-run dump" in res.stderr
+    (acts / layer_filename(0)).unlink()
+    res = train(0)
+    assert (
+        res.returncode == 2 and f"{acts} has no {layer_filename(0)}: dump.layers must cover grid.layers" in res.stderr
+    )
+    res = train(9)
+    assert res.returncode == 2 and "--layers [9]: not in grid.layers [0, 1, 2, 3, 4]" in res.stderr
 
 
 def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(tmp_path):
@@ -61,7 +69,7 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
         "stages.train",
         "--method",
         "hami-sp",
-        "--layer",
+        "--layers",
         "0",
         "--activations",
         str(tmp_path),
@@ -74,7 +82,7 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
         "stages.train",
         "--method",
         "hami_sp",
-        "--layer",
+        "--layers",
         "0",
         "--activations",
         str(tmp_path),
