@@ -405,8 +405,9 @@ def training_time(results: list, wall_seconds: float, workers: int, device: str)
         "wall_seconds": wall_seconds,
         "parallel_workers": workers,
         "device": device,
-        "what": "wall time of each seed's epochs with their per-epoch evaluations (seeds run side by side in "
-        "parallel_workers processes on the CPU, so a seed's time includes sharing the cores), and of all seeds",
+        "what": "wall time of each seed's epochs with their per-epoch evaluations (on the CPU the parallel_workers "
+        "seeds train together as one batched model in one process, so each seed's time is that whole run), "
+        "and of all seeds",
     }
 
 
@@ -433,7 +434,7 @@ def train_layer(
     (JSON: wall times differ on every run, so they are kept apart from the figures, which give
     the same bytes on every run, as the clustering keeps its times apart). Each is written
     atomically."""
-    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any worker starts
+    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any training starts
     t0 = time.perf_counter()
     results = train_seeds(
         method,
@@ -492,6 +493,6 @@ def train_layer(
         },
     )
     if timing_path is not None:
-        workers = 1 if device != "cpu" else len(seeds)
+        workers = 1 if device != "cpu" else len(seeds)  # seeds trained at once (batched.py)
         write_json(timing_path, training_time(results, wall, workers, device))
     return results
