@@ -22,8 +22,13 @@ tests/detectors/test_batched.py). What makes the numbers the same:
 - evaluation (per-epoch scores, margins, the gradient-ratio trace) runs on each seed's own
   nn.Module with its current weights loaded: the code `train_detector` runs.
 
-What is left for reduction-order noise: elementwise kernels whose vectorised and scalar tails round
-differently, and reductions over a [S, ...] tensor rather than a seed's own. tests/ bound it.
+What could still differ is float noise of op layout: an elementwise kernel rounds its vectorised
+body and its scalar tail apart, and a seed's elements sit elsewhere in a stacked tensor than alone.
+The transcendental maps (exp, tanh, sigmoid) and the top-k poolings therefore run per seed
+(`per_seed`, `seed_topk`); what runs on the stack is exactly rounded (add, multiply, divide, sqrt,
+max) or Adam's lerp and addcmul. Observed: every seed bit-equal to train_detector's, on the tests'
+cell (tests/detectors/test_batched.py, which allows 1e-5) and on the world-shaped bags of
+bench.training --batched, 100 epochs.
 
 Only the built-in networks (networks.py) are batched, and only the layers this module knows
 (`batchable`); any other network (a user's plugin, a subclass) trains its seeds one after another
@@ -154,6 +159,13 @@ def per_seed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes:
     return torch.cat([fn(p) for p in x.split(sizes)])
 
 
+def seed_topk(fn, s: torch.Tensor, mask: torch.Tensor, sizes: list[int], ratio: float) -> torch.Tensor:
+    """A top-k pooling fn(s, mask, ratio) (pooling.py: s, mask [S * B, T] -> [S * B]) of each seed's
+    bags apart: it takes the batch's largest k for every bag and sums over those ranks, and alone a
+    seed's batch had its own largest k, so its sums ran over as many terms as they do here."""
+    return torch.cat([fn(a, m, ratio) for a, m in zip(s.split(sizes), mask.split(sizes), strict=True)])
+
+
 # ------------------------------------------------------------ the networks' forwards, batched
 # Each: (stack, bags of S * B bags, layout) -> z [S * B], in training mode; the template
 # (stack.models[0]) gives the hyperparameters, which are the same for every seed.
@@ -171,9 +183,8 @@ def hami_token_logits(st: Stack, bags: Bags, lay: Layout) -> torch.Tensor:
 def hami(st: Stack, bags: Bags, lay: Layout) -> torch.Tensor:
     m = st.models[0]
     s = bags.pad(hami_token_logits(st, bags, lay))  # [S * B, T]
-    if m.bag_score == "sigmoid":
-        return topk_sigmoid_logit(s, bags.mask, m.k_ratio)
-    return topk_mean(s, bags.mask, m.k_ratio)
+    pool = topk_sigmoid_logit if m.bag_score == "sigmoid" else topk_mean
+    return seed_topk(pool, s, bags.mask, lay.bags, m.k_ratio)
 
 
 def pooling(st: Stack, bags: Bags, lay: Layout) -> torch.Tensor:
@@ -243,7 +254,7 @@ def seed_mil_losses(st: Stack, bags: Bags, y: torch.Tensor, lay: Layout, params)
     """[S] training.hami_mil_loss of each seed on its own B bags (B/2 of each class)."""
     n_seeds = len(lay.bags)
     s = per_seed(torch.sigmoid, hami_token_logits(st, bags, lay), lay.tokens)  # [N]
-    bag_score = topk_mean(bags.pad(s), bags.mask, params.k_ratio).view(n_seeds, -1)  # [S, B]
+    bag_score = seed_topk(topk_mean, bags.pad(s), bags.mask, lay.bags, params.k_ratio).view(n_seeds, -1)  # [S, B]
     y = y.view(n_seeds, -1)
     if not torch.equal((y == 0).sum(1), (y == 1).sum(1)):
         raise ValueError("the mil loss pairs bags: every seed's batch needs as many correct as hallucinated bags")
