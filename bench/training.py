@@ -8,11 +8,23 @@ every core (the layout before).
   loop      the `max` network trained on one layer with a Python loop over the bags of each
             batch and of the validation set, same epochs, batch size, optimiser and seed
   same      ours for `max` on that layer, so `ratio_vs_loop_same_work` compares equal work
-  seeds     train.seeds of `max` on that layer: `train_seeds` (a single-threaded worker per
-            seed, as the train stage runs them) against the seeds one after another with one
-            thread per core (the layout before); twice, alternating, best of each
+  seeds     train.seeds of `max` on that layer: `train_seeds` (the seeds batched in one
+            single-threaded process, as the train stage runs them) against the seeds one after
+            another with one thread per core (the layout before the worker pool); twice,
+            alternating, best of each
+
+  batched   (`--batched`, alone) a layer's seeds as the train stage trained them before, one
+            forked single-threaded worker process per seed (`forked_seeds`, kept here), against
+            `train_seeds` now: the seeds trained together as one batched model in one
+            single-threaded process (detectors/batched.py). Per method: wall time, CPU time
+            (the process's and its children's, user + system), and the largest absolute
+            difference between the two paths' weights (best and last epoch) per seed. On the
+            world's last layer when the demo world is built; otherwise on synthetic bags of the
+            world's shape (d = 128, 600 train bags of about 13 tokens, 1,000 val and 1,000 test
+            bags: `world_shaped`), which is what the figures in the report of issue 33 used.
 
     python -m bench.training [--layer 4] [--epochs 100]
+    python -m bench.training --batched [--epochs 100] [--methods max,hami,attention,saplma]
 """
 
 from __future__ import annotations
@@ -24,9 +36,12 @@ from halludetect.core import numerics
 numerics.pin(threads=os.cpu_count() or 1)  # as the stages, but every core for the sequential layout
 
 import argparse  # noqa: E402
+import multiprocessing  # noqa: E402
 import time  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
@@ -37,7 +52,8 @@ from halludetect.activations.layer_reader import read_layer  # noqa: E402
 from halludetect.config import load_params  # noqa: E402
 from halludetect.detectors.build import DETECTORS, build_detector, section  # noqa: E402
 from halludetect.detectors.data import SplitData, p_sem_table, split_data  # noqa: E402
-from halludetect.detectors.training import train_detector, train_seeds  # noqa: E402
+from halludetect.detectors.inference import score  # noqa: E402
+from halludetect.detectors.training import SeedResult, train_detector, train_seeds  # noqa: E402
 from halludetect.methods import SP_METHODS  # noqa: E402
 
 CELL = Path("data/activations/world/world")
@@ -70,11 +86,157 @@ def loop_train(params, train: SplitData, val: SplitData, epochs: int, batch_size
     return best
 
 
+# ------------------------------------------------------------ seeds: forked workers vs batched
+_JOB: dict = {}  # what forked workers read: set before the pool starts, inherited copy-on-write
+
+
+def _train_one(seed: int) -> SeedResult:
+    """One seed in a forked worker, as training.train_seeds did before the batched trainer."""
+    job = _JOB
+    with numerics.fixed_threads(1):
+        t0 = time.perf_counter()
+        res = train_detector(
+            job["method"],
+            job["params"],
+            job["train"],
+            job["val"],
+            epochs=job["epochs"],
+            batch_size=job["batch_size"],
+            seed=seed,
+        )
+        seconds = time.perf_counter() - t0
+        model = build_detector(job["method"], job["train"].tokens.shape[-1], job["params"])
+        scores = {}
+        for which, state in (("best", res.state_dict), ("last", res.last_state_dict)):
+            model.load_state_dict(state)
+            scores[which] = {split: score(model, data) for split, data in job["score"].items()}
+    return SeedResult(seed, res, scores["best"], scores["last"], seconds)
+
+
+def forked_seeds(method, params, train, val, score_splits, seeds, *, epochs, batch_size) -> list[SeedResult]:
+    """The former train_seeds on the CPU: one forked single-threaded worker process per seed."""
+    _JOB.update(
+        method=method, params=params, train=train, val=val, score=score_splits, epochs=epochs, batch_size=batch_size
+    )
+    try:
+        with ProcessPoolExecutor(
+            len(seeds), mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
+            return list(pool.map(_train_one, seeds))
+    finally:
+        _JOB.clear()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and of its reaped children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def world_shaped(seed: int = 0, d: int = 128, n: dict | None = None) -> dict[str, SplitData]:
+    """Synthetic splits of the world's shape: bags of 5-21 tokens (13 on average) of d features, a
+    third hallucinated, each of those with a shifted direction on 1-3 of its tokens."""
+    rng = np.random.default_rng(seed)
+    direction = rng.normal(size=d).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    out = {}
+    for split, count in (n or {"train": 600, "val": 1000, "test": 1000}).items():
+        lengths = rng.integers(5, 22, count)
+        y = (rng.random(count) < 1 / 3).astype(np.int64)
+        y[:2] = [0, 1]  # both classes, whatever the draw
+        tokens = rng.normal(size=(int(lengths.sum()), d)).astype(np.float32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in np.nonzero(y)[0]:
+            rows = offsets[i] + rng.choice(lengths[i], rng.integers(1, 4), replace=False)
+            tokens[rows] += 1.5 * direction
+        out[split] = SplitData(
+            torch.from_numpy(tokens),
+            torch.from_numpy(offsets),
+            torch.from_numpy(y).float(),
+            [f"{split}{i}/0" for i in range(count)],
+        )
+    return out
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def batched_vs_forked(args) -> None:
+    params = load_params()
+    epochs, batch_size, seeds = args.epochs or params.train.epochs, params.train.batch_size, [0, 1, 2]
+    if CELL.exists() and (LABELS / "judgments.parquet").exists():
+        files = layer_files(CELL)
+        layer = args.layer if args.layer is not None else max(files)
+        data = read_layer(files[layer], dtype=None)
+        judgments = pl.read_parquet(LABELS / "judgments.parquet")
+        splits = {s: split_data(data, judgments, s) for s in ("train", "val", "test")}
+        source = f"world layer {layer}"
+    else:
+        splits = world_shaped()
+        source = "synthetic, world-shaped (no demo world here)"
+    train, val = splits["train"], splits["val"]
+    scored = {"val": val, "test": splits["test"]}
+    per_method = {}
+    for method in args.methods.split(","):
+        mp = section(params.detectors, method)
+        kw = {"epochs": epochs, "batch_size": batch_size}
+        timing = {}
+        for name, fn in (("forked", forked_seeds), ("batched", train_seeds)):
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            timing[name] = (
+                fn(method, mp, train, val, scored, seeds, **kw),
+                time.perf_counter() - t0,
+                cpu_seconds() - c0,
+            )
+        (old, old_wall, old_cpu), (new, new_wall, new_cpu) = timing["forked"], timing["batched"]
+        per_method[method] = {
+            "forked_wall_s": old_wall,
+            "forked_cpu_s": old_cpu,
+            "batched_wall_s": new_wall,
+            "batched_cpu_s": new_cpu,
+            "wall_ratio_forked_over_batched": old_wall / new_wall,
+            "cpu_ratio_forked_over_batched": old_cpu / new_cpu,
+            "max_abs_weight_difference": {
+                str(a.seed): max(
+                    max_abs_difference(a.result.state_dict, b.result.state_dict),
+                    max_abs_difference(a.result.last_state_dict, b.result.last_state_dict),
+                )
+                for a, b in zip(old, new, strict=True)
+            },
+            "same_best_epochs": all(a.result.best_epoch == b.result.best_epoch for a, b in zip(old, new, strict=True)),
+            "max_abs_test_score_difference": max(
+                float(np.abs(a.scores["test"] - b.scores["test"]).max()) for a, b in zip(old, new, strict=True)
+            ),
+        }
+        print(method, per_method[method], flush=True)
+    emit(
+        {
+            "bench": "training_batched_seeds",
+            "data": source,
+            "shape": {
+                s: {"bags": len(x), "tokens": int(x.tokens.shape[0]), "d": int(x.tokens.shape[1])}
+                for s, x in splits.items()
+            },
+            "cpus": os.cpu_count(),
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "seeds": seeds,
+            "methods": per_method,
+        }
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer", type=int, default=None, help="layer for the loop baseline (default: the last)")
     ap.add_argument("--epochs", type=int, default=None, help="default: train.epochs of params.yaml")
+    ap.add_argument("--batched", action="store_true", help="only the seeds' comparison: forked workers vs batched")
+    ap.add_argument("--methods", default="max,hami,attention,saplma", help="with --batched: which methods")
     args = ap.parse_args()
+    if args.batched:
+        batched_vs_forked(args)
+        return
     need(CELL, LABELS / "judgments.parquet", LABELS / "clusters.parquet")
     threads = setup_threads()
     params = load_params()
@@ -140,7 +302,7 @@ def main() -> None:
             "best_val_auroc": {"ours": ours.best_val_auroc, "loop": loop_auroc},
             "seeds": seeds,
             "seeds_sequential_all_cores_s": min(sequential_s),
-            "seeds_parallel_workers_s": min(parallel_s),
+            "seeds_batched_s": min(parallel_s),
             "seeds_ratio": min(sequential_s) / min(parallel_s),
         }
     )

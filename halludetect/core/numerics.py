@@ -26,9 +26,9 @@ cache from the first stage on. `pin()` fixes all three before torch loads:
   before torch; MKL's own `MKL_DEBUG_CPU_TYPE` override is gone from the MKL torch ships, and
   `MKL_ENABLE_INSTRUCTIONS` only narrows the vendor's own branch);
 - a fixed number of threads, whatever the machine: one per process, so that more cores are used
-  by running processes side by side (parallel.py's data parallelism, training's worker pool),
-  never by changing how one computation is split. The world model's training, whose matrices
-  are the largest, runs on exactly `WORLD_THREADS` (`fixed_threads`).
+  by running processes side by side (parallel.py's data parallelism), never by changing how
+  one computation is split. The world model's training, whose matrices are the largest, runs
+  on exactly `WORLD_THREADS` (`fixed_threads`).
 
 Modes (`HALLUDETECT_NUMERICS`):
 

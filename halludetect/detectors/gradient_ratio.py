@@ -98,6 +98,15 @@ class GradientRatioTrace:
             return None
         return cls([data.bags(index[a : a + CHUNK]) for a in range(0, len(index), CHUNK)])
 
+    @classmethod
+    def sharing(cls, other: GradientRatioTrace) -> GradientRatioTrace:
+        """A fresh trace of `other`'s bags, sharing their Gram matrices (another seed of one training:
+        batched.py), so that they are computed once."""
+        trace = cls.__new__(cls)
+        trace.bags, trace.grams = other.bags, other.grams
+        trace.epochs, trace.per_bag = [], {}
+        return trace
+
     @torch.no_grad()
     def measure(self, net: PoolingNet) -> dict[str, np.ndarray]:
         """Per traced bag: T, the squared gradient norms of max and mean pooling at net's

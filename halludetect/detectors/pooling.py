@@ -50,13 +50,14 @@ def segment_max(u: torch.Tensor, bags: Bags) -> torch.Tensor:
     return _SegmentMax.apply(u, bags.bag_of_token, len(bags))
 
 
-def segment_softmax(scores: torch.Tensor, bags: Bags) -> torch.Tensor:
-    """scores [N] -> weights [N] that sum to 1 over each bag's tokens."""
+def segment_softmax(scores: torch.Tensor, bags: Bags, exp=torch.exp) -> torch.Tensor:
+    """scores [N] -> weights [N] that sum to 1 over each bag's tokens. `exp`: the exponential (the
+    batched trainer's runs per seed, detectors/batched.py)."""
     with torch.no_grad():  # the shift only keeps exp finite; softmax does not depend on it
         top = scores.new_full((len(bags),), float("-inf")).scatter_reduce_(
             0, bags.bag_of_token, scores, "amax", include_self=False
         )
-    e = torch.exp(scores - top[bags.bag_of_token])
+    e = exp(scores - top[bags.bag_of_token])
     return e / segment_sum(e, bags)[bags.bag_of_token]
 
 

@@ -27,9 +27,7 @@ is read after its 100 epochs; the AUROC tables at the best validation epoch).
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,30 +241,13 @@ class SeedResult:
     seconds: float = 0.0  # wall time of this seed's training (its epochs, with their evaluations)
 
 
-_JOB: dict = {}  # what forked workers read: set before the pool starts, inherited copy-on-write
-
-
-def _train_one(seed: int) -> SeedResult:
-    job = _JOB
-    with numerics.fixed_threads(1):  # a seed's numbers never depend on how many run beside it
-        t0 = time.perf_counter()
-        res = train_detector(
-            job["method"],
-            job["params"],
-            job["train"],
-            job["val"],
-            epochs=job["epochs"],
-            batch_size=job["batch_size"],
-            seed=seed,
-            device=job["device"],
-            recipe=job["recipe"],
-        )
-        seconds = time.perf_counter() - t0
-        model = build_detector(job["method"], job["train"].tokens.shape[-1], job["params"])
-        scores = {}
-        for which, state in (("best", res.state_dict), ("last", res.last_state_dict)):
-            model.load_state_dict(state)
-            scores[which] = {split: score(model, data) for split, data in job["score"].items()}
+def _scored(method: str, method_params, d: int, seed: int, res: TrainResult, splits: dict, seconds: float):
+    """A seed's result with its best and last weights scored on `splits`."""
+    model = build_detector(method, d, method_params)
+    scores = {}
+    for which, state in (("best", res.state_dict), ("last", res.last_state_dict)):
+        model.load_state_dict(state)
+        scores[which] = {split: score(model, data) for split, data in splits.items()}
     return SeedResult(seed, res, scores["best"], scores["last"], seconds)
 
 
@@ -284,38 +265,51 @@ def train_seeds(
     workers: int | None = None,
     recipe: str | Recipe = "paper",
 ) -> list[SeedResult]:
-    """`train_detector` for every seed, then each seed's best weights scored on `score_splits`.
+    """`train_detector` for every seed, then each seed's best and last weights scored on `score_splits`.
 
-    On the CPU the seeds train side by side in forked single-threaded worker processes, one per
-    seed by default (`workers`): independent small trainings keep every core busy where one
-    training's small matrices cannot, and with a process per seed the cores are shared evenly
-    (3 seeds on 2 cores take 1.5 trainings' time, not 2). A seed gives the same bytes whatever
-    the number of workers (tested). On a GPU they train one after another in this process.
+    On the CPU the seeds of a built-in network train together in this process as one batched model,
+    on one thread (batched.py: each seed gets its `train_detector` weights, to float tolerance):
+    the seeds share every op but the few that mix a seed's rows, instead of each paying them in a
+    process of its own. Any other network (a user's plugin), a method fitted in closed form, and any
+    GPU run train their seeds one after another in this process, as `train_detector` does.
+    `workers` is accepted for callers of the former worker pool and no longer used. A seed's
+    numbers never depend on the thread count or on the seeds beside it (tested).
     """
-    _JOB.update(
-        method=method,
-        params=method_params,
-        train=train,
-        val=val,
-        score=score_splits,
-        epochs=epochs,
-        batch_size=batch_size,
-        device=device,
-        recipe=recipe,
-    )
-    try:
-        n = min(len(seeds), workers or len(seeds))
-        if device != "cpu" or n <= 1:
-            return [_train_one(s) for s in seeds]
-        # fork: the workers inherit the data without copying or pickling it (at paper scale a
-        # layer's states are gigabytes). A forked child must not use the parent's OpenMP pool:
-        # each worker runs on one thread from its first instruction.
-        with ProcessPoolExecutor(
-            n, mp_context=multiprocessing.get_context("fork"), initializer=torch.set_num_threads, initargs=(1,)
-        ) as pool:
-            return list(pool.map(_train_one, seeds))
-    finally:
-        _JOB.clear()
+    from halludetect.detectors.batched import batchable, train_batched  # batched.py builds on this module
+
+    d = int(train.tokens.shape[-1])
+    with numerics.fixed_threads(1):  # a seed's numbers never depend on the machine's core count
+        t0 = time.perf_counter()
+        batched = device == "cpu" and lookup_method(method).fit == "sgd" and len(seeds) > 1
+        if batched:
+            with torch.random.fork_rng(devices=[]):  # building a network draws its initial weights
+                batched = batchable(build_detector(method, d, method_params))
+        if batched:
+            results = train_batched(
+                method, method_params, train, val, seeds, epochs=epochs, batch_size=batch_size, recipe=recipe
+            )
+            seconds = time.perf_counter() - t0  # the seeds trained together: each took the whole run
+            return [
+                _scored(method, method_params, d, s, r, score_splits, seconds)
+                for s, r in zip(seeds, results, strict=True)
+            ]
+        # one after another: a network with no batched form here is never given other numbers
+        out = []
+        for seed in seeds:
+            t0 = time.perf_counter()
+            res = train_detector(
+                method,
+                method_params,
+                train,
+                val,
+                epochs=epochs,
+                batch_size=batch_size,
+                seed=seed,
+                device=device,
+                recipe=recipe,
+            )
+            out.append(_scored(method, method_params, d, seed, res, score_splits, time.perf_counter() - t0))
+        return out
 
 
 # ------------------------------------------------------------------ a layer's outputs
@@ -411,8 +405,9 @@ def training_time(results: list, wall_seconds: float, workers: int, device: str)
         "wall_seconds": wall_seconds,
         "parallel_workers": workers,
         "device": device,
-        "what": "wall time of each seed's epochs with their per-epoch evaluations (seeds run side by side in "
-        "parallel_workers processes on the CPU, so a seed's time includes sharing the cores), and of all seeds",
+        "what": "wall time of each seed's epochs with their per-epoch evaluations (on the CPU the parallel_workers "
+        "seeds train together as one batched model in one process, so each seed's time is that whole run), "
+        "and of all seeds",
     }
 
 
@@ -439,7 +434,7 @@ def train_layer(
     (JSON: wall times differ on every run, so they are kept apart from the figures, which give
     the same bytes on every run, as the clustering keeps its times apart). Each is written
     atomically."""
-    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any worker starts
+    check_recipe(recipe, method_params, len(data["train"]), batch_size)  # before any training starts
     t0 = time.perf_counter()
     results = train_seeds(
         method,
@@ -498,6 +493,6 @@ def train_layer(
         },
     )
     if timing_path is not None:
-        workers = 1 if device != "cpu" else len(seeds)
+        workers = 1 if device != "cpu" else len(seeds)  # seeds trained at once (batched.py)
         write_json(timing_path, training_time(results, wall, workers, device))
     return results
