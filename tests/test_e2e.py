@@ -293,7 +293,8 @@ def stale_after_edit(repo: Path, rel: str, text: str) -> set[str]:
 def test_one_methods_code_edit_re_runs_that_method_only(repo):
     """A comment in methods/pooling.py (max; mean and the raw poolings are not in this grid) re-runs
     max's train and evaluate stages and the stages of the cell that read every method (figures,
-    evidence, transfer, report), never another method's, and nothing upstream."""
+    evidence, transfer, report), never another method's (the plugin's included: it builds its
+    network from detectors/networks.py, not from pooling.py), and nothing upstream."""
     stale = stale_after_edit(repo, "halludetect/methods/pooling.py", "# a comment\n")
     cell = {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
     assert stale == {"train@world-world-max", "evaluate@world-world-max"} | cell, stale

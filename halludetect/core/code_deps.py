@@ -169,7 +169,8 @@ def plugin_files(params_file: Path | None = None, *, only: str | None = None) ->
             continue
         _plugin_roots[module.split(".")[0]] = root
         if module_file(module) is not None:
-            files |= set(_closure(module))
+            # one plugin's files: what it imports of methods/, not every method file by discovery
+            files |= set(_closure(module, frozenset() if only is not None else None))
     return sorted(files)
 
 

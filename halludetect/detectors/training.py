@@ -405,9 +405,9 @@ def training_time(results: list, wall_seconds: float, workers: int, device: str)
         "wall_seconds": wall_seconds,
         "parallel_workers": workers,
         "device": device,
-        "what": "wall time of each seed's epochs with their per-epoch evaluations (on the CPU the parallel_workers "
-        "seeds train together as one batched model in one process, so each seed's time is that whole run), "
-        "and of all seeds",
+        "what": "wall time of each seed's epochs with their per-epoch evaluations (on the CPU the seeds train "
+        "together as one batched model in one process, so each seed's time is that whole run), and of all seeds; "
+        "parallel_workers: how many such processes (layers) shared the cores",
     }
 
 

@@ -212,12 +212,19 @@ def stage_command(repo: Path, stage: str) -> tuple[str, list[str]]:
         return found.cmd, [str(o.def_path) for o in found.outs]
 
 
-def layer_files(outs: list[str], layer: int) -> list[str]:
-    """What one layer's training writes inside the train stage's output directories."""
+def layer_files(repo: Path, outs: list[str], layer: int) -> list[str]:
+    """What one layer's training wrote inside the train stage's output directories: `layer_<L>` (a
+    directory of weights) or `layer_<L>.<ext>` (its scores, its figures)."""
     name = f"layer_{layer}"
-    return [f"{o}/{name}" for o in outs if not o.endswith(".json")] + [
-        f"{o}/{name}.json" for o in outs if o.startswith("metrics/layers/")
-    ]
+    found = []
+    for out in outs:
+        if (repo / out).is_dir():
+            found += [
+                f"{out}/{p.name}"
+                for p in sorted((repo / out).iterdir())
+                if p.name == name or p.name.startswith(name + ".")
+            ]
+    return found
 
 
 def compare_with_record(repo: Path, paths: list[str]) -> dict[str, str]:
@@ -296,7 +303,7 @@ def train_layer_from_remote(
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if code := subprocess.run(f"{cmd} --layers {layer}", shell=True, cwd=repo, env=env).returncode:
         raise SharingError(f"{stage} on layer {layer} failed (exit {code}); its message is above")
-    recorded = compare_with_record(repo, layer_files(outs, layer))
+    recorded = compare_with_record(repo, layer_files(repo, outs, layer))
     return Fetched(stage, {d: fetched.get(d, 0) for d in deps}, recorded)
 
 

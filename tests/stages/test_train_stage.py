@@ -2,9 +2,12 @@
 reads P_sem without --clusters, non-finite states and a layer file of another layer stop it with
 nothing trained and nothing written."""
 
+import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
+import yaml
 from support import D, stage, synthetic, write_layers
 
 from halludetect.activations.layer_format import layer_filename
@@ -92,3 +95,53 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
     )
     assert res.returncode == 2 and "hami_sp reads the clustering: pass --clusters" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
+    """The stage trains its layers side by side (one worker per core) or one after another; a layer's
+    weights, scores and figures are the same bytes either way, and `--layers` trains only its layers
+    into the directories (what train-layer runs)."""
+    from support import cell
+
+    acts, labels, params = cell(tmp_path)
+    labels.write_parquet(tmp_path / "judgments.parquet")
+    data = yaml.safe_load(params.read_text())
+    data["grid"]["layers"] = [0, 1]
+    params.write_text(yaml.safe_dump(data))
+
+    def train(out: Path, layers: str | None) -> subprocess.CompletedProcess:
+        return stage(
+            "stages.train",
+            "--params",
+            str(params),
+            "--method",
+            "max",
+            "--activations",
+            str(acts),
+            "--judgments",
+            str(tmp_path / "judgments.parquet"),
+            "--out",
+            str(out / "dets"),
+            "--scores",
+            str(out / "scores"),
+            "--metrics",
+            str(out / "layers"),
+            "--timing",
+            str(out / "timing.json"),
+            *(["--layers", layers] if layers else []),
+        )
+
+    both, alone = tmp_path / "both", tmp_path / "alone"
+    assert train(both, None).returncode == 0
+    res = train(alone, "1")
+    assert res.returncode == 0, res.stderr
+    assert not (alone / "scores" / "layer_0.parquet").exists()
+    files = [p.relative_to(alone) for p in sorted(alone.rglob("*")) if p.is_file() and p.name != "timing.json"]
+    assert {str(f) for f in files} >= {
+        "dets/layer_1/seed_0.safetensors",
+        "scores/layer_1.parquet",
+        "layers/layer_1.json",
+    }
+    for f in files:
+        assert (alone / f).read_bytes() == (both / f).read_bytes(), f
+    assert set(json.loads((both / "timing.json").read_text())) == {"layer_0", "layer_1"}
