@@ -284,7 +284,7 @@ def test_params_yaml_is_the_one_source_of_defaults(section):
     assert not differ, f"params.yaml {section} (value, code default) differ: {differ}"
 
 
-@pytest.mark.parametrize("stage", ["report", "prepare", "baselines", "judge", "cluster"])
+@pytest.mark.parametrize("stage", ["report", "prepare", "baselines", "judge", "cluster", "figures", "code"])
 def test_stages_without_a_model_do_not_load_torch(stage):
     """A stage imports only what it runs: the report and the label stages start in a fraction
     of a second instead of loading torch to catch exception classes."""

@@ -20,11 +20,11 @@ import torch
 
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import LayerReader
-from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import load_detector
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.inference import score
+from halludetect.evaluation.score_tables import read_scores
 from halludetect.metrics import question_groups, split_metrics
 
 
@@ -164,24 +164,6 @@ def missing_layer_files(
 def best_layer(per_layer: dict[int, dict]) -> int:
     """The layer with the highest mean validation AUROC over seeds (the lowest on ties)."""
     return max(sorted(per_layer), key=lambda layer: per_layer[layer]["val"]["auroc"]["mean"])
-
-
-def read_scores(path: Path, seeds: list[int]) -> dict[str, tuple[np.ndarray, list[np.ndarray], pl.DataFrame]]:
-    """Per split: labels [N], per-seed scores (each [N], same response order) and the rows of seed 0."""
-    df = read_parquet(path, "train", "scores table")
-    found = sorted(df["seed"].unique().to_list())
-    if found != sorted(seeds):
-        raise DataError(f"{path} holds seeds {found}, not train.seeds {sorted(seeds)}: re-run train")
-    out = {}
-    for split in ("val", "test"):
-        part = df.filter(pl.col("split") == split)
-        per_seed = [part.filter(pl.col("seed") == s).sort("response_id") for s in seeds]
-        out[split] = (
-            per_seed[0]["label"].to_numpy().astype(np.int64),
-            [p["score"].to_numpy() for p in per_seed],
-            per_seed[0],
-        )
-    return out
 
 
 def evaluate_detector(

@@ -21,8 +21,8 @@ from halludetect.config import BaselinesParams, GridParams
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
 from halludetect.evaluation.baselines import baseline_scores
-from halludetect.evaluation.evaluate import read_scores
 from halludetect.evaluation.plot_data import class_histogram_data
+from halludetect.evaluation.score_tables import read_scores
 from halludetect.labels.readers import read_clusters, read_judgments
 from halludetect.methods import METHODS
 from halludetect.metrics import auroc
