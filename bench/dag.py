@@ -627,6 +627,7 @@ def ratios(new: dict, old: dict) -> dict:
 
 
 def main() -> None:
+    global STATUS_RUNS
     from bench.common import emit
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -644,8 +645,10 @@ def main() -> None:
     ap.add_argument("--reduced-models", default="1")
     ap.add_argument("--reduced-datasets", default="2")
     ap.add_argument("--reduced-layers", type=int, default=2)
+    ap.add_argument("--status-runs", type=int, default=STATUS_RUNS, help="runs of dvc status (and of the CLI floor)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary repositories (their path is printed)")
     a = ap.parse_args()
+    STATUS_RUNS = a.status_runs
 
     grid_args = {
         "models": pick(a.models, PAPER_MODELS),
