@@ -1,11 +1,12 @@
 """The DAG's own overhead: what DVC costs per stage for a given design of dvc.yaml, at the paper's grid.
 
-    python -m bench.dag [--rev REV] [--baseline-rev 58462e0 | --no-baseline]
+    python -m bench.dag [--rev REV|DIR] [--baseline-rev 58462e0 | --no-baseline]
                         [--models 3] [--datasets 4] [--methods all] [--layers 52]
                         [--max-repro-stages 400] [--reduced-models 1] [--reduced-datasets 2] [--reduced-layers 2]
 
-For each design (the dvc.yaml, params.yaml and code of `--rev`, default the working tree, and of
-`--baseline-rev`, today's design at 58462e0, side by side in the same run):
+For each design (the dvc.yaml, params.yaml and code of `--rev`: a git revision, or a checkout's
+directory read as it is, default this working tree; and of `--baseline-rev`, today's design at
+58462e0, side by side in the same run):
 
 1. A temporary repository (git init, dvc init) gets the revision's halludetect/, stages/,
    dvc.yaml, params.yaml, .dvc/config, .dvcignore, pyproject.toml and inputs/README.md, and a
@@ -152,11 +153,12 @@ def pick(spec: str, full: list[str]) -> list[str]:
 
 
 def export(rev: str | None, dest: Path) -> None:
-    """The revision's files of COPY into dest (rev None: the working tree)."""
+    """The revision's files of COPY into dest (rev None: this working tree; a directory: that one's)."""
     dest.mkdir(parents=True)
-    if rev is None:
+    if rev is None or Path(rev).is_dir():
+        tree = ROOT if rev is None else Path(rev)
         for p in COPY:
-            src = ROOT / p
+            src = tree / p
             if src.is_dir():
                 shutil.copytree(src, dest / p, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
             elif src.exists():
@@ -631,7 +633,9 @@ def main() -> None:
     from bench.common import emit
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rev", default=None, help="git revision of the design (default: the working tree)")
+    ap.add_argument(
+        "--rev", default=None, help="git revision of the design, or a checkout's directory (default: this tree)"
+    )
     ap.add_argument("--baseline-rev", default=BASELINE_REV)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--models", default=str(len(PAPER_MODELS)), help="a count (the paper's first N) or names")
