@@ -68,6 +68,7 @@ The machine's load matters (DVC is single-threaded Python): run the two designs 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -446,7 +447,10 @@ def synthesise(b: dict, path: Path, max_bytes: float) -> dict:
         if s["deps"]:
             e["deps"] = [item(p, "dep") for p in sorted(s["deps"])]
         if s["params"]:
-            e["params"] = {f: {k: lookup(params, k) for k in sorted(keys)} for f, keys in s["params"].items()}
+            # a copy each: shared objects would be dumped as YAML anchors and aliases, which DVC's lock has not
+            e["params"] = {
+                f: {k: copy.deepcopy(lookup(params, k)) for k in sorted(keys)} for f, keys in s["params"].items()
+            }
         if s["outs"]:
             e["outs"] = [item(p, s["name"]) for p in sorted(s["outs"])]
         entries += len(s["deps"]) + len(s["outs"]) + sum(len(k) for k in s["params"].values())
@@ -540,10 +544,13 @@ def design(
     result = {"label": label, "rev": rev or "working tree", "measured": m}
 
     def line(t_small: float, s_small: float, t_big: float | None = None, s_big: float | None = None):
-        """Seconds at s bytes: linear through the measured points (through 0 with one)."""
-        if t_big is None or s_big == s_small:
+        """Seconds at s bytes: linear through the measured points (proportional with one, or two
+        too close to fit a line, or a line that would be negative at 0)."""
+        if t_big is None:
             return lambda s: t_small * s / s_small
-        slope = (t_big - t_small) / (s_big - s_small)
+        slope = (t_big - t_small) / (s_big - s_small) if s_big != s_small else -1.0
+        if s_big < 2 * s_small or slope < 0 or t_small - slope * s_small < 0:  # too close, or noise: proportional
+            return lambda s: s * (t_small + t_big) / (s_small + s_big)
         return lambda s: t_small + slope * (s - s_small)
 
     if measured_full:
