@@ -485,7 +485,11 @@ def synthesise(b: dict, path: Path, max_bytes: float) -> dict:
         starts = [i for i, line in enumerate(lines) if line.startswith("  ") and line[2] != " "]
         ends = [*starts[1:], len(lines)]
         sizes = [sum(len(x.encode()) for x in lines[a:z]) for a, z in zip(starts, ends, strict=True)]
+    by_family: dict[str, float] = defaultdict(float)
+    for (name, _), size in zip(stages, sizes, strict=True):
+        by_family[name.split("@")[0]] += size
     return {
+        "by_family": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
         "bytes": written if keep == len(stages) else estimated,
         "sizes": sizes,
         "entries": entries,
@@ -567,6 +571,7 @@ def design(
             "dvc_per_stage_s": m["dvc_per_stage_s"],
             "dvc_s": m["dvc_s"],
             "bookkeeping_s": book,
+            "lock_bytes_by_family": {k: round(v * correction) for k, v in syn["by_family"].items()},
         }
         return result
 
@@ -601,6 +606,7 @@ def design(
         "dvc_s": dvc_s,
         "bookkeeping_s": book,
         "fixed_per_stage_s": fixed,
+        "lock_bytes_by_family": {k: round(v * correction) for k, v in g["by_family"].items()},
     }
     return result
 
@@ -625,13 +631,17 @@ def report(r: dict) -> None:
         f"DVC {g['dvc_per_stage_s']:.2f} s/stage = {g['dvc_s'] / 3600:.2f} h of repro, of which lock "
         f"bookkeeping {g['bookkeeping_s'] / 3600:.2f} h"
     )
+    top = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in list(g["lock_bytes_by_family"].items())[:5])
+    print(f"  grid's dvc.lock by stage family (MB): {top}")
 
 
 def ratios(new: dict, old: dict) -> dict:
+    """new / old for every figure both have (not the checks: synthesis errors, stage-list counts)."""
+    skip = {"dvc_stage_list", "lock_stages", "synth_lock_error", "synth_estimate_error", "status_clean"}
     return {
         k: new[k] / old[k]
         for k in new
-        if isinstance(new[k], int | float) and old.get(k) and not isinstance(new[k], bool)
+        if k not in skip and isinstance(new[k], int | float) and not isinstance(new[k], bool) and old.get(k)
     }
 
 
