@@ -62,7 +62,10 @@ its paper-scale figures are EXTRAPOLATED, labelled so in the output:
 
 When the grid is small enough, everything is measured on it (the bookkeeping share alone is
 modelled). The last line is one JSON object: both designs' figures, and new / baseline ratios.
-The machine's load matters (DVC is single-threaded Python): run the two designs in one run.
+The machine's load matters (DVC is single-threaded Python): run the two designs in one run
+(the JSON's `machine` gives the load average before and after, and whether ruamel's C loader is
+installed). ratio_grid compares the two designs at the grid; ratio_measured compares the runs
+that were measured, each design's own reduced grid when the grid was too large.
 """
 
 from __future__ import annotations
@@ -683,6 +686,7 @@ def main() -> None:
         "methods": a.methods,
         "layers": min(a.reduced_layers, a.layers),
     }
+    load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-dag-"))
     try:
         results = {
@@ -699,7 +703,14 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     for r in results.values():
         report(r)
-    out = {"grid": {k: v for k, v in grid_args.items()}, **results}
+    try:
+        import ruamel.yaml.clib  # noqa: F401  (the C loader: DVC's safe loads are several times faster with it)
+
+        clib = True
+    except ImportError:
+        clib = False
+    machine = {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "ruamel_clib": clib}
+    out = {"grid": dict(grid_args), "machine": machine, **results}
     if "baseline" in results:
         new, old = results["design"], results["baseline"]
         out["ratio_grid"] = ratios(new["grid"], old["grid"])
