@@ -51,8 +51,9 @@ its paper-scale figures are EXTRAPOLATED, labelled so in the output:
   long, so the file written holds the first `--synth-max-mb` of it; the rest of the entries'
   bytes are estimated (JSON length x the family's YAML / JSON ratio, from a few entries dumped
   per stage family; its error on the reduced grid is printed as synth_estimate_error);
-- one lock rewrite and one load at that size: linear in bytes through two measured points, the
-  reduced grid's real lock and the synthesised one (exact when the whole lock was written);
+- one lock rewrite and one load at that size: proportional to bytes through the synthesised
+  lock's measured rewrite and load (exact when the whole lock was written); the reduced grid's
+  real lock gives a second point (both are in the JSON: the seconds per MB should agree);
 - DVC time: the CLI's start-up once (`dvc config -l`), a fixed part per stage (the reduced
   grid's DVC time minus start-up and its modelled lock rewrites, per stage) and the lock
   bookkeeping: the sum over stages (in repro order) of one rewrite at the lock's size after
@@ -539,6 +540,7 @@ def design(
     m.update(status(run_b["repo"]))
     m.update(lock_costs(lock, run_b["dest"]))
     m["cli_floor_s"] = cli_floor(run_b["repo"])
+    m["rewrite_s_per_mb"] = m["rewrite_s"] / (m["lock_bytes"] / 1e6)
     m["stages"] = n
     listed = run([str(BIN / "dvc"), "stage", "list", "--name-only"], run_b["repo"], base_env()).split()
     m["dvc_stage_list"] = len(listed)
@@ -550,15 +552,10 @@ def design(
     m["synth_estimate_error"] = syn["estimate_error"]
     result = {"label": label, "rev": rev or "working tree", "measured": m}
 
-    def line(t_small: float, s_small: float, t_big: float | None = None, s_big: float | None = None):
-        """Seconds at s bytes: linear through the measured points (proportional with one, or two
-        too close to fit a line, or a line that would be negative at 0)."""
-        if t_big is None:
-            return lambda s: t_small * s / s_small
-        slope = (t_big - t_small) / (s_big - s_small) if s_big != s_small else -1.0
-        if s_big < 2 * s_small or slope < 0 or t_small - slope * s_small < 0:  # too close, or noise: proportional
-            return lambda s: s * (t_small + t_big) / (s_small + s_big)
-        return lambda s: t_small + slope * (s - s_small)
+    def line(t: float, size: float):
+        """Seconds at s bytes: proportional to bytes through a measured point (ruamel's round
+        trip is linear in the text; the per-call constant is milliseconds)."""
+        return lambda s: t * s / size
 
     if measured_full:
         book = bookkeeping(syn["sizes"], header, correction, line(m["rewrite_s"], m["lock_bytes"]))
@@ -583,8 +580,8 @@ def design(
     log(f"  synthesised the grid's lock: {g['bytes'] / 1e6:.2f} MB{part}; timing one rewrite and load")
     gc = lock_costs(full["dest"] / "synth.lock", full["dest"], runs=2)
     w = g["written_bytes"] * correction
-    rewrite = line(m["rewrite_s"], m["lock_bytes"], gc["rewrite_s"], w)
-    load = line(m["load_s"], m["lock_bytes"], gc["load_s"], w)
+    rewrite = line(gc["rewrite_s"], w)  # the larger lock measured: the better estimate of the slope
+    load = line(gc["load_s"], w)
     g_bytes = g["bytes"] * correction
     book_small = bookkeeping(syn["sizes"], header, correction, rewrite)
     floor = m["cli_floor_s"]
@@ -603,7 +600,12 @@ def design(
         "lock_entries": g["entries"],
         "rewrite_s": rewrite(g_bytes),
         "load_s": load(g_bytes),
-        "rewrite_measured_at": {"bytes": round(w), "rewrite_s": gc["rewrite_s"], "load_s": gc["load_s"]},
+        "rewrite_measured_at": {
+            "bytes": round(w),
+            "rewrite_s": gc["rewrite_s"],
+            "load_s": gc["load_s"],
+            "rewrite_s_per_mb": gc["rewrite_s"] / (w / 1e6),
+        },
         "status_s": status_s,
         "dvc_per_stage_s": dvc_s / n_full,
         "dvc_s": dvc_s,
