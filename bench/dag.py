@@ -3,6 +3,12 @@
     python -m bench.dag [--rev REV|DIR] [--baseline-rev 58462e0 | --no-baseline]
                         [--models 3] [--datasets 4] [--methods all] [--layers 52]
                         [--max-repro-stages 400] [--reduced-models 1] [--reduced-datasets 2] [--reduced-layers 2]
+                        [--synth-max-mb 2] [--status-runs 3] [--keep]
+
+    python -m bench.dag --rev 58462e0 --no-baseline --models 1 --datasets 1 --layers 2   # a quick one
+
+The default run (the paper's grid, both designs) takes about 20 minutes on a loaded 2-core EPYC:
+today's design is measured on its reduced grid (137 stages, most of the time) and extrapolated.
 
 For each design (the dvc.yaml, params.yaml and code of `--rev`: a git revision, or a checkout's
 directory read as it is, default this working tree; and of `--baseline-rev`, today's design at
