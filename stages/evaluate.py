@@ -30,9 +30,27 @@ from halludetect.methods import method as lookup_method
 from stages import common, export
 
 
+def trained_layers(timing: str) -> list[int]:
+    """The layers the train stage trained: the keys (`layer_<L>`) of its timing file."""
+    path = Path(timing)
+    try:
+        keys = json.loads(path.read_text())
+        return sorted(int(k.removeprefix("layer_")) for k in keys)
+    except FileNotFoundError:
+        raise DataError(
+            f"{path} is missing: the train stage writes it with the layers it trained (re-run it)"
+        ) from None
+    except (ValueError, AttributeError, TypeError) as e:
+        raise DataError(f"{path}: not the train stage's timing file (layer_<L> keys): {e}; re-run train") from None
+
+
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
-    # Every trained layer's files, before anything is read: grid.layers lists the layers evaluated.
+    # The layers evaluated are those the train stage trained (its timing file names them, one key
+    # each): not grid.layers, which this stage need not declare (a change to it re-runs train, whose
+    # outputs this stage reads), so that its dvc.lock entry stays small on the paper's 155 layers.
+    layers = trained_layers(args.timing)
+    # Every trained layer's files, before anything is read.
     cell = f"{args.model}-{args.dataset}"
     train = f"{'train_sp' if args.method in CLUSTER_METHODS else 'train'}@{cell}-{args.method}"
     dirs = {
@@ -41,14 +59,14 @@ def run(args, params):
         "detectors": args.detectors,
         "activations": args.activations,
     }
-    if problems := missing_layer_files(params.grid.layers, seeds, dirs, {"train": train, "dump": f"dump@{cell}"}):
+    if problems := missing_layer_files(layers, seeds, dirs, {"train": train, "dump": f"dump@{cell}"}):
         raise DataError(f"{args.method}: {len(problems)} file(s) of the trained layers missing: " + "; ".join(problems))
     per_layer = {}
-    for layer in params.grid.layers:
+    for layer in layers:
         per_layer[layer] = json.loads((Path(args.layer_metrics) / f"layer_{layer}.json").read_text())
     # each layer's training time, kept apart from its figures (wall times differ on every run)
-    times = json.loads(Path(args.timing).read_text()) if args.timing and Path(args.timing).exists() else {}
-    timing = {layer: times[f"layer_{layer}"] for layer in params.grid.layers if f"layer_{layer}" in times}
+    times = json.loads(Path(args.timing).read_text())
+    timing = {layer: times[f"layer_{layer}"] for layer in layers}
     metrics = {
         "model": args.model,
         "dataset": args.dataset,
@@ -132,7 +150,11 @@ if __name__ == "__main__":
     p.add_argument("--timings", help="cluster_timings Parquet, for hami_sp's cost")
     p.add_argument("--generation-metrics", help="generate metrics JSON (seconds_per_sample), for hami_sp's cost")
     p.add_argument("--latency", help="latency metrics JSON (one response at a time), for hami_sp's sequential cost")
-    p.add_argument("--timing", help="the layers' training times (JSON: layer_<L> -> seconds), train's --timing")
+    p.add_argument(
+        "--timing",
+        required=True,
+        help="the layers' training times (JSON, a layer_<L> key per trained layer): train's --timing",
+    )
     p.add_argument("--bundle", help="bundle file (.safetensors) of the best layer, for `halludetect score`")
     p.add_argument("--manifest", help="model manifest JSON (what pins the base model), with --bundle")
     p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp's bundle")

@@ -7,8 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
-from support import base_params, stage, write_params
+from support import stage
 
 from halludetect.activations.layer_format import layer_filename
 
@@ -38,6 +37,8 @@ def evaluate_stage(root: Path) -> subprocess.CompletedProcess:
         str(root / "e.json"),
         "--plot",
         str(root / "p.json"),
+        "--timing",
+        str(root / "timing.json"),
     )
 
 
@@ -47,10 +48,9 @@ def test_evaluate_fails_naming_a_missing_layer_file_of_a_trained_layer(trained):
     there: before, a missing layer file of a layer other than the best exited 0 (the stage reads
     only the best layer's, while DVC records the whole dump directory as its input). Each missing
     file is named with its layer and the stage that writes it, all at once, before any work."""
-    write_params(
-        trained / "params.yaml",
-        {**yaml.safe_load((trained / "params.yaml").read_text()), "grid": {**base_params()["grid"], "layers": [0, 1]}},
-    )
+    # the train stage's record of the layers it trained (here layers 0 and 1, one second each)
+    one = {"seconds_per_seed": {"0": 1.0}, "mean_seconds_per_seed": 1.0, "wall_seconds": 1.0}
+    (trained / "timing.json").write_text(json.dumps({"layer_0": one, "layer_1": one}))
     figures = trained / "layers" / "layer_1.json"
     kept = figures.read_bytes()
     figures.unlink()
