@@ -30,10 +30,13 @@ def run(args, params):
     evaluation = json.loads(Path(args.evaluation).read_text())
     best = int(evaluation["best_layer"])
     layers = sorted({best, *ap.layers})
-    untrained = [layer for layer in layers if layer not in params.grid.layers]
+    # the layers evaluate chose among (those train trained), not grid.layers: this stage need not
+    # declare it (a change to it re-runs train and evaluate, whose outputs it reads)
+    trained_layers = sorted(int(row["layer"]) for row in evaluation["layers"])
+    untrained = [layer for layer in layers if layer not in trained_layers]
     if untrained:
         raise DataError(
-            f"analyze.layers: {untrained} are not trained (grid.layers is {params.grid.layers}); "
+            f"analyze.layers: {untrained} are not trained (the trained layers, grid.layers, are {trained_layers}); "
             "add them to grid.layers or drop them from analyze.layers"
         )
     detectors = Path(args.detectors)

@@ -11,6 +11,16 @@ from halludetect.labels.readers import read_judgments
 from stages import common
 
 
+def trained_layers(layers_dir: Path) -> list[int]:
+    """The layers A's train stage trained: its figures files (`layer_<L>.json`). Not grid.layers, which
+    this stage need not declare: a change to it re-runs train, whose outputs this stage reads."""
+    names = [p.stem for p in Path(layers_dir).glob("layer_*.json")]
+    layers = sorted(int(n.removeprefix("layer_")) for n in names if n.removeprefix("layer_").isdigit())
+    if not layers:
+        raise DataError(f"{layers_dir} holds no layer's figures (layer_<L>.json): re-run its train stage")
+    return layers
+
+
 def run(args, params):
     pair = pair_name(args.train, args.test)
     stage = f"{args.model}-{args.train}-{args.test}"
@@ -35,7 +45,7 @@ def run(args, params):
             test_activations=Path(args.test_activations),
             test_judgments=judgments,
             test_clusters=Path(args.test_clusters),
-            layers=params.grid.layers,
+            layers=trained_layers(Path(args.train_layers) / method),
             seeds=params.train.seeds,
             bootstrap=params.evaluate.bootstrap,
             seed=params.evaluate.seed,
