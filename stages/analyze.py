@@ -30,9 +30,10 @@ def run(args, params):
     evaluation = json.loads(Path(args.evaluation).read_text())
     best = int(evaluation["best_layer"])
     layers = sorted({best, *ap.layers})
-    # the layers evaluate chose among (those train trained), not grid.layers: this stage need not
-    # declare it (a change to it re-runs train and evaluate, whose outputs it reads)
-    trained_layers = sorted(int(row["layer"]) for row in evaluation["layers"])
+    # the layers train trained (its detector directories), not grid.layers: this stage need not
+    # declare it (a change to it re-runs train, whose outputs it reads)
+    names = [p.name.removeprefix("layer_") for p in Path(args.detectors).glob("layer_*") if p.is_dir()]
+    trained_layers = sorted(int(n) for n in names if n.isdigit())
     untrained = [layer for layer in layers if layer not in trained_layers]
     if untrained:
         raise DataError(

@@ -51,8 +51,7 @@ from halludetect.detectors.build import build_detector
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.gradient_ratio import GradientRatioTrace
 from halludetect.detectors.inference import score
-from halludetect.detectors.pooling import segment_softmax, segment_sum, topk_mean, topk_sigmoid_logit
-from halludetect.detectors.training import (
+from halludetect.detectors.loop import (
     PairedSampler,
     Recipe,
     TrainResult,
@@ -62,6 +61,7 @@ from halludetect.detectors.training import (
     logistic_loss,
     recipe_of,
 )
+from halludetect.detectors.pooling import segment_softmax, segment_sum, topk_mean, topk_sigmoid_logit
 from halludetect.metrics import auroc
 
 

@@ -296,8 +296,9 @@ def train_layer_from_remote(
     fetched = {}
     for path, objects in cache_objects(repo, stage, data).items():
         got = {oid: f for oid, f in objects.items() if oid not in cached_before and f.exists()}
-        if path == activations:  # a directory: only its listing and the one layer's file were fetched
+        if path == activations:  # a directory: its one layer's file (and its listing, a few hundred bytes)
             path = f"{activations}/{layer_filename(layer)}"
+            got = {oid: f for oid, f in got.items() if not oid.endswith(".dir")}
         fetched[path] = sum(f.stat().st_size for f in got.values())
     cmd, outs = stage_command(repo, stage)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -105,18 +105,27 @@ def test_editing_any_file_of_the_closure_discards_the_kept_work(module, code_cop
 
 
 def test_the_command_writes_checks_and_refuses_in_one_line(tmp_path, capsys):
-    """`make deps` on a dvc.yaml missing a module rewrites it; --check names the stale stage; a bad
-    module name or a missing file is one line and exit 2."""
+    """`make deps` on a dvc.yaml whose code stage misses a code folder rewrites it; --check names the
+    stale stage, and a stage that lists a code file or another module's digest; a bad module name or
+    a missing file is one line and exit 2."""
     text = (ROOT / "dvc.yaml").read_text()
-    stale = text.replace("      - halludetect/lm/hf_models.py\n", "", 1)
+    stale = text.replace("      - stages\n", "", 1)
     assert stale != text
     path = tmp_path / "dvc.yaml"
     path.write_text(stale)
     assert code_deps.main(["--check", "--dvc-yaml", str(path)]) == 1
-    assert "stale code deps in world_check" in capsys.readouterr().err
+    assert "stage 'code' lists ['halludetect'], expected the code folders" in capsys.readouterr().err
     assert code_deps.main(["--write", "--dvc-yaml", str(path)]) == 0
     assert path.read_text() == text
     assert code_deps.main(["--check", "--dvc-yaml", str(path)]) == 0
+    capsys.readouterr()
+    wrong = text.replace("      - data/code/prepare.txt\n", "      - halludetect/qa/datasets.py\n", 1)
+    wrong = wrong.replace("      - data/code/judge.txt\n", "      - data/code/cluster.txt\n", 1)
+    path.write_text(wrong)
+    assert code_deps.main(["--check", "--dvc-yaml", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "stage 'prepare' lists code files ['halludetect/qa/datasets.py']" in err
+    assert "stage 'judge' lists the code digests ['data/code/cluster.txt'], expected [data/code/judge.txt]" in err
     assert code_deps.main(["--module", "stages.nope"]) == 2
     assert code_deps.main(["--check", "--dvc-yaml", str(tmp_path / "none.yaml")]) == 2
     err = capsys.readouterr().err
