@@ -49,8 +49,9 @@ bench: $(STAMP)
 		echo "$$out" | tail -n 1; \
 	done
 
-# dvc.yaml lists each stage's code exactly (its import closure, halludetect/core/code_deps.py):
-# run after adding, moving or changing the imports of a module; the contract test fails until then.
+# No stage lists code files: the code stage depends on the code folders and writes a digest per
+# stage (per method) that each stage lists (halludetect/core/code_deps.py). This rewrites the code
+# stage's folders (an in-repository plugin's joins them); the contract test fails until then.
 deps: $(STAMP)
 	$(PY) -m halludetect.core.code_deps --write
 
