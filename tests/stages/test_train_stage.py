@@ -101,7 +101,7 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
     """The stage trains its layers side by side (one worker per core) or one after another; a layer's
     weights, scores and figures are the same bytes either way, and `--layers` trains only its layers
     into the directories (what train-layer runs)."""
-    from support import cell
+    from support import cell, train_stage
 
     acts, labels, params = cell(tmp_path)
     labels.write_parquet(tmp_path / "judgments.parquet")
@@ -109,31 +109,12 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
     data["grid"]["layers"] = [0, 1]
     params.write_text(yaml.safe_dump(data))
 
-    def train(out: Path, layers: str | None) -> subprocess.CompletedProcess:
-        return stage(
-            "stages.train",
-            "--params",
-            str(params),
-            "--method",
-            "max",
-            "--activations",
-            str(acts),
-            "--judgments",
-            str(tmp_path / "judgments.parquet"),
-            "--out",
-            str(out / "dets"),
-            "--scores",
-            str(out / "scores"),
-            "--metrics",
-            str(out / "layers"),
-            "--timing",
-            str(out / "timing.json"),
-            *(["--layers", layers] if layers else []),
-        )
+    def train(out: Path, layer: int | None) -> subprocess.CompletedProcess:
+        return train_stage(out, acts, tmp_path / "judgments.parquet", params, layer, timing=True)
 
     both, alone = tmp_path / "both", tmp_path / "alone"
     assert train(both, None).returncode == 0
-    res = train(alone, "1")
+    res = train(alone, 1)
     assert res.returncode == 0, res.stderr
     assert not (alone / "scores" / "layer_0.parquet").exists()
     files = [p.relative_to(alone) for p in sorted(alone.rglob("*")) if p.is_file() and p.name != "timing.json"]
