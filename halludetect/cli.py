@@ -174,9 +174,8 @@ def _where(items: list[str] | None) -> dict:
 def _sweep(args) -> None:
     from pathlib import Path
 
-    import yaml
-
     from halludetect.config import load_params
+    from halludetect.core import yaml12
     from halludetect.core.atomic_io import write_text
     from halludetect.experiments.sweeps import sweep
     from halludetect.report.paper_tables import Grid
@@ -185,7 +184,7 @@ def _sweep(args) -> None:
     _check_out_dir(args.out_dir)
     where = _where(args.where)
     params = load_params(args.params)  # validated first: a broken file is named here
-    raw = yaml.safe_load(Path(args.params).read_text())  # the keys as written, to check the swept one
+    raw = yaml12.load(Path(args.params).read_text())  # the keys as written, to check the swept one
     table = sweep(
         ".",
         args.param,
@@ -252,10 +251,11 @@ def _dag(args) -> None:
 
 
 def _literal(text: str):
-    """A --where value as the params file would hold it (1 -> 1, 0.5 -> 0.5, true -> True, else the text)."""
-    import yaml
+    """A --where value as DVC reads it from params.yaml (1 -> 1, 0.5 -> 0.5, true -> True, off -> 'off',
+    else the text): YAML 1.2, core/yaml12.py."""
+    from halludetect.core import yaml12
 
-    return yaml.safe_load(text)
+    return yaml12.load(text)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
-import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
 
+from halludetect.core import yaml12
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
@@ -715,15 +715,15 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not path.exists():
         raise ParamsError(f"{path}: no such params file (run from the repository root)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.MarkedYAMLError as e:
+        data = yaml12.load(path.read_text()) or {}  # as DVC reads it: `off` stays a word (core/yaml12.py)
+    except yaml12.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ParamsError(
             f"{at}: YAML syntax error: {e.problem or e.context} (check the indentation and quoting "
             "at that line, or the line before it)"
         ) from None
-    except yaml.YAMLError as e:
+    except yaml12.YAMLError as e:
         raise ParamsError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")

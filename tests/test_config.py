@@ -5,6 +5,8 @@ false-positive rate (best F1 selectable); and the hostile cases, an empty stop s
 share, no seeds, no layers, a YAML syntax error (file, line and column), an unknown device and a
 target false-positive rate outside (0, 1), each named with its key."""
 
+import re
+
 import pytest
 from support import ROOT, base_params, stage
 from support import base_params as base
@@ -187,6 +189,34 @@ def test_params_yaml_syntax_error_names_file_line_and_column(tmp_path):
     )
     assert res.returncode == 2 and f"error: {path}:{line}:2: YAML syntax error" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.hostile
+def test_params_rewritten_by_dvc_keep_their_words(tmp_path):
+    """`dvc exp run -S` rewrites the whole params.yaml as YAML 1.2 and drops the quotes that 1.2 does
+    not need: `transfer: 'off'` comes back as `transfer: off`, which YAML 1.1 (PyYAML) reads as
+    False, and every stage of the experiment failed. Written by DVC's own writer, as -S does."""
+    from dvc.utils.serialize import modify_yaml
+
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text())
+    with modify_yaml(path) as data:
+        data["grid"]["transfer"], data["grid"]["transfer_stages"] = "off", {}
+        data["detectors"]["max"]["dim"] = 8  # the swept key
+    assert "\n  transfer: off  " in path.read_text()  # unquoted, as DVC writes it
+    p = load_params(path)
+    assert p.grid.transfer == "off" and p.grid.transfer_pairs() == [] and p.detectors.max.dim == 8
+
+
+@pytest.mark.hostile
+def test_params_yaml_duplicate_keys_are_an_error_naming_the_line(tmp_path):
+    """PyYAML kept the last of two equal keys silently; a second `epochs:` is a mistake to name."""
+    text = (ROOT / "params.yaml").read_text().replace("  epochs: 100\n", "  epochs: 100\n  epochs: 10\n", 1)
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("  epochs: 10") + 1
+    with pytest.raises(ParamsError, match=rf"^{re.escape(str(path))}:{line}:3: YAML syntax error: found duplicate key"):
+        load_params(path)
 
 
 @pytest.mark.hostile

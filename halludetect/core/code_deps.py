@@ -129,12 +129,12 @@ def plugin_modules(params_file: Path | None = None) -> list[str]:
 
 def _params_factories(params_file: Path | None = None) -> dict[str, str]:
     """{method name: module} of params.yaml's detectors.<name>.factory keys."""
-    import yaml
+    from halludetect.core import yaml12
 
     path = ROOT / "params.yaml" if params_file is None else Path(params_file)
     try:
-        detectors = (yaml.safe_load(path.read_text()) or {}).get("detectors") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
+        detectors = (yaml12.load(path.read_text()) or {}).get("detectors") or {}
+    except (OSError, yaml12.YAMLError, AttributeError):
         detectors = {}  # no or a broken params file: the stages say what is wrong with it
     if not isinstance(detectors, dict):
         return {}
