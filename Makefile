@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# dvc.yaml's commands call `python`: the venv's, whether or not it is activated.
+# dvc.yaml's commands call `python`: the venv's, whether or not it is activated. `halludetect repro` is
+# `dvc repro` with a line per stage: running k of N, elapsed, about how long left (core/repro.py).
 repro: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/halludetect repro
 
 # Two workers, a test module each at a time (an end-to-end module keeps one DVC repository and
 # runs its tests in order), in collection order: tests/conftest.py puts the two end-to-end

@@ -455,6 +455,13 @@ def parser() -> argparse.ArgumentParser:
     )
     dag.add_argument("--repo", default=".", help="the repository's root (default: .)")
     dag.set_defaults(run=_dag)
+
+    # Listed for --help only: main() hands `repro` and every argument after it to core/repro.py,
+    # which passes them to `dvc repro` as they are (argparse would take DVC's options for its own).
+    sub.add_parser(
+        "repro",
+        help="`dvc repro` (any of its arguments) with a progress line: stage k of N, elapsed, about how long left",
+    )
     return p
 
 
@@ -476,6 +483,11 @@ def _inherit_numerics() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _inherit_numerics()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["repro"]:
+        from halludetect.core import repro
+
+        sys.exit(repro.main(argv[1:]))
     args = parser().parse_args(argv)
     try:
         args.run(args)

@@ -1,0 +1,91 @@
+"""`halludetect repro` (core/repro.py): `dvc repro` with "stage k of N, elapsed, about how long left",
+on a three-stage DVC repository whose commands are shell one-liners (a few DVC processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from halludetect.core.repro import Progress
+
+DVC_YAML = """\
+stages:
+  a:
+    cmd: echo a > a.txt
+    outs: [a.txt]
+  b:
+    cmd: cat a.txt > b.txt && echo b >> b.txt
+    deps: [a.txt]
+    outs: [b.txt]
+  c:
+    cmd: {c}
+    deps: [b.txt]
+    outs: [c.txt]
+"""
+
+
+def repro(repo, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "halludetect.cli", "repro", *args], cwd=repo, capture_output=True, text=True
+    )
+
+
+@pytest.fixture
+def repo(tmp_path):
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text(DVC_YAML.format(c="cat b.txt > c.txt"))
+    return tmp_path
+
+
+def test_repro_prints_each_stage_of_the_run_and_keeps_their_times(repo):
+    res = repro(repo)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert out.startswith("dvc repro: 3 stages, 3 to run, 0 unchanged\n")
+    assert [line.split(" elapsed")[0][:-8] for line in out.splitlines() if line.startswith("[running")] == [
+        f"[running {k} of 3 | stage {k} of 3 | " for k in (1, 2, 3)
+    ]
+    assert out.index("Running stage 'a'") < out.index("[running 1 of 3") < out.index("Running stage 'b'")
+    assert "about" not in out.split("[running 1 of 3")[1].splitlines()[0]  # nothing known yet: no estimate
+    assert "left]" in out.split("[running 2 of 3")[1].splitlines()[0]  # a's time estimates b's
+    assert out.rstrip().splitlines()[-1].startswith("done: 3 stage(s) ran in ")
+    kept = json.loads((repo / ".dvc/tmp/halludetect-stage-seconds.json").read_text())
+    assert set(kept) == {"a", "b", "c"} and all(t > 0 for t in kept.values())
+    # nothing changed: every stage is visited and skipped (DVC's lines say so); the first line says so
+    again = repro(repo).stdout
+    assert again.startswith("dvc repro: 3 stages, 0 to run, 3 unchanged\n") and "[running" not in again
+    # a change in the middle: b and c run (c is downstream: counted as running, an upper bound)
+    (repo / "dvc.yaml").write_text(DVC_YAML.format(c="cat b.txt > c.txt").replace("echo b ", "echo B "))
+    mid = repro(repo).stdout
+    assert mid.startswith("dvc repro: 3 stages, 2 to run, 1 unchanged\n") and "[running 2 of 2 | stage 3 of 3 |" in mid
+    # one stage's arguments pass through to dvc repro; its estimate is its last run's time
+    one = repro(repo, "-f", "-s", "b").stdout
+    assert one.startswith("dvc repro -f -s b: 1 stages, 1 to run, 0 unchanged\n") and "[running 1 of 1 | " in one
+
+
+def test_repro_returns_dvcs_status_when_a_stage_fails(repo):
+    (repo / "dvc.yaml").write_text(DVC_YAML.format(c="exit 3"))
+    res = repro(repo)
+    assert res.returncode != 0 and "[running 3 of 3 | stage 3 of 3 |" in res.stdout
+    assert res.stdout.rstrip().splitlines()[-1].startswith("stopped: 3 stage(s) ran")
+
+
+def test_repro_of_a_broken_dvc_yaml_is_dvcs_message_without_running(repo):
+    (repo / "dvc.yaml").write_text("stages:\n  a:\n    cmd: [\n")
+    res = repro(repo)
+    assert res.returncode != 0 and "dvc.yaml" in res.stdout + res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_estimate_uses_the_last_run_then_the_family_then_all():
+    planned = [("world", True), ("train@a", True), ("train@b", True), ("report", True)]
+    p = Progress(planned, {"report": 5.0}, start=0.0)
+    assert p.visit("world", True).startswith("[running 1 of 4 | stage 1 of 4 | ")
+    assert p.left() is None  # train@a and train@b: nothing known of them or their family yet
+    p.seconds["world"] = 100.0  # as if world took 100 s
+    p.current = None
+    assert p.expected("train@a") == 100.0 and p.expected("report") == 5.0
+    p.seconds["train@a"] = 10.0
+    assert p.expected("train@b") == 10.0  # its family's, not world's
