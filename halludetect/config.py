@@ -164,6 +164,14 @@ class LookalikeParams(Section):
     seed: int = 0  # its own random stream: the look-alike names and their facts, never the world's
 
 
+class MisinformedParams(Section):
+    """The world's third dataset, facts the corpus got wrong (stage misinformed, docs/demo-world.md)."""
+
+    seed: int = 0  # its own random stream: which facts were wrong, and their true values
+    min_exposure: Annotated[int, Field(ge=0)] = 10  # the people the corpus names at least this often
+    share: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5  # of their facts, the share the corpus got wrong
+
+
 class PrepareParams(Section):
     seed: int = 0
     train: SplitFraction = 0.5
@@ -515,6 +523,7 @@ class Params(Section):
     datasets: dict[str, DatasetPreset]
     world: WorldParams = WorldParams()
     lookalike: LookalikeParams = LookalikeParams()
+    misinformed: MisinformedParams = MisinformedParams()
     prepare: PrepareParams = PrepareParams()
     generate: GenerateParams = GenerateParams()
     dump: DumpParams = DumpParams()

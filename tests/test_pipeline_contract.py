@@ -255,6 +255,7 @@ STAGE_SECTIONS = [
     "export",
     "transfer",
     "lookalike",
+    "misinformed",
     "latency",
     "analyze",
     "report",
