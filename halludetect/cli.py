@@ -74,6 +74,7 @@ def _score(args) -> None:
         batch_size=args.batch_size,
         per_seed=args.per_seed,
         explain=args.explain,
+        check_distribution=not args.no_distribution_check,
         rows_per_part=args.rows_per_part,
         progress=not args.no_progress,
         log=lambda msg: print(msg, file=sys.stderr),
@@ -267,6 +268,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    from halludetect.scoring.answer_range import CAN_SCORE
+
     p = OneLineParser(prog="halludetect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -274,8 +277,9 @@ def parser() -> argparse.ArgumentParser:
         "score",
         help="score answers (or sampled answers to questions) with a detector bundle",
         description="Score answers with a detector bundle (the export stage writes them to "
-        "data/bundles/<model>/<dataset>/<method>.safetensors). The base model runs only "
-        "up to the detector's layer.",
+        f"data/bundles/<model>/<dataset>/<method>.safetensors). A detector can score {CAN_SCORE}. The base "
+        "model runs whole, for the answers' token log-probs; with --no-distribution-check, or a bundle that "
+        "predates the check, only up to the detector's layer.",
     )
     s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
     s.add_argument(
@@ -338,6 +342,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help="with --generate: sampling seed (each row draws from its own stream)")
     s.add_argument("--max-new-tokens", type=int, help="with --generate: longest answer in tokens")
     s.add_argument("--greedy", action="store_true", help="with --generate: the most likely answer instead of a sample")
+    s.add_argument(
+        "--no-distribution-check",
+        action="store_true",
+        help="skip the answers' token log-probs and in_distribution (null in every row): the base model then "
+        "runs only up to the detector's layer, which is faster when that layer is far below the top",
+    )
     s.add_argument("--summary", help="also write the run's summary JSON here")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(run=_score)

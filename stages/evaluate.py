@@ -158,4 +158,9 @@ if __name__ == "__main__":
     p.add_argument("--bundle", help="bundle file (.safetensors) of the best layer, for `halludetect score`")
     p.add_argument("--manifest", help="model manifest JSON (what pins the base model), with --bundle")
     p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp's bundle")
+    p.add_argument(
+        "--generations",
+        help="generations Parquet (the answers' token log-probs), with --bundle: the range of the fit answers' "
+        "log-probs that `halludetect score` checks rows against",
+    )
     common.main(run, p)

@@ -6,14 +6,19 @@ alone on an evaluation's files.
 The best layer (chosen on validation by evaluate), every evaluated seed's weights at that
 layer, thresholds and a Platt calibration fitted on that layer's validation scores, and what
 reproduces its input: the base model and what pins it (manifest), the position convention,
-the prompt template, the stored dtype. Format: halludetect/scoring/bundle.py.
+the prompt template, the stored dtype; and, given the generations and judgments, the range of the
+token log-probs of the answers the detector was fit on, which `score` marks each row against
+(halludetect/scoring/answer_range.py). Format: halludetect/scoring/bundle.py.
 """
 
 import json
 from pathlib import Path
 
+from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
+from halludetect.labels.readers import read_judgments
 from halludetect.prompts import GENERATION
+from halludetect.scoring.answer_range import kept_answers
 from halludetect.scoring.bundle import export_bundle
 from stages import common
 
@@ -30,6 +35,20 @@ def p_sem_input(args) -> dict | None:
         "equivalence": clu["equivalence"],
         "backend": clu["backend"],
     }
+
+
+def fit_answers(args):
+    """The kept answers' token log-probs by split (--generations and --judgments), or None, with a
+    warning: the bundle then records no range and `score` cannot say which rows are out of distribution."""
+    generations, judgments = getattr(args, "generations", None), getattr(args, "judgments", None)
+    if not (generations and judgments):
+        common.log.warning(
+            "no --generations (and --judgments): the bundle records no range of its answers' token log-probs, "
+            "so `halludetect score` leaves every row's in_distribution null"
+        )
+        return None
+    table = read_parquet(generations, "generate", "generations table")
+    return kept_answers(table, read_judgments(judgments), str(generations))
 
 
 def run(args, params):
@@ -51,6 +70,7 @@ def run(args, params):
         fpr_targets=params.export.fpr_targets,
         default_threshold=params.export.threshold,
         p_sem_input=p_sem_input(args),
+        answers=fit_answers(args),
     )
     ev, name = meta["evaluation"], meta["default_threshold"]
     t = meta["thresholds"][name]
@@ -69,6 +89,16 @@ def run(args, params):
         t["test_fpr"],
         t["test_tpr"],
     )
+    if (rng := meta.get("answer_range")) and "test" in rng:
+        common.log.info(
+            "%s: answers' range from %d train and validation answers; it marks %d of %d test answers "
+            "out of distribution (%.1f%%)",
+            meta["method"],
+            rng["n"],
+            rng["test"]["out"],
+            rng["test"]["n"],
+            100 * rng["test"]["share"],
+        )
     if t["val_tpr"] == 0.0:  # e.g. the highest validation score is a correct answer's: no threshold within the rate
         common.log.warning(
             "%s: the default threshold %s catches no validation hallucination (validation FPR %.3f): "
@@ -88,4 +118,10 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True, help="bundle file (.safetensors)")
     p.add_argument("--generation-metrics", help="generate's metrics JSON (K answers per question), for hami_sp")
     p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp")
+    p.add_argument(
+        "--generations",
+        help="generations Parquet (the answers' token log-probs), with --judgments: the range `score` checks "
+        "rows against",
+    )
+    p.add_argument("--judgments", help="judgments Parquet (which answers were kept, by split), with --generations")
     common.main(run, p)

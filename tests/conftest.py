@@ -80,10 +80,13 @@ def contract(tiny, tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bundle_path(contract, tmp_path_factory):
-    """The export of the miniature DAG's `max` detector."""
+    """The export of the miniature DAG's `max` detector, with the range of its answers' log-probs."""
     import json
 
+    import polars as pl
+
     from halludetect.prompts import GENERATION
+    from halludetect.scoring.answer_range import kept_answers
     from halludetect.scoring.bundle import export_bundle
 
     out = tmp_path_factory.mktemp("bundle") / "max.safetensors"
@@ -98,6 +101,7 @@ def bundle_path(contract, tmp_path_factory):
         prompt_template=GENERATION,
         fpr_targets=[0.01, 0.05, 0.1],
         default_threshold="fpr_0.05",
+        answers=kept_answers(*(pl.read_parquet(contract / f) for f in ("generations.parquet", "judgments.parquet"))),
     )
     return out
 

@@ -31,6 +31,7 @@ from halludetect.lm.model_inputs import pad_ids
 class SampledAnswer:
     answer: Trimmed
     states: torch.Tensor | None  # [n_tokens, d] the bag, in the stored dtype's values (float32); None if empty
+    logprobs: list[float] | None = None  # each answer token's raw log-prob, as the sampler recorded it
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def _sample_once(
         model.register_forward_pre_hook(watch, with_kwargs=True),
     ]
     try:
-        answers, _, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
+        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
         width = max(map(len, prompts))
         generated = sum(s.shape[1] for s in steps) - width + 1  # tokens sampled: one per forward
         cut = [len(a.token_ids) == generated for a in answers]  # answers whose last token was never fed back
@@ -87,7 +88,7 @@ def _sample_once(
     for r, a in enumerate(answers):
         n = len(a.token_ids)
         bag = seq[r, bag_slice(width, n, positions)] if n else None  # every prompt ends at column W - 1
-        out.append(SampledAnswer(a, None if bag is None else bag.to(states_dtype).float()))
+        out.append(SampledAnswer(a, None if bag is None else bag.to(states_dtype).float(), logprobs[r]))
     return out
 
 

@@ -18,7 +18,10 @@ Output (Parquet or JSONL, by extension), one row per input row, in input order: 
 0-based input row), `id`, with --generate `answer`, `answer_token_ids`, `finish_reason`, then
 `n_tokens`, `score` (the ensemble's bag logit), `probability` (calibrated), `flag` (score >=
 the threshold), `reason` (why a row has no score: empty_answer, too_long, no_p_sem; null
-when scored) and, if asked, `seed_scores`; with --explain, `question`, `answer` and the token
+when scored), `in_distribution` (whether the answer's token log-probs are within the range of
+the answers the detector was fit on: scoring/answer_range.py; null when not checked),
+`ood_reason` (why not), `mean_logprob` and `min_logprob` (the answer's own token log-probs under
+the base model: their mean and lowest) and, if asked, `seed_scores`; with --explain, `question`, `answer` and the token
 evidence (EXPLAIN_SCHEMA).
 """
 
@@ -239,6 +242,10 @@ def output_schema(id_type: type | None, generate: bool, per_seed: bool, explain:
         "probability": pl.Float64,
         "flag": pl.Boolean,
         "reason": pl.String,
+        "in_distribution": pl.Boolean,  # null: not checked (the bundle predates the check, or it was turned off)
+        "ood_reason": pl.String,  # why not (answer_range.check); null when in distribution or not checked
+        "mean_logprob": pl.Float64,  # the answer's mean token log-prob under the base model
+        "min_logprob": pl.Float64,  # its lowest token log-prob
     }
     if per_seed:
         schema["seed_scores"] = pl.List(pl.Float64)

@@ -31,6 +31,10 @@ One safetensors file:
       evaluation                   the DAG's test AUROC at that layer (per seed), the
                                    ensemble's validation and test AUROC, each split's answers
                                    and hallucinated answers
+      answer_range                 (optional) the range of the token log-probs of the answers
+                                   the detector was fit on, and the bounds past which `score`
+                                   marks a row out of distribution (scoring/answer_range.py);
+                                   without it, `score` leaves in_distribution null
 
 Why an ensemble of the seeds rather than the best one: picking the best seed on test would
 select on test; on validation, seeds differ by less than validation's own noise (a few
@@ -77,6 +81,7 @@ from halludetect.methods import SP_METHODS
 from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
+from halludetect.scoring.answer_range import answer_range
 
 FORMAT = "halludetect-bundle"
 # 3: each threshold's validation and test rates, each split's hallucinated count (read with a
@@ -147,6 +152,26 @@ class DigestMeta(_Meta):
     metadata: str
 
 
+class BoundMeta(_Meta):
+    low: FiniteFloat | None
+    high: FiniteFloat | None
+
+
+class StatMeta(_Meta):
+    min: FiniteFloat
+    max: FiniteFloat
+
+
+class AnswerRangeMeta(_Meta):
+    """scoring/answer_range.py's record: what `score` compares each row with."""
+
+    fit_splits: list[str] = Field(min_length=1)
+    n: PositiveInt
+    rule: str
+    stats: dict[Literal["mean_logprob", "min_logprob", "n_tokens"], StatMeta]
+    bounds: dict[Literal["mean_logprob", "min_logprob", "n_tokens"], BoundMeta]
+
+
 class BundleMeta(_Meta):
     """What `load_bundle` requires of the metadata, type by type (relations: `check_meta`)."""
 
@@ -166,6 +191,7 @@ class BundleMeta(_Meta):
     calibration: CalibrationMeta
     evaluation: EvaluationMeta
     digest: DigestMeta | None = None
+    answer_range: AnswerRangeMeta | None = None
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -694,12 +720,15 @@ def export_bundle(
     fpr_targets: list[float],
     default_threshold: str,
     p_sem_input: dict | None = None,
+    answers: pl.DataFrame | None = None,
 ) -> dict:
     """The bundle of an evaluated method's best layer, from the DAG's outputs:
     detectors `<detectors_dir>/layer_LL/seed_S.safetensors`, scores `<scores_dir>/layer_LL.parquet`
     (val and test rows per seed), the evaluation metrics and the model manifest; for a method that
     reads P_sem, `p_sem_input` says how its P_sem was made (K answers per question, the
-    clustering; the variant and lam are added from the detector's params). Returns its metadata."""
+    clustering; the variant and lam are added from the detector's params). `answers`: the kept
+    answers' token log-probs by split (`answer_range.kept_answers`), for the range `score` checks
+    rows against; without them the bundle records none. Returns its metadata."""
     layer = int(metrics["best_layer"])
     seeds = [int(s) for s in metrics["seeds"]]
     weights, params, d = {}, None, None
@@ -783,5 +812,7 @@ def export_bundle(
             "layer_selection": metrics.get("layer_selection", "highest mean validation AUROC over seeds"),
         },
     }
+    if answers is not None:
+        meta["answer_range"] = answer_range(answers)
     save_bundle(out, weights, meta)
     return meta

@@ -11,6 +11,7 @@ import json
 import textwrap
 
 from halludetect.methods import method as lookup_method
+from halludetect.scoring.answer_range import describe_range
 from halludetect.scoring.bundle import Bundle, p_sem_requirement
 
 WIDTH = 13  # the labels' column
@@ -145,6 +146,7 @@ def summary_text(b: Bundle) -> str:
         ),
         _more(f"prompt {json.dumps(inputs['prompt_template'])} (chat template: {chat})"),
         _more("rows: question, answer[, id, answer_token_ids" + (", p_sem]" if b.reads_p_sem else "]")),
+        _para("distribution", describe_range(meta.get("answer_range"))),
     ]
     needs = p_sem_requirement(meta)
     if needs:

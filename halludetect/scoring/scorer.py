@@ -11,18 +11,24 @@ Order of work, so that bad input fails before anything expensive:
     hub id and commit, or the same files of a local model; same position convention), from
     the config and files alone;
  2. (files) every input row is checked in a first streamed pass;
- 3. the model is loaded: with early exit (`early_exit.load_until`), blocks 1..layer only;
-    with `generate`, the whole causal LM, because sampling needs its logits;
+ 3. the model is loaded: the whole causal LM when its logits are needed (sampling, with
+    `generate`; the answers' own token log-probs, which the distribution check compares with the
+    bundle's `answer_range`); otherwise, with early exit (`early_exit.load_until`), blocks 1..layer only;
  4. rows go through in batches: prompt + answer ids -> the layer's states -> bags exactly as
     the dump and evaluate build them (stored dtype, then float32) -> each seed's logit ->
     their mean (`score`), Platt probability, flag at the threshold; with `explain`, each
     token's contribution to that mean (detectors/evidence.py) and its text and place in the
-    answer (lm/token_text.py).
+    answer (lm/token_text.py); and the answer's token log-probs (their mean and lowest), which
+    mark it in or out of the distribution of the answers the detector was fit on
+    (scoring/answer_range.py: `in_distribution`, `ood_reason`).
 
 Rows that cannot be scored keep their place with a `reason`: empty_answer, too_long (prompt +
 answer longer than the model's context: the row is named in the log), no_p_sem (a method that
 reads P_sem, given none). A score that comes out NaN or infinite is never written: the run stops
-naming the row (`NonFiniteScore`).
+naming the row (`NonFiniteScore`). A bundle without an `answer_range` (exported before it was
+recorded), `check_distribution=False` (--no-distribution-check) or a loaded model without an LM
+head leave `in_distribution` null, and the log and the summary say why; nothing pretends the
+rows were checked.
 
 Options are checked before any weights are read: batch_size and rows_per_part of at
 least 1, a device this machine has, a finite threshold, sampling params that validate, a revision
@@ -47,7 +53,8 @@ import torch
 from tqdm import tqdm
 
 from halludetect.activations.bags import Bags
-from halludetect.activations.capture import bag_positions, bag_slice
+from halludetect.activations.capture import bag_positions, bag_slice, capture
+from halludetect.activations.logprob_check import teacher_forced_logprobs
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.core.atomic_io import file_sha256
 from halludetect.core.code_deps import code_digest
@@ -77,6 +84,7 @@ from halludetect.scoring.answer_files import (
     parse_row,
     write_output,
 )
+from halludetect.scoring.answer_range import CAN_SCORE, RULE, answer_stats, check
 from halludetect.scoring.bundle import Bundle, load_bundle
 
 # The code a finished part depends on: an edit to any of it discards parts kept from an earlier run.
@@ -307,6 +315,7 @@ class Scorer:
         batch_size: int = 32,
         per_seed: bool = False,
         explain: bool = False,
+        check_distribution: bool = True,
         log=print,
     ):
         batch_size = at_least_one("batch_size (--batch-size)", batch_size)
@@ -360,13 +369,34 @@ class Scorer:
             check_config(b, config)
         self.vocab_size = int(config.get_text_config().vocab_size)
         self.context = context_length(config)
+        self.answer_range, self.range_note = self._range(check_distribution)
+        if self.range_note:
+            log(f"note: {self.range_note}")
+
+    def _range(self, check_distribution: bool) -> tuple[dict | None, str | None]:
+        """The bundle's range of fit answers' log-probs, or None and why no row will be checked."""
+        b = self.bundle
+        if not check_distribution:
+            return None, "in_distribution is not checked (--no-distribution-check): every row's is null"
+        if b.meta.get("answer_range") is None:
+            return None, (
+                f"{b.path or 'the bundle'} predates the distribution check: it records no range of the "
+                "token log-probs of the answers its detector was fit on, so every row's in_distribution "
+                "is null (not checked). Re-export it (dvc repro evaluate@<model>-<dataset>-<method>) to add it"
+            )
+        if self.model is not None and getattr(self.model, "get_output_embeddings", lambda: None)() is None:
+            return None, (
+                "the model given has no LM head, so the answers' token log-probs cannot be computed: every "
+                "row's in_distribution is null (not checked); pass the causal LM"
+            )
+        return b.meta["answer_range"], None
 
     # ------------------------------------------------------------------ loading
     def load(self) -> Scorer:
         if self.model is None:
             from halludetect.activations.early_exit import load_until
 
-            if self.generate is not None:
+            if self.generate is not None or self.answer_range is not None:  # the logits are needed
                 self.model = load_model(self.preset, self.device)
             else:
                 self.model = load_until(self.preset, self.bundle.layer, self.device)
@@ -421,6 +451,10 @@ class Scorer:
                 "probability": None,
                 "flag": None,
                 "reason": None,
+                "in_distribution": None,
+                "ood_reason": None,
+                "mean_logprob": None,
+                "min_logprob": None,
                 "seed_scores": None,
                 **({"question": r.question, "answer": r.answer} if self.explain else {}),
             }
@@ -455,18 +489,31 @@ class Scorer:
         return out
 
     def _score_forced(self, batch: list[tuple], rows: list[AnswerRow], out: list[dict]) -> None:
-        """One teacher-forced pass up to the bundle's layer, exactly as the dump builds its batches."""
+        """One teacher-forced pass, exactly as the dump builds its batches: up to the bundle's layer,
+        or (to check the distribution) the whole model, as the dump runs it, for the logits too."""
         from halludetect.activations.early_exit import states_until
 
         b, device = self.bundle, input_device(self.model)
         starts = [bag_slice(len(p), len(a), b.positions).start for _, p, a in batch]
         lengths = [len(a) for _, _, a in batch]
         ids, mask = pad_ids([p + a for _, p, a in batch], self.tokenizer.pad_token_id, left=False)  # [B, W]
-        h = states_until(self.model, b.layer, b.n_layers, ids.to(device), mask.to(device))  # [B, W, d]
+        ids, mask = ids.to(device), mask.to(device)
+        logprobs = None
+        if self.answer_range is None:
+            h = states_until(self.model, b.layer, b.n_layers, ids, mask)  # [B, W, d]
+        else:
+            with torch.no_grad(), capture(self.model, [b.layer]) as store:
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, W, V]
+            h = store[b.layer]  # [B, W, d]
+            # each answer token's log-prob, from the position that predicts it (the dump's check's)
+            p_row, p_col = (t.to(device) for t in bag_positions([len(p) - 1 for _, p, _ in batch], lengths))
+            answer = torch.tensor([t for _, _, a in batch for t in a], device=device)  # [N]
+            logprobs = [x.tolist() for x in teacher_forced_logprobs(logits, p_row, p_col, answer).split(lengths)]
+            del logits
         row, col = (t.to(device) for t in bag_positions(starts, lengths))
         # The dump stores the states in the bundle's dtype; evaluate reads them back as float32.
         tokens = h[row, col].to(self.states_dtype).float()  # [N, d]
-        self._finish([i for i, _, _ in batch], tokens, lengths, rows, out, [a for _, _, a in batch])
+        self._finish([i for i, _, _ in batch], tokens, lengths, rows, out, [a for _, _, a in batch], logprobs)
 
     def _score_sampled(self, rows: list[AnswerRow], out: list[dict]) -> None:
         """Sample one answer per question; its bag comes from the sampling pass itself."""
@@ -503,7 +550,7 @@ class Scorer:
                 states_dtype=self.states_dtype,
                 greedy=self.greedy,
             )
-            done, bags, ids = [], [], []
+            done, bags, ids, logprobs = [], [], [], []
             for (i, _), s in zip(batch, sampled):
                 out[i] |= {
                     "answer": s.answer.text,
@@ -517,8 +564,10 @@ class Scorer:
                     done.append(i)
                     bags.append(s.states)
                     ids.append(s.answer.token_ids)
+                    logprobs.append(s.logprobs)
             if done:
-                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out, ids)
+                lps = logprobs if self.answer_range is not None else None  # the sampler's own log-probs
+                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out, ids, lps)
 
     def _finish(
         self,
@@ -528,6 +577,7 @@ class Scorer:
         rows: list[AnswerRow],
         out: list[dict],
         answer_ids: list[list[int]],
+        logprobs: list[list[float]] | None = None,
     ) -> None:
         b = self.bundle
         p_sem = None
@@ -546,8 +596,41 @@ class Scorer:
                 "flag": bool(z[k] >= self.threshold),
                 "seed_scores": logits[:, k].tolist(),
             }
+        if logprobs is not None:
+            self._check_range(index, answer_ids, logprobs, out)
         if self.explain:
             self._explain(index, bags, answer_ids, out)
+
+    def _check_range(
+        self, index: list[int], answer_ids: list[list[int]], logprobs: list[list[float]], out: list[dict]
+    ) -> None:
+        """Each answer's token log-prob statistics, and whether they are within the fit answers' range."""
+        for k, i in enumerate(index):
+            stats = answer_stats(logprobs[k])
+            token = token_pieces(self.tokenizer, answer_ids[k])[stats["argmin"]]
+            reason = check(stats, self.answer_range, token)
+            out[i] |= {
+                "in_distribution": reason is None,
+                "ood_reason": reason,
+                "mean_logprob": stats["mean_logprob"],
+                "min_logprob": stats["min_logprob"],
+            }
+
+    def distribution_summary(self, scored: int, out_of_distribution: int) -> dict:
+        """The summary's account of the check, logging a warning when rows fall outside the range."""
+        checked = self.answer_range is not None
+        if checked and out_of_distribution:
+            self.log(
+                f"warning: {out_of_distribution} of {scored} scored row(s) are out of the detector's distribution "
+                "(in_distribution false; ood_reason says why): their answers are not ones the base model would "
+                "have written, so their scores say little about whether they are true"
+            )
+        return {
+            "checked": checked,
+            "out_of_distribution": out_of_distribution if checked else None,
+            "rule": RULE if checked else None,
+            "note": self.range_note,
+        }
 
     def _explain(self, index: list[int], bags: Bags, answer_ids: list[list[int]], out: list[dict]) -> None:
         """Each answer's tokens (decoded pieces, their place in the answer) and contributions."""
@@ -594,6 +677,7 @@ class Scorer:
             "batch_size": self.batch_size,
             "per_seed": self.per_seed,
             "explain": self.explain,
+            "distribution_check": self.answer_range is not None,
             "device": str(self.device),
             "dtype": None if self.preset is None else self.preset.dtype,
             "generate": None if self.generate is None else {**self.generate.model_dump(), "greedy": self.greedy},
@@ -616,7 +700,9 @@ def score_answers(bundle: Bundle | str | Path, rows: Iterable[dict] | pl.DataFra
         parsed.append(parse_row(rec, i, f"row {i}", generate=scorer.generate is not None, source="rows"))
         seen.add(parsed[-1])
     schema = output_schema(seen.id_type, scorer.generate is not None, scorer.per_seed, scorer.explain)
-    return pl.DataFrame(_shape(scorer.score(parsed), schema), schema=schema)
+    df = pl.DataFrame(_shape(scorer.score(parsed), schema), schema=schema)
+    scorer.distribution_summary(df["score"].count(), int((df["in_distribution"] == False).sum()))  # noqa: E712
+    return df
 
 
 def _shape(results: list[dict], schema: dict) -> list[dict]:
@@ -687,8 +773,9 @@ def score_file(
         write_output(paths, output_path, schema)
         counts: Counter = Counter()
         for p in paths:
-            part = pl.read_parquet(p, columns=["reason", "flag"])
+            part = pl.read_parquet(p, columns=["reason", "flag", "in_distribution"])
             counts["flagged"] += int(part["flag"].sum() or 0)
+            counts["out_of_distribution"] += int((part["in_distribution"] == False).sum())  # noqa: E712
             counts.update(f"reason:{r}" for r in part["reason"].drop_nulls().to_list())
     except BaseException:
         store.release()  # the finished parts stay for a re-run, unclaimed
@@ -696,6 +783,7 @@ def score_file(
     store.remove()  # and the claim with it
     seconds = time.perf_counter() - t0
     not_scored = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("reason:")}
+    scored = src.n_rows - sum(not_scored.values())
     summary = {
         "input": str(input_path),
         "output": str(output_path),
@@ -704,9 +792,11 @@ def score_file(
         "layer": scorer.bundle.layer,
         "model": scorer.identity["path"],
         "rows": src.n_rows,
-        "scored": src.n_rows - sum(not_scored.values()),
+        "scored": scored,
         "flagged": counts["flagged"],
         "not_scored": not_scored,
+        "in_distribution": scorer.distribution_summary(scored, counts["out_of_distribution"]),
+        "can_score": CAN_SCORE,
         "threshold": {"name": scorer.threshold_name, "value": scorer.threshold},
         **({"evidence": scorer.evidence_rule} if scorer.explain else {}),
         "parts_kept_from_earlier_run": kept,
@@ -715,6 +805,7 @@ def score_file(
     }
     log(
         f"scored {summary['scored']} of {src.n_rows} rows ({summary['flagged']} flagged at {scorer.threshold_name} = "
-        f"{scorer.threshold:.4g}); not scored: {not_scored or 'none'}"
+        f"{scorer.threshold:.4g}); not scored: {not_scored or 'none'}; out of distribution: "
+        f"{counts['out_of_distribution'] if scorer.answer_range is not None else 'not checked'}"
     )
     return summary

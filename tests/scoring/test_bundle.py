@@ -18,6 +18,7 @@ from halludetect.config import load_params
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import load_detector
 from halludetect.prompts import GENERATION, template_hash
+from halludetect.scoring.answer_range import kept_answers
 from halludetect.scoring.bundle import (
     BundleError,
     choose_thresholds,
@@ -212,6 +213,7 @@ def test_the_same_bundle_gives_the_same_bytes(contract, bundle_path, tmp_path):
         prompt_template=GENERATION,
         fpr_targets=[0.01, 0.05, 0.1],
         default_threshold="fpr_0.05",
+        answers=kept_answers(*(pl.read_parquet(contract / f) for f in ("generations.parquet", "judgments.parquet"))),
     )
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert digest(again) == digest(bundle_path)

@@ -102,8 +102,15 @@ def test_generate_scores_the_sampled_answers(contract, bundle_path, tiny_model_d
         "probability",
         "flag",
         "reason",
+        "in_distribution",
+        "ood_reason",
+        "mean_logprob",
+        "min_logprob",
     ]
     assert summary["rows"] == 5 and summary["scored"] == df["score"].count()
+    # each sampled answer checked against the bundle's range, on the sampler's own log-probs
+    scored = df.filter(pl.col("score").is_not_null())
+    assert scored["in_distribution"].null_count() == 0 and summary["in_distribution"]["checked"]
     # the answers are scored as if given: teacher-forced on the sampled tokens, equal up to float noise
     again = score_answers(
         bundle_path,
@@ -116,6 +123,8 @@ def test_generate_scores_the_sampled_answers(contract, bundle_path, tiny_model_d
         device="cpu",
     )
     np.testing.assert_allclose(df["score"].drop_nulls().to_numpy(), again["score"].to_numpy(), atol=1e-3)
+    for stat in ("mean_logprob", "min_logprob"):  # the sampler's log-probs are the teacher-forced pass's
+        np.testing.assert_allclose(scored[stat].to_numpy(), again[stat].to_numpy(), atol=1e-4)
 
 
 # ------------------------------------------------------------------------------ token evidence
