@@ -42,6 +42,23 @@ def _device(value: str) -> str:
 
 
 Device = Annotated[str, AfterValidator(_device)]
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placements over the GPUs
+
+
+def device_map_problem(value: str) -> str | None:
+    """Why `value` is not a device_map transformers takes as a string, or None."""
+    if value in DEVICE_MAPS or DEVICE.fullmatch(value):
+        return None
+    return (
+        f"'{value}' is not a device map; use {', '.join(DEVICE_MAPS)} (split over the GPUs), "
+        "or one device (cpu, cuda, cuda:N, mps)"
+    )
+
+
+def _device_map(value: str | None) -> str | None:
+    if value is not None and (problem := device_map_problem(value)):
+        raise ValueError(problem)
+    return value
 
 
 def _seeds(value: list[int]) -> list[int]:
@@ -87,7 +104,9 @@ class ModelPreset(Section):
     path: str = Field(description="local directory (relative to the repo) or Hugging Face hub id")
     revision: str | None = Field(None, description="hub commit or tag; pin a commit to reproduce")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    device_map: str | None = Field(None, description="accelerate placement, e.g. 'auto' to split over GPUs")
+    device_map: Annotated[str | None, AfterValidator(_device_map)] = Field(
+        None, description="accelerate placement, e.g. 'auto' to split over GPUs"
+    )
     max_memory: dict[int | str, str] | None = Field(None, description="caps for device_map: {0: 70GiB, cpu: 200GiB}")
     quantization: QuantizationParams | None = None
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None

@@ -246,3 +246,14 @@ def test_a_dataset_named_transfer_is_refused():
         ParamsError, match="a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/"
     ):
         parse_params(data)
+
+
+@pytest.mark.hostile
+def test_params_reject_an_unknown_device_map_naming_the_key():
+    data = base()
+    data["models"]["world"]["device_map"] = "banana"
+    with pytest.raises(ParamsError, match=r"models.world.device_map: 'banana' is not a device map; use auto, "):
+        parse_params(data)
+    for placement in ("auto", "balanced_low_0", "sequential", "cpu", "cuda:1"):
+        data["models"]["world"]["device_map"] = placement
+        parse_params(data)
