@@ -3,8 +3,8 @@
 The server (`halludetect.testing.fake_openai`) speaks the chat-completions API on 127.0.0.1 and is
 scripted per test; the real `openai` client talks to it, so retries, Retry-After, timeouts,
 malformed bodies, the call cache, usage and cost, and a SIGINT that loses no paid reply are all
-exercised over real HTTP. The hostile cases: the key redacted from every error, a per-request
-deadline that cuts off a trickling server, a Retry-After beyond the patience.
+exercised over real HTTP. The hostile cases: the key redacted from every error, usage counts sent
+as strings, a per-request deadline that cuts off a trickling server, a Retry-After beyond the patience.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from halludetect.config import ChatParams, ParamsError, Price, parse_params
 from halludetect.core.call_cache import CallCache
 from halludetect.labels.chat_client import ApiError, ChatRunner
 from halludetect.labels.judges import get_judge
-from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder
+from halludetect.testing.fake_openai import FakeOpenAI, Fault, completion, rule_responder
 
 
 def runner(srv, **kw) -> ChatRunner:
@@ -119,6 +119,26 @@ def test_slow_replies_time_out_then_fail_clearly():
 
 
 # ------------------------------------------------------------------- usage and the cache key
+@pytest.mark.hostile
+def test_usage_counts_sent_as_strings_are_read_as_numbers():
+    """Some servers send `usage` counts as strings ("12"), or text that is no count at all: read,
+    or counted as unknown (0), never a TypeError after the reply was paid for."""
+
+    def as_text(body, n):
+        reply = completion("yes", body, n)
+        details = {"reasoning_tokens": "n/a"}
+        reply["usage"] = {"prompt_tokens": "12", "completion_tokens": "3", "completion_tokens_details": details}
+        return Fault(200, body=json.dumps(reply))
+
+    with FakeOpenAI(as_text) as srv:
+        r = runner(srv)
+        assert r.run(["Q?"], yes_no)[0].value == "yes"
+        again = runner(srv)
+        again.run(["Q?"], yes_no)  # from the cache
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.reasoning_tokens) == (12, 3, 0)
+    assert (again.usage.cached_prompt_tokens, again.usage.cached_completion_tokens) == (12, 3)
+
+
 def test_usage_and_cost_accounting():
     prices = {"m": Price(input=1.0, output=10.0)}
     with FakeOpenAI(always_yes) as srv:
