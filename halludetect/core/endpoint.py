@@ -6,6 +6,8 @@ needs and none should write twice, on top of the official `openai` client:
 
 - the key comes from the environment variable named in params, checked before any work, and
   is redacted from every message (an endpoint may echo the Authorization header in an error);
+  a key pasted in place of the variable's name, or credentials in a base URL, are refused
+  without being repeated (core/credentials.py);
 - bounded concurrency, over one URL or several replicas of one model: `concurrency` requests
   in flight per replica, each request sent to the replica with the fewest in flight;
 - `timeout` is a deadline per HTTP request, headers and body together: a server that trickles
@@ -44,6 +46,7 @@ except ImportError:  # pragma: no cover
     import httpx
 
 from halludetect.core.call_cache import CallCache
+from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 
 OPENAI_URL = "https://api.openai.com/v1"
@@ -160,6 +163,13 @@ class Endpoint:
     stopping: str | None = field(default=None, init=False)
 
     def __post_init__(self):
+        # Checked before the key is read, and never echoed: a key pasted as the variable's name
+        # would otherwise come back in "the API key variable <key> is not set".
+        if self.api_key_env and (problem := key_variable_problem(self.api_key_env)):
+            raise ApiError(f"{self.where}.api_key_env: {problem}")
+        for url in self.base_urls:  # credentials in a URL: aiohttp's traceback, and a secret in params
+            if problem := url_credentials(url):
+                raise ApiError(f"{self.where}.base_url: {problem}")
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:

@@ -32,6 +32,7 @@ from typing import Any
 
 from halludetect.config import ChatParams, Price
 from halludetect.core.call_cache import CallCache, cache_path
+from halludetect.core.credentials import url_credentials
 from halludetect.core.endpoint import OPENAI_URL, ApiError, Endpoint, Malformed, Stop, count, retry_after
 
 __all__ = ["ApiError", "ChatRunner", "Reply", "Usage", "retry_after"]
@@ -112,7 +113,10 @@ class ChatRunner:
 
     def __post_init__(self):
         p = self.params
-        self.base_url = (p.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
+        from_env = None if p.base_url else os.environ.get("OPENAI_BASE_URL")
+        if from_env and (problem := url_credentials(from_env)):  # params' own base_url is checked when parsed
+            raise ApiError(f"{self.where}: OPENAI_BASE_URL (read because {self.where}.base_url is null) {problem}")
+        self.base_url = (p.base_url or from_env or OPENAI_URL).rstrip("/")
         self.endpoint = Endpoint(
             [self.base_url],
             where=self.where,
