@@ -259,6 +259,15 @@ def _literal(text: str):
     return yaml12.load(text)
 
 
+def _device_map(text: str) -> str:
+    """--device-map checked as params' device_map is: one line from argparse, not transformers' traceback."""
+    from halludetect.config import device_map_problem
+
+    if problem := device_map_problem(text):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's errors (a missing or unknown flag, a count that is not a number) as one line and
     exit 2, like every other bad input; `-h` still prints the usage."""
@@ -303,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="model dtype (default: the bundle's preset)"
     )
     s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
-    s.add_argument("--device-map", help="accelerate placement over several GPUs, e.g. auto")
+    s.add_argument("--device-map", type=_device_map, help="accelerate placement over several GPUs, e.g. auto")
     s.add_argument(
         "--positions",
         choices=["predicting", "generated"],

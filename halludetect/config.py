@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
 
 from halludetect.core import yaml12
+from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
@@ -42,6 +43,41 @@ def _device(value: str) -> str:
 
 
 Device = Annotated[str, AfterValidator(_device)]
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placements over the GPUs
+
+
+def device_map_problem(value: str) -> str | None:
+    """Why `value` is not a device_map transformers takes as a string, or None."""
+    if value in DEVICE_MAPS or DEVICE.fullmatch(value):
+        return None
+    return (
+        f"'{value}' is not a device map; use {', '.join(DEVICE_MAPS)} (split over the GPUs), "
+        "or one device (cpu, cuda, cuda:N, mps)"
+    )
+
+
+def _device_map(value: str | None) -> str | None:
+    if value is not None and (problem := device_map_problem(value)):
+        raise ValueError(problem)
+    return value
+
+
+def _key_variable(value: str | None) -> str | None:
+    """Never a key itself; the message does not repeat the value (core/credentials.py)."""
+    if value is not None and (problem := key_variable_problem(value)):
+        raise ValueError(problem)
+    return value
+
+
+def _no_credentials(value):
+    """A base URL (or a list of replicas) without a password or token in it, never echoed."""
+    for url in [value] if isinstance(value, str) else value or []:
+        if isinstance(url, str) and (problem := url_credentials(url)):
+            raise ValueError(problem)
+    return value
+
+
+KeyVariable = Annotated[str | None, AfterValidator(_key_variable)]
 
 
 def _seeds(value: list[int]) -> list[int]:
@@ -87,7 +123,9 @@ class ModelPreset(Section):
     path: str = Field(description="local directory (relative to the repo) or Hugging Face hub id")
     revision: str | None = Field(None, description="hub commit or tag; pin a commit to reproduce")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    device_map: str | None = Field(None, description="accelerate placement, e.g. 'auto' to split over GPUs")
+    device_map: Annotated[str | None, AfterValidator(_device_map)] = Field(
+        None, description="accelerate placement, e.g. 'auto' to split over GPUs"
+    )
     max_memory: dict[int | str, str] | None = Field(None, description="caps for device_map: {0: 70GiB, cpu: 200GiB}")
     quantization: QuantizationParams | None = None
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
@@ -194,11 +232,11 @@ class CompletionsParams(Section):
     # them for `generate` and the resume fingerprint leaves them out.
     TRANSPORT: ClassVar[tuple[str, ...]] = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout")
 
-    base_url: str | list[str] | None = Field(
+    base_url: Annotated[str | list[str] | None, AfterValidator(_no_credentials)] = Field(
         None, description="e.g. http://gpu-node:8000/v1, or a list of replicas of one model; required by completions"
     )
     model: str | None = Field(None, description="the served model name; None: the preset's path (vllm serve's default)")
-    api_key_env: str | None = None  # the variable holding the engine's key (vllm serve --api-key); None: no key
+    api_key_env: KeyVariable = None  # the variable holding the engine's key (vllm serve --api-key); None: no key
     concurrency: PositiveInt = 64  # requests in flight per replica
     max_retries: Annotated[int, Field(ge=0)] = 6  # on 429 (honouring Retry-After), 5xx, timeouts, cut bodies
     timeout: Annotated[float, Field(gt=0)] = 600.0  # seconds per request (a request may queue behind many)
@@ -274,8 +312,10 @@ class ChatParams(Section):
     """An OpenAI-compatible chat endpoint (OpenAI, Azure's v1 URL, vLLM, Ollama); see labels/chat_client.py."""
 
     model: str
-    base_url: str | None = Field(None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1")
-    api_key_env: str | None = Field(
+    base_url: Annotated[str | None, AfterValidator(_no_credentials)] = Field(
+        None, description="None: the OpenAI API; vLLM e.g. http://host:8000/v1"
+    )
+    api_key_env: KeyVariable = Field(
         "OPENAI_API_KEY", description="environment variable holding the key; None for a local endpoint without keys"
     )
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # reasoning models take none

@@ -42,6 +42,10 @@ def test_the_command_reports_bad_input_in_one_line_and_exits_2(bundle_path, tiny
             ["--device", "banana"],
             "--device: 'banana' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps",
         ),
+        (
+            ["--device-map", "banana"],
+            "halludetect score: argument --device-map: 'banana' is not a device map; use auto, balanced, ",
+        ),
         (["--revision", "main"], "--revision main was given with the local model directory "),
         (["--out", "{input}"], "the output (--out) {input} is the input (--input) {input}: writing it would destroy"),
         (["--out", "{tmp}"], "the output (--out) {tmp} is a directory: give a file path in it"),

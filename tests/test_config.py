@@ -3,7 +3,8 @@ choices, undefined grid names, dotted preset names and cross-field problems are 
 dotted key and a suggestion, every problem at once; the export's default threshold is a target
 false-positive rate (best F1 selectable); and the hostile cases, an empty stop string, a zero split
 share, no seeds, no layers, a YAML syntax error (file, line and column), an unknown device and a
-target false-positive rate outside (0, 1), each named with its key."""
+target false-positive rate outside (0, 1), each named with its key; a key pasted as api_key_env and
+credentials in a base_url, refused without repeating them."""
 
 import re
 
@@ -275,4 +276,71 @@ def test_a_dataset_named_transfer_is_refused():
     with pytest.raises(
         ParamsError, match="a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/"
     ):
+        parse_params(data)
+
+
+# ------------------------------------------------------------------------ secrets in params
+# The sections that name an endpoint: the judge, the NLI backend, the sampling engine.
+ENDPOINTS = ["judge.openai", "cluster.openai", "generate.endpoint"]
+# An OpenAI-style key, and a key that is also a valid shell name (only its look gives it away).
+PASTED = ["sk-test-0123456789abcdef", "hf_AbCdEfGh1234IjKlMnOp5678QrStUv"]
+
+
+def _section(data: dict, dotted: str) -> dict:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("pasted", PASTED, ids=["sk", "shell_name_shaped"])
+@pytest.mark.parametrize("where", ENDPOINTS)
+def test_a_key_pasted_as_api_key_env_is_refused_without_repeating_it(where, pasted):
+    data = base()
+    _section(data, where)["api_key_env"] = pasted
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    msg = str(e.value)
+    assert pasted not in msg
+    assert f"{where}.api_key_env: not the name of an environment variable (it may be a key itself" in msg
+    assert "The key goes in the environment (export OPENAI_API_KEY=...) and api_key_env names the variable" in msg
+    _section(data, where)["api_key_env"] = "MY_TEAM_KEY_2"  # a name, even with a digit
+    parse_params(data)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("url", "found"),
+    [
+        ("https://me:{key}@api.example.com/v1", "carries a user name or password before the host (user:password@)"),
+        ("http://gpu-node:8000/v1?api_key={key}", "carries a credential in its query (parameter 'api_key')"),
+        ("http://gpu-node:8000/v1?{key}", "carries a credential in its query, not repeated here"),
+    ],
+    ids=["userinfo", "query_parameter", "bare_query"],
+)
+@pytest.mark.parametrize("where", ENDPOINTS)
+def test_credentials_in_a_base_url_are_refused_naming_the_key_without_repeating_them(where, url, found):
+    key = "sk-test-0123456789abcdef"
+    data = base()
+    section = _section(data, where)
+    section["base_url"] = url.format(key=key)
+    if where == "generate.endpoint":  # a list of replicas is checked too
+        section["base_url"] = ["http://gpu-a:8000/v1", url.format(key=key)]
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    msg = str(e.value)
+    assert key not in msg and "me:" not in msg
+    assert f"{where}.base_url: {found}" in msg and "name that variable in api_key_env" in msg
+    section["base_url"] = "https://my-resource.openai.azure.com/openai/v1/?api-version=preview"  # no secret
+    parse_params(data)
+
+
+@pytest.mark.hostile
+def test_params_reject_an_unknown_device_map_naming_the_key():
+    data = base()
+    data["models"]["world"]["device_map"] = "banana"
+    with pytest.raises(ParamsError, match=r"models.world.device_map: 'banana' is not a device map; use auto, "):
+        parse_params(data)
+    for placement in ("auto", "balanced_low_0", "sequential", "cpu", "cuda:1"):
+        data["models"]["world"]["device_map"] = placement
         parse_params(data)

@@ -10,12 +10,20 @@ topological order, with the families it reads from. `dvc dag` draws every stage 
     evaluate x 10           <- generate, dump, judge, train
 
 The stages and their edges are DVC's own (`dvc.repo.Repo(...).index.graph`, the matrix expanded
-with the params), so this view never disagrees with `dvc dag`; a family is a stage name before `@`."""
+with the params), so this view never disagrees with `dvc dag`; a family is a stage name before `@`.
+What DVC cannot read (a broken dvc.yaml or params.yaml, a directory outside a DVC repository or
+its git clone) is one line naming the file and the fix (`DagError`), not DVC's traceback."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from halludetect.core.errors import UserError
+
+
+class DagError(UserError):
+    """DVC cannot read the pipeline of the repository."""
 
 
 @dataclass
@@ -52,13 +60,50 @@ def families(edges: list[tuple[str, str]], stages: list[str]) -> list[Family]:
 
 def collapsed(repo: str | Path = ".") -> list[Family]:
     """The families of the DVC pipeline of `repo` (its dvc.yaml files, with its params)."""
+    from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    with Repo(str(repo)) as r:
-        graph = r.index.graph
-        stages = [s.addressing for s in r.index.stages]
-        edges = [(a.addressing, b.addressing) for a, b in graph.edges]
+    try:
+        with Repo(str(repo)) as r:
+            graph = r.index.graph
+            stages = [s.addressing for s in r.index.stages]
+            edges = [(a.addressing, b.addressing) for a, b in graph.edges]
+    except DvcException as e:
+        raise DagError(dvc_problem(e, repo)) from None
     return families(edges, stages)
+
+
+def dvc_problem(e: Exception, repo: str | Path) -> str:
+    """One line for what DVC could not read: the file, line and column of a YAML error (DVC
+    prints them over several lines, or only in its traceback), and what to do."""
+    from dvc.exceptions import NotDvcRepoError
+    from dvc.scm import SCMError
+    from dvc.utils.strictyaml import YAMLValidationError
+
+    repo = Path(repo).resolve()  # `.` says nothing in a message
+    if isinstance(e, NotDvcRepoError):
+        return (
+            f"{repo} is not in a DVC repository (no .dvc directory there or above): run it in the root of "
+            "the project's git clone, or pass --repo"
+        )
+    if isinstance(e, SCMError):
+        return (
+            f"{repo}: DVC needs the git repository around it ({e}): run it in the project's git clone, or pass --repo"
+        )
+    if isinstance(e, YAMLValidationError):  # e.g. an unknown key in a stage: voluptuous says which
+        return f"{e} ({e.exc}): fix it (`dvc dag` lists every problem)"
+    cause = e.__cause__
+    while cause is not None and getattr(cause, "problem_mark", None) is None:
+        cause = cause.__cause__
+    if cause is not None:  # a YAML syntax error: ruamel's mark is 0-based
+        mark, path = cause.problem_mark, getattr(e, "path", None) or "a YAML file"
+        return (
+            f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {cause.problem} (check the "
+            "indentation and quoting at that line, or the line before it)"
+        )
+    detail = f" ({e.__cause__})" if e.__cause__ is not None and str(e.__cause__) not in str(e) else ""
+    text = f"{e}{detail}".replace("\n", " ")  # one line, whatever DVC's message holds
+    return f"{repo}: DVC cannot read the pipeline: {text}; fix the file it names (dvc.yaml or params.yaml)"
 
 
 def render(fams: list[Family]) -> str:

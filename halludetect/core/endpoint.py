@@ -6,6 +6,8 @@ needs and none should write twice, on top of the official `openai` client:
 
 - the key comes from the environment variable named in params, checked before any work, and
   is redacted from every message (an endpoint may echo the Authorization header in an error);
+  a key pasted in place of the variable's name, or credentials in a base URL, are refused
+  without being repeated (core/credentials.py);
 - bounded concurrency, over one URL or several replicas of one model: `concurrency` requests
   in flight per replica, each request sent to the replica with the fewest in flight;
 - `timeout` is a deadline per HTTP request, headers and body together: a server that trickles
@@ -44,6 +46,7 @@ except ImportError:  # pragma: no cover
     import httpx
 
 from halludetect.core.call_cache import CallCache
+from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 
 OPENAI_URL = "https://api.openai.com/v1"
@@ -110,6 +113,27 @@ def cut_body(e: BaseException) -> str | None:
     return None
 
 
+def count(value) -> int | None:
+    """A token count from a reply's `usage`: an int, or None where the endpoint gives none or
+    something else. Some servers send counts as strings ("12") or floats: read, not added as text."""
+    if isinstance(value, bool):
+        return None
+    if (isinstance(value, float) and value.is_integer()) or (isinstance(value, str) and value.strip().isdigit()):
+        value = int(value)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def why(e: BaseException) -> str:
+    """`e`'s text, or its cause's where it has none, or its type's name: never empty (an asyncio
+    timeout's text is "", which printed as "cannot reach ... ()")."""
+    first = e
+    while e is not None:
+        if str(e).strip():
+            return str(e)
+        e = e.__cause__ or e.__context__
+    return type(first).__name__
+
+
 def connect_failure(e: BaseException) -> str | None:
     """The connection error behind `e`, if any (refused, unreachable, DNS): not a slow server."""
     while e is not None:
@@ -139,6 +163,13 @@ class Endpoint:
     stopping: str | None = field(default=None, init=False)
 
     def __post_init__(self):
+        # Checked before the key is read, and never echoed: a key pasted as the variable's name
+        # would otherwise come back in "the API key variable <key> is not set".
+        if self.api_key_env and (problem := key_variable_problem(self.api_key_env)):
+            raise ApiError(f"{self.where}.api_key_env: {problem}")
+        for url in self.base_urls:  # credentials in a URL: aiohttp's traceback, and a secret in params
+            if problem := url_credentials(url):
+                raise ApiError(f"{self.where}.base_url: {problem}")
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:
@@ -214,13 +245,14 @@ class Endpoint:
 
     # ------------------------------------------------------------------ one request
     async def reply(
-        self, key: str, request: dict, path: str, body: dict, read: Callable[[dict], dict]
+        self, key: str, request: dict, path: str, body: dict, read: Callable[[dict, str], dict]
     ) -> tuple[dict, bool, bool]:
         """(reply, cached, waited): from the cache, from another process that is asking for it right
         now (waited for, not sent again), or sent here under this process's claim and stored.
-        `request` is what the cache records next to the reply (never the key); `read` turns the
-        response body into the reply dict to store (keys: reply, prompt_tokens, completion_tokens,
-        reasoning_tokens) or raises Malformed."""
+        `request` is what the cache records next to the reply (never the key); `read(body, url)`
+        turns the response body from the replica at `url` into the reply dict to store (keys: reply,
+        prompt_tokens, completion_tokens, reasoning_tokens: ints or None, see `count`), or raises
+        Malformed (asked again) or an ApiError."""
         waited, poll = False, POLL_S[0]
         while True:
             hit = self.cache.get(key)
@@ -258,14 +290,21 @@ class Endpoint:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise self.error(f"{self.where}: {url}{path} returned a body that is not JSON ({e})") from None
         except (asyncio.TimeoutError, openai.APIConnectionError) as e:
+            refused = connect_failure(e)
+            if isinstance(e, asyncio.TimeoutError | openai.APITimeoutError) and not refused:
+                raise self.error(
+                    f"{self.where}: {url}{path} did not answer within {self.timeout:g} s ({self.where}.timeout): the "
+                    f"server is slow (still loading the model, or overloaded) or a firewall drops the connection; "
+                    f"wait and re-run, raise {self.where}.timeout, or check {self.where}.base_url"
+                ) from None
             raise self.error(
-                f"{self.where}: cannot reach {url} ({connect_failure(e) or e.__cause__ or e}); is the server up "
+                f"{self.where}: cannot reach {url} ({refused or why(e.__cause__ or e)}); is the server up "
                 f"and {self.where}.base_url right?"
             ) from None
         except openai.APIStatusError as e:
             raise self.error(f"{self.where}: {url}{path} answered HTTP {e.status_code}: {e.message}") from None
 
-    async def call(self, path: str, body: dict, read: Callable[[dict], dict]) -> dict:
+    async def call(self, path: str, body: dict, read: Callable[[dict, str], dict]) -> dict:
         """One request, retried: a deadline of `timeout` per HTTP request, at most `max_retries`
         retries for timeouts, dropped connections and 408/409/429/5xx, and as many again for
         malformed bodies. A Retry-After beyond the patience left fails at once."""
@@ -291,7 +330,7 @@ class Endpoint:
                     raise Malformed(f"the body is not JSON ({type(e).__name__}: {e})") from None
                 if not isinstance(data, dict):
                     raise Malformed(f"the body is a JSON {type(data).__name__}, not an object")
-                reply = read(data)
+                reply = read(data, url)  # the url: a reply refused as wrong names the replica that sent it
             except Malformed as e:
                 if malformed == self.max_retries:
                     raise self.error(
@@ -325,7 +364,7 @@ class Endpoint:
                 else:
                     final = (
                         f"{where}: cannot reach {url} ({self.max_retries + 1} tries): "
-                        f"{refused or e.__cause__ or e}; is the server up and {where}.base_url right?"
+                        f"{refused or why(e.__cause__ or e)}; is the server up and {where}.base_url right?"
                     )
                 wait = None
             except openai.APIStatusError as e:

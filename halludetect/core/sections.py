@@ -13,7 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # hide_input_in_errors: pydantic's own message (a section built in Python, outside
+    # load_params) would print a refused value, and that value may be a key pasted where its
+    # variable's name belongs. `config.format_errors` says what it shows itself.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, hide_input_in_errors=True)
 
 
 PositiveInt = Annotated[int, Field(gt=0)]

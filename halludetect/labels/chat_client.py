@@ -32,7 +32,8 @@ from typing import Any
 
 from halludetect.config import ChatParams, Price
 from halludetect.core.call_cache import CallCache, cache_path
-from halludetect.core.endpoint import OPENAI_URL, ApiError, Endpoint, Malformed, Stop, retry_after
+from halludetect.core.credentials import url_credentials
+from halludetect.core.endpoint import OPENAI_URL, ApiError, Endpoint, Malformed, Stop, count, retry_after
 
 __all__ = ["ApiError", "ChatRunner", "Reply", "Usage", "retry_after"]
 
@@ -56,15 +57,17 @@ class Usage:
     seconds: float = 0.0  # wall time spent waiting for the endpoint in this run
 
     def add(self, reply: dict, cached: bool) -> None:
+        # `count` again: a cache written before counts were read as ints may hold strings.
+        prompt, completion = count(reply["prompt_tokens"]) or 0, count(reply["completion_tokens"]) or 0
         if cached:
             self.cache_hits += 1
-            self.cached_prompt_tokens += reply["prompt_tokens"] or 0
-            self.cached_completion_tokens += reply["completion_tokens"] or 0
+            self.cached_prompt_tokens += prompt
+            self.cached_completion_tokens += completion
         else:
             self.calls += 1
-            self.prompt_tokens += reply["prompt_tokens"] or 0
-            self.completion_tokens += reply["completion_tokens"] or 0
-            self.reasoning_tokens += reply["reasoning_tokens"] or 0
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+            self.reasoning_tokens += count(reply["reasoning_tokens"]) or 0
 
     def merge(self, other: Usage) -> None:
         for k, v in asdict(other).items():
@@ -110,7 +113,10 @@ class ChatRunner:
 
     def __post_init__(self):
         p = self.params
-        self.base_url = (p.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
+        from_env = None if p.base_url else os.environ.get("OPENAI_BASE_URL")
+        if from_env and (problem := url_credentials(from_env)):  # params' own base_url is checked when parsed
+            raise ApiError(f"{self.where}: OPENAI_BASE_URL (read because {self.where}.base_url is null) {problem}")
+        self.base_url = (p.base_url or from_env or OPENAI_URL).rstrip("/")
         self.endpoint = Endpoint(
             [self.base_url],
             where=self.where,
@@ -208,19 +214,21 @@ class ChatRunner:
         return reply["reply"]
 
 
-def _read(data: dict) -> dict:
-    """A chat completion's text and usage; a body without them is malformed."""
+def _read(data: dict, url: str) -> dict:
+    """A chat completion's text and usage; a body without them is malformed. Usage counts are
+    read as ints (`count`): some servers send strings, or nothing."""
     try:
         text = data["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError) as e:
         raise Malformed(f"{type(e).__name__}: {e}") from None
     if text is not None and not isinstance(text, str):
         raise Malformed(f"TypeError: message content is {type(text).__name__}")
-    usage = data.get("usage") or {}
-    details = usage.get("completion_tokens_details") or {}
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    details = usage.get("completion_tokens_details")
+    details = details if isinstance(details, dict) else {}
     return {
         "reply": text,
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
-        "reasoning_tokens": details.get("reasoning_tokens"),
+        "prompt_tokens": count(usage.get("prompt_tokens")),
+        "completion_tokens": count(usage.get("completion_tokens")),
+        "reasoning_tokens": count(details.get("reasoning_tokens")),
     }

@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 from halludetect.config import GenerateParams
 from halludetect.core.call_cache import CallCache
-from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop
+from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count
 from halludetect.core.unit_store import UnitStore
 from halludetect.lm.generation import GENERATIONS_SCHEMA, in_question_order, make_units, row_seed, trim_answer
 from halludetect.lm.hf_models import ModelError
@@ -168,10 +168,10 @@ class CompletionsSampler:
         """The reader of one request's reply: checked choices, or Malformed (asked again) or ApiError."""
         ep = self.endpoint
 
-        def bad(message: str) -> ApiError:
-            return ep.error(f"{WHERE}: the reply to {what} {message}")
+        def read(data: dict, url: str) -> dict:
+            def bad(message: str) -> ApiError:
+                return ep.error(f"{WHERE}: the reply to {what} from {url} {message}")
 
-        def read(data: dict) -> dict:
             choices = data.get("choices")
             if not isinstance(choices, list):
                 raise Malformed(f"the reply to {what} has no choices list")
@@ -182,8 +182,8 @@ class CompletionsSampler:
             usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
             return {
                 "reply": json.dumps(out),
-                "prompt_tokens": usage.get("prompt_tokens"),
-                "completion_tokens": usage.get("completion_tokens"),
+                "prompt_tokens": count(usage.get("prompt_tokens")),
+                "completion_tokens": count(usage.get("completion_tokens")),
                 "reasoning_tokens": None,
             }
 
@@ -213,6 +213,16 @@ class CompletionsSampler:
             raise bad(f"has token ids that are not integers in choice {k}: {str(ids)[:80]}")
         if from_tokens is not None and from_tokens != ids:
             raise bad(f"gives two different id lists in choice {k} (token_ids and its logprobs' tokens)")
+        if len(ids) > self.params.max_new_tokens:
+            # The engine's ids count its tokens (EOS and a stop string's token included, as
+            # max_tokens counts them). Kept, such answers would reach the dump, whose context
+            # check would then blame the prompt.
+            raise bad(
+                f"has {len(ids)} tokens in choice {k}, for max_tokens {self.params.max_new_tokens} asked "
+                "(generate.max_new_tokens): the engine ignores max_tokens, so its answers are not the ones "
+                "params.yaml asks for; serve the model with vLLM or SGLang, or remove what drops max_tokens "
+                "between the stage and the engine (a proxy, a gateway)"
+            )
         lps = lp.get("token_logprobs")
         if ids and not isinstance(lps, list):
             raise bad(
@@ -255,8 +265,8 @@ class CompletionsSampler:
             self.stats["replies_kept_from_before" if not waited else "replies_waited_for"] += 1
         else:
             self.stats["requests_sent"] += 1
-            self.stats["prompt_tokens"] += reply.get("prompt_tokens") or 0
-            self.stats["completion_tokens"] += reply.get("completion_tokens") or 0
+            self.stats["prompt_tokens"] += count(reply.get("prompt_tokens")) or 0
+            self.stats["completion_tokens"] += count(reply.get("completion_tokens")) or 0
         return json.loads(reply["reply"]), 0.0 if cached else float(reply.get("latency_s") or 0.0)
 
     # ------------------------------------------------------------------ a question, a unit

@@ -21,6 +21,7 @@ Switches to misbehave, for the bad-input tests: `fault(body, n)` returns a `Faul
 Retry-After, a raw or cut body, a delay, a trickle) or None, and may block to hold a request;
 `mutate(response, body, n)` returns the response to send instead (fewer choices, ids outside
 the vocabulary, NaN log-probs, another text); `dtype="bfloat16"` serves like a bf16 engine;
+`models_latency` delays `GET /v1/models` (an engine still loading its model);
 `logprobs_mode="processed_logprobs"` returns the warped distribution's log-probs, as vLLM's
 `--logprobs-mode processed_logprobs` does; `weight_noise` perturbs the weights (another revision
 of the model); `tokenizer_dir` serves with another tokenizer; `token_ids` says which of vLLM's
@@ -156,6 +157,7 @@ class FakeVLLM:
         batch: int = 1,
         fault: Callable[[dict, int], Fault | None] | None = None,
         mutate: Callable[[dict, dict, int], dict] | None = None,
+        models_latency: float = 0.0,
     ):
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode {logprobs_mode!r}: raw_logprobs or processed_logprobs")
@@ -165,7 +167,7 @@ class FakeVLLM:
         self.name = served_name or str(model_dir)
         self.engine = _Engine(model_dir, Path(tokenizer_dir or model_dir), dtype, weight_noise)
         self.latency, self.logprobs_mode, self.token_ids, self.batch = latency, logprobs_mode, token_ids, batch
-        self.fault, self.mutate = fault, mutate
+        self.fault, self.mutate, self.models_latency = fault, mutate, models_latency
         self.requests: list[dict] = []  # every POST body, in arrival order
         self.headers: list[dict[str, str]] = []  # their headers, names lower-cased
         self.batches = 0  # generate calls (several requests each when batch > 1)
@@ -384,6 +386,7 @@ class FakeVLLM:
             def do_GET(self):
                 path = self.path.rstrip("/")
                 if path.endswith("/models"):
+                    time.sleep(srv.models_latency)
                     srv.engine.get()
                     data = [
                         {

@@ -1,5 +1,8 @@
 """The collapsed DAG (halludetect/core/dag.py, `halludetect dag`): stage families in topological
-order with their counts and upstream families, from DVC's own graph of the repository."""
+order with their counts and upstream families, from DVC's own graph of the repository; what DVC
+cannot read (a broken dvc.yaml or params.yaml, no DVC repository, no git) is one line."""
+
+import subprocess
 
 import pytest
 import yaml
@@ -69,3 +72,64 @@ def test_the_command_prints_the_rendered_view_of_the_repo(capsys, monkeypatch, t
     monkeypatch.setattr(dag, "collapsed", lambda repo: fams if repo == str(tmp_path) else [])
     console.main(["dag", "--repo", str(tmp_path)])
     assert capsys.readouterr().out == "world\ntrain x 3  <- world\n"
+
+
+def _repo(path, dvc_yaml: str, params_yaml: str = "x: 1\n", git: bool = True, dvc: bool = True):
+    """A directory holding a pipeline; `.dvc/` with an empty config is all DVC needs to find its root."""
+    path.mkdir()
+    (path / "dvc.yaml").write_text(dvc_yaml)
+    (path / "params.yaml").write_text(params_yaml)
+    if dvc:
+        (path / ".dvc").mkdir()
+        (path / ".dvc" / "config").write_text("")
+    if git:
+        subprocess.run(["git", "init", "-q", str(path)], check=True)
+    return path
+
+
+STAGE = "stages:\n  a:\n    cmd: echo ${x}\n    params: [x]\n"
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("repo", "message"),
+    [
+        (dict(dvc_yaml=STAGE), None),
+        (
+            dict(dvc_yaml="stages:\n  a:\n    cmd: [echo\n"),
+            "dvc.yaml:4:1: YAML syntax error: did not find expected ',' or ']' (check the indentation",
+        ),
+        (
+            dict(dvc_yaml=STAGE, params_yaml="x: [1\n"),
+            "params.yaml:2:1: YAML syntax error: did not find expected ',' or ']'",
+        ),
+        (
+            dict(dvc_yaml="stages:\n  a:\n    cmdx: echo\n"),
+            "validation failed: 2 errors (extra keys not allowed @ data['stages']['a']['cmdx']): fix it",
+        ),
+        (
+            dict(dvc_yaml=STAGE, params_yaml="y: 1\n"),
+            "{repo}: DVC cannot read the pipeline: failed to parse 'stages.a.cmd' in 'dvc.yaml': Could not find 'x'",
+        ),
+        (
+            dict(dvc_yaml=STAGE, dvc=False),
+            "{repo} is not in a DVC repository (no .dvc directory there or above): run it in the root of the",
+        ),
+        (dict(dvc_yaml=STAGE, git=False), "{repo}: DVC needs the git repository around it ("),
+    ],
+    ids=["readable", "dvc_yaml_syntax", "params_yaml_syntax", "dvc_yaml_schema", "missing_param", "no_dvc", "no_git"],
+)
+def test_dag_of_a_pipeline_dvc_cannot_read_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, repo, message):
+    """What `dvc dag` prints as a message (never a traceback), each as one line naming the file."""
+    from halludetect import cli as console
+
+    monkeypatch.chdir(_repo(tmp_path / "r", **repo))  # DVC names files relative to the working directory
+    if message is None:  # the same pipeline, unbroken, reads
+        console.main(["dag"])
+        assert capsys.readouterr().out == "a\n"
+        return
+    with pytest.raises(SystemExit) as e:
+        console.main(["dag"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert message.format(repo=tmp_path.resolve() / "r") in err

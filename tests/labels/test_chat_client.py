@@ -3,8 +3,9 @@
 The server (`halludetect.testing.fake_openai`) speaks the chat-completions API on 127.0.0.1 and is
 scripted per test; the real `openai` client talks to it, so retries, Retry-After, timeouts,
 malformed bodies, the call cache, usage and cost, and a SIGINT that loses no paid reply are all
-exercised over real HTTP. The hostile cases: the key redacted from every error, a per-request
-deadline that cuts off a trickling server, a Retry-After beyond the patience.
+exercised over real HTTP. The hostile cases: the key redacted from every error, a key pasted as
+api_key_env or credentials in OPENAI_BASE_URL refused without being repeated, usage counts sent as
+strings, a per-request deadline that cuts off a trickling server, a Retry-After beyond the patience.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from halludetect.config import ChatParams, ParamsError, Price, parse_params
 from halludetect.core.call_cache import CallCache
 from halludetect.labels.chat_client import ApiError, ChatRunner
 from halludetect.labels.judges import get_judge
-from halludetect.testing.fake_openai import FakeOpenAI, Fault, rule_responder
+from halludetect.testing.fake_openai import FakeOpenAI, Fault, completion, rule_responder
 
 
 def runner(srv, **kw) -> ChatRunner:
@@ -119,6 +120,26 @@ def test_slow_replies_time_out_then_fail_clearly():
 
 
 # ------------------------------------------------------------------- usage and the cache key
+@pytest.mark.hostile
+def test_usage_counts_sent_as_strings_are_read_as_numbers():
+    """Some servers send `usage` counts as strings ("12"), or text that is no count at all: read,
+    or counted as unknown (0), never a TypeError after the reply was paid for."""
+
+    def as_text(body, n):
+        reply = completion("yes", body, n)
+        details = {"reasoning_tokens": "n/a"}
+        reply["usage"] = {"prompt_tokens": "12", "completion_tokens": "3", "completion_tokens_details": details}
+        return Fault(200, body=json.dumps(reply))
+
+    with FakeOpenAI(as_text) as srv:
+        r = runner(srv)
+        assert r.run(["Q?"], yes_no)[0].value == "yes"
+        again = runner(srv)
+        again.run(["Q?"], yes_no)  # from the cache
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.reasoning_tokens) == (12, 3, 0)
+    assert (again.usage.cached_prompt_tokens, again.usage.cached_completion_tokens) == (12, 3)
+
+
 def test_usage_and_cost_accounting():
     prices = {"m": Price(input=1.0, output=10.0)}
     with FakeOpenAI(always_yes) as srv:
@@ -200,6 +221,24 @@ def test_the_api_key_is_redacted_from_an_error_that_echoes_the_authorization_hea
         assert SECRET in srv.headers[0]["authorization"]  # the server did echo it
     msg = str(e.value)
     assert SECRET not in msg and f"bad request with header Bearer [{KEY} redacted]" in msg
+
+
+@pytest.mark.hostile
+def test_a_key_as_api_key_env_or_credentials_in_openai_base_url_are_refused_without_repeating_them(monkeypatch):
+    """params.yaml refuses both when parsed (tests/test_config.py); the client refuses them too, for
+    params built in Python past that check and for OPENAI_BASE_URL, read when base_url is null."""
+    pasted = ChatParams.model_construct(**{**ChatParams(model="m").model_dump(), "api_key_env": SECRET})
+    with pytest.raises(ApiError) as e:
+        ChatRunner(pasted, where="judge.openai")
+    assert SECRET not in str(e.value)
+    assert str(e.value).startswith("judge.openai.api_key_env: not the name of an environment variable")
+    monkeypatch.setenv("OPENAI_BASE_URL", f"https://me:{SECRET}@api.example.com/v1")
+    with pytest.raises(ApiError) as e:
+        ChatRunner(ChatParams(model="m", api_key_env=KEY), where="cluster.openai")
+    assert SECRET not in str(e.value) and str(e.value).startswith(
+        "cluster.openai: OPENAI_BASE_URL (read because cluster.openai.base_url is null) carries a user name or "
+        "password before the host (user:password@), not repeated here"
+    )
 
 
 @pytest.mark.hostile

@@ -4,7 +4,8 @@ table and its bookkeeping as hf writes it, the request each question sends (toke
 one seed, every sampling setting), vLLM's seeding of the K answers, stops, empty answers, replicas,
 and the hostile cases: an engine that is down, slow, rate-limits, fails, cuts a body, returns too few
 choices, ids outside the vocabulary, NaN or missing log-probs, no token ids, another tokenizer's text,
-a key it echoes; a killed run that re-sends only the requests in flight.
+a key it echoes, more tokens than max_tokens, a slow /v1/models, usage counts as strings; a killed run
+that re-sends only the requests in flight.
 """
 
 from __future__ import annotations
@@ -197,6 +198,59 @@ def test_an_engine_that_is_down_is_a_clear_error_before_any_sampling(tiny_model_
         url = srv.url  # closed once the server is gone
     with pytest.raises(ApiError, match=r"generate.endpoint: cannot reach http://127\.0\.0\.1.*is the server up"):
         sample(tiny_model_dir, params(url))
+
+
+@pytest.mark.hostile
+def test_an_engine_slow_to_list_its_models_is_a_timeout_naming_the_key_not_unreachable(tiny_model_dir):
+    with FakeVLLM(tiny_model_dir, models_latency=3) as srv:  # still loading its model, say
+        with pytest.raises(ApiError) as e:
+            sample(tiny_model_dir, params(srv.url, endpoint={"timeout": 0.3}))
+        assert srv.count == 0
+    msg = str(e.value)
+    assert msg.startswith(
+        f"generate.endpoint: {srv.url}/models did not answer within 0.3 s (generate.endpoint.timeout): the server "
+        "is slow (still loading the model, or overloaded)"
+    )
+    assert "cannot reach" not in msg and "()" not in msg
+
+
+@pytest.mark.hostile
+def test_an_engine_that_ignores_max_tokens_is_refused_at_generate_naming_it(tiny_model_dir, tiny):
+    """400 tokens for max_tokens 6: refused at the first reply, with the engine's URL and both
+    counts, not kept for the dump to blame the prompt."""
+    _, tok = tiny
+    word = tok.encode(" Paris", add_special_tokens=False)[0]
+
+    def ramble(response, body, n):
+        c = response["choices"][1]
+        more = 400 - len(c["token_ids"])
+        c["token_ids"] += [word] * more
+        c["logprobs"]["tokens"] += [f"token_id:{word}"] * more
+        c["logprobs"]["token_logprobs"] += [-0.5] * more
+        c["finish_reason"] = "length"
+        return response
+
+    with FakeVLLM(tiny_model_dir, mutate=ramble) as srv:
+        with pytest.raises(ApiError) as e:
+            sample(tiny_model_dir, params(srv.url), questions(2))
+        assert srv.count == 1 and srv.requests[0]["max_tokens"] == 6
+    seed = request_seed(0, "q0", "all", 0)
+    assert str(e.value).startswith(
+        f"generate.endpoint: the reply to the request (question 'q0', n = 3, seed {seed}) from {srv.url} has 400 "
+        "tokens in choice 1, for max_tokens 6 asked (generate.max_new_tokens): the engine ignores max_tokens"
+    )
+
+
+@pytest.mark.hostile
+def test_usage_counts_sent_as_strings_are_read_as_numbers(tiny_model_dir):
+    def as_text(response, body, n):
+        response["usage"] = {k: str(v) for k, v in response["usage"].items()}
+        return response
+
+    with FakeVLLM(tiny_model_dir, mutate=as_text) as srv:
+        df, stats = sample(tiny_model_dir, params(srv.url), questions(2))
+    assert stats["prompt_tokens"] == sum(len(b["prompt"]) for b in srv.requests)
+    assert stats["completion_tokens"] >= df["n_tokens"].sum() > 0
 
 
 @pytest.mark.hostile
