@@ -343,11 +343,11 @@ def experiments_repo(repo: Path, dims: tuple[int, ...] = (8, 32), history: int =
     metrics/eval/world/world/max.json, and one experiment per value of `dims`: a commit on the
     baseline and its ref refs/exps/<baseline>/dim-<value>, as `dvc exp run` leaves them. Returns
     {"baseline": sha, "dim-8": sha, ...}."""
-    from dvc.repo import Repo
-
     repo.mkdir(parents=True, exist_ok=True)
     git(repo, "init", "-q")
-    Repo.init(str(repo)).close()
+    (repo / ".dvc").mkdir()  # what `dvc init` writes, without its process or its logger
+    (repo / ".dvc/config").write_text("")
+    (repo / ".dvc/.gitignore").write_text("/config.local\n/tmp\n/cache\n")
     for i in range(history):
         git(repo, "commit", "-q", "--allow-empty", "-m", f"history {i}")
     (repo / "dvc.yaml").write_text(
