@@ -149,7 +149,8 @@ def baselines(
                     f"no experiment named {', '.join(missing)}{hint}. A colleague's experiments come with "
                     "`dvc exp pull origin -A --no-cache`"
                 )
-            return list(dict.fromkeys(ref.baseline for ref in refs if ref.name in names and ref.baseline))
+            named = dict.fromkeys(ref.baseline for ref in refs if ref.name in names and ref.baseline)
+            return [b for b in named if _git(repo, "cat-file", "-e", f"{b}^{{commit}}").returncode == 0]
         if revs:
             out = []
             for rev in revs:
@@ -216,8 +217,8 @@ def experiments(
             error = errors.get(name) or errors.get(row.get("rev")) or "no log found (see `dvc queue logs`)"
         metrics, unread = ({}, {}) if state or not row.get("rev") else evaluations(repo, row["rev"], remotes)
         out.append(Experiment(name, params, metrics, state, error, row.get("rev"), unread))
-    for ref in refs:
-        if ref.problem and ref.baseline in bases and (not names or ref.name in names):
+    for ref in refs:  # a named one is reported even when its baseline is not in this clone
+        if ref.problem and (ref.name in names if names else ref.baseline in bases):
             out.append(Experiment(ref.name, {}, {}, "unreadable", ref.problem))
     return out
 
