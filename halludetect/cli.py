@@ -225,7 +225,7 @@ def _exp_push(args) -> None:
     if diverged := result.get("diverged"):
         raise UserError(
             f"{', '.join(diverged)}: the git remote {args.git_remote} has other experiments of these names; "
-            "nothing of them was pushed (--force replaces them)"
+            "their git refs were not pushed, their outputs were (--force replaces the git remote's)"
         )
     pushed = sorted(result.get("success", []) + result.get("up_to_date", []))
     if not pushed:
@@ -233,9 +233,16 @@ def _exp_push(args) -> None:
             "no experiment to push: none derives from HEAD or a commit before it (-A pushes every "
             "experiment of this clone; `dvc exp list` lists them)"
         )
+    for why in result.get("unreadable", {}).values():  # in scope, but no ref to push: say so
+        print(f"warning: not pushed: {why}", file=sys.stderr)
     print(
         json.dumps(
-            {"experiments": pushed, "files_uploaded": result.get("uploaded", 0), "git_remote": args.git_remote},
+            {
+                "experiments": pushed,
+                "files_uploaded": result.get("uploaded", 0),
+                "git_remote": args.git_remote,
+                **({"not_pushed": sorted(result["unreadable"])} if result.get("unreadable") else {}),
+            },
             indent=2,
         )
     )

@@ -309,3 +309,64 @@ def pdflatex(tables, directory: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
     )
+
+
+# ------------------------------------------------------------------ experiments, without running any
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+EVAL_FILE = "metrics/eval/world/world/max.json"
+
+
+def git(repo: Path, *args: str, check: bool = True) -> str:
+    res = subprocess.run(["git", *args], cwd=repo, env={**os.environ, **GIT_ENV}, capture_output=True, text=True)
+    if check and res.returncode:
+        raise AssertionError(f"git {' '.join(args)}: {res.stdout}{res.stderr}")
+    return res.stdout.strip()
+
+
+def _record_run(repo: Path, dim: int) -> None:
+    """What `dvc repro` of an evaluate stage at detectors.max.dim = dim leaves: params.yaml, the
+    metrics file (test AUROC dim / 100) in the workspace and DVC's cache, dvc.lock recording it."""
+    body = json.dumps({"best_layer": 1, "test": {"auroc": {"mean": dim / 100, "stderr": 0.01}, "n": 10}}).encode()
+    md5 = hashlib.md5(body).hexdigest()
+    for path in (repo / EVAL_FILE, repo / ".dvc/cache/files/md5" / md5[:2] / md5[2:]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+    (repo / "params.yaml").write_text(yaml.safe_dump({"detectors": {"max": {"dim": dim}}}))
+    out = {"path": EVAL_FILE, "hash": "md5", "md5": md5, "size": len(body)}
+    stage = {"cmd": "true", "params": {"params.yaml": {"detectors.max.dim": dim}}, "outs": [out]}
+    (repo / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {"evaluate": stage}}))
+
+
+def experiments_repo(repo: Path, dims: tuple[int, ...] = (8, 32), history: int = 6) -> dict[str, str]:
+    """A git + DVC repository as a sweep leaves it, made in a second without running anything:
+    `history` commits, then the baseline (HEAD, detectors.max.dim 16) whose dvc.lock records
+    metrics/eval/world/world/max.json, and one experiment per value of `dims`: a commit on the
+    baseline and its ref refs/exps/<baseline>/dim-<value>, as `dvc exp run` leaves them. Returns
+    {"baseline": sha, "dim-8": sha, ...}."""
+    repo.mkdir(parents=True, exist_ok=True)
+    git(repo, "init", "-q")
+    (repo / ".dvc").mkdir()  # what `dvc init` writes, without its process or its logger
+    (repo / ".dvc/config").write_text("")
+    (repo / ".dvc/.gitignore").write_text("/config.local\n/tmp\n/cache\n")
+    for i in range(history):
+        git(repo, "commit", "-q", "--allow-empty", "-m", f"history {i}")
+    (repo / "dvc.yaml").write_text(
+        yaml.safe_dump(
+            {"stages": {"evaluate": {"cmd": "true", "params": ["detectors.max.dim"], "metrics": [EVAL_FILE]}}}
+        )
+    )
+    (repo / EVAL_FILE).parent.mkdir(parents=True)
+    (repo / EVAL_FILE).with_name(".gitignore").write_text("/max.json\n")
+    _record_run(repo, 16)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "baseline")
+    shas = {"baseline": git(repo, "rev-parse", "HEAD")}
+    base = shas["baseline"]
+    for dim in dims:
+        _record_run(repo, dim)
+        git(repo, "commit", "-q", "-am", f"dim {dim}")
+        shas[f"dim-{dim}"] = git(repo, "rev-parse", "HEAD")
+        git(repo, "update-ref", f"refs/exps/{base[:2]}/{base[2:]}/dim-{dim}", shas[f"dim-{dim}"])
+        git(repo, "reset", "-q", "--hard", base)
+    _record_run(repo, 16)
+    return shas

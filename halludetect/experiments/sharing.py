@@ -31,6 +31,7 @@ from halludetect.activations.layer_format import layer_filename
 from halludetect.config import Params
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
+from halludetect.experiments.refs import ExpRef, exp_refs
 from halludetect.methods import CLUSTER_METHODS
 
 
@@ -322,6 +323,61 @@ def _not_dumped(repo: Path, activations: str, model: str, dataset: str, layer: i
     )
 
 
+def check_git_remote(repo: Path, git_remote: str) -> None:
+    """`git_remote` is a remote of the clone, or a URL or path (as `git push` takes)."""
+    remotes = subprocess.run(["git", "remote"], cwd=repo, capture_output=True, text=True).stdout.split()
+    looks_like_url = "://" in git_remote or ":" in git_remote or (repo / git_remote).exists()
+    if git_remote in remotes or looks_like_url:
+        return
+    known = _listed(git_remote, remotes, "this clone has no git remote")
+    if "/" in git_remote:  # meant as a path
+        raise SharingError(f"no git repository at {git_remote} and no git remote of that name{known}")
+    raise SharingError(
+        f"no git remote '{git_remote}'{known}. Add it (`git remote add {git_remote} URL`) or give its URL"
+    )
+
+
+def _listed(name: str, choices: list[str], none: str) -> str:
+    """'; did you mean ...? valid: ...' (or '; valid: ...'), or '; ' and what to say when there are none."""
+    return f";{suggest(name, choices).removeprefix(';')}" if choices else f"; {none}"
+
+
+def experiments_to_push(
+    repo: Path, names: list[str] | None = None, *, all_commits: bool = False, rev: str | None = None
+) -> tuple[list[ExpRef], list[ExpRef]]:
+    """The experiments in scope, as `push_experiments` takes them: (those that can be pushed,
+    those whose ref cannot be read). A named experiment that does not exist or cannot be read,
+    and a `rev` that is no commit, are errors."""
+    refs = exp_refs(repo)
+    if names:
+        known = sorted({ref.name for ref in refs})
+        if missing := [n for n in names if n not in known]:
+            hint = _listed(missing[0], known, "this clone has no experiments")
+            raise SharingError(f"no experiment named {', '.join(missing)}{hint} (`dvc exp list -A` lists them)")
+        chosen = [ref for ref in refs if ref.name in names]
+        if bad := next((ref for ref in chosen if ref.problem), None):
+            raise SharingError(f"experiment {bad.name} cannot be pushed: {bad.problem}")
+    elif all_commits:
+        chosen = refs
+    else:
+        target = rev or "HEAD"
+        found = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{target}^{{commit}}"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        )
+        if found.returncode:
+            raise SharingError(
+                f"--rev {target}: no such commit in this clone (a branch, tag or sha; `git log --oneline` lists them)"
+            )
+        history = subprocess.run(
+            ["git", "rev-list", "--first-parent", found.stdout.strip()], cwd=repo, capture_output=True, text=True
+        ).stdout.split()
+        chosen = [ref for ref in refs if ref.baseline in set(history)]
+    return [ref for ref in chosen if not ref.problem], [ref for ref in chosen if ref.problem]
+
+
 def push_experiments(
     repo: Path,
     git_remote: str,
@@ -334,15 +390,21 @@ def push_experiments(
     jobs: int | None = None,
 ) -> dict:
     """`dvc exp push GIT_REMOTE` with every experiment's outputs sent to the DVC remote the
-    workspace configures now. Plain DVC takes the remote from each experiment's own commit, so
-    after a sweep that ran before the remote was configured it pushes the git refs and no data,
-    and says nothing (or, with `-r`, fails on a remote the commit does not know).
+    workspace configures now, and sent first. Plain DVC takes the remote from each experiment's
+    own commit, so after a sweep that ran before the remote was configured it pushes the git
+    refs and no data, and says nothing (or, with `-r`, fails on a remote the commit does not
+    know); and it pushes the refs before the data, so a remote that is down or refuses the
+    credentials leaves a colleague refs without data.
 
     Which experiments: `names`; else every one (`all_commits`); else those derived from `rev`
     and its first-parent ancestors (default HEAD's), so a sweep stays in scope after commits on
-    top of it. Returns DVC's result: the experiments pushed (`success`), already there
-    (`up_to_date`), refused (`diverged`: another experiment of that name is on the git remote;
-    `force` replaces it), and the number of files uploaded."""
+    top of it. Everything is checked before anything is pushed: the git remote, the names, the
+    revision. The outputs go first; when they cannot, no ref is pushed (a `SharingError` that
+    says so); when the refs fail after them, the error says what was done and what to run.
+    Returns DVC's result: the experiments pushed (`success`), already there (`up_to_date`),
+    refused (`diverged`: another experiment of that name is on the git remote; `force` replaces
+    it), the number of files uploaded, and `unreadable`: {ref: why} of the experiments in scope
+    whose ref cannot be read (not pushed)."""
     from dvc.repo import Repo
 
     override = workspace_remotes(repo)
@@ -353,15 +415,37 @@ def push_experiments(
         )
     if dvc_remote is not None and dvc_remote not in override["remote"]:
         raise SharingError(f"no DVC remote '{dvc_remote}'{suggest(dvc_remote, override['remote'])}")
-    with Repo(str(repo), config=override) as r:
-        return r.experiments.push(
-            git_remote,
-            list(names or []),
-            all_commits=all_commits,
-            rev=rev,
-            num=-1,
-            force=force,
-            push_cache=True,
-            dvc_remote=dvc_remote,
-            jobs=jobs,
+    check_git_remote(repo, git_remote)
+    refs, unreadable = experiments_to_push(repo, names, all_commits=all_commits, rev=rev)
+    skipped = {ref.ref: ref.problem for ref in unreadable}
+    if not refs:
+        why = f"; and {len(skipped)} whose ref cannot be read: {'; '.join(skipped.values())}" if skipped else ""
+        raise SharingError(
+            "no experiment to push: none derives from HEAD or a commit before it (-A pushes every "
+            f"experiment of this clone; `dvc exp list` lists them){why}"
         )
+    remote = dvc_remote or override.get("core", {}).get("remote") or next(iter(override["remote"]))
+    which = " ".join(sorted({ref.name for ref in refs}))
+    with Repo(str(repo), config=override) as r:
+        # the data first: refs without it would send a colleague experiments whose outputs no one can fetch.
+        # The commits are the checked refs' own, so a ref at its baseline never sends the whole history's
+        try:
+            uploaded = r.push(
+                revs=[c for ref in refs for c in ref.commits], remote=dvc_remote, jobs=jobs, workspace=False
+            )
+        except Exception as e:  # noqa: BLE001 - whatever stopped the upload, no ref may follow it
+            raise SharingError(
+                f"the outputs of {which} could not be pushed to the DVC remote '{remote}' ({type(e).__name__}: "
+                f"{e}), so no git ref was pushed: check its URL (`dvc remote list`) and credentials, then run "
+                "this again"
+            ) from None
+        try:
+            result = r.experiments.push(git_remote, [ref.ref for ref in refs], force=force, push_cache=False)
+        except Exception as e:  # noqa: BLE001 - the data went; say what is left to do
+            raise SharingError(
+                f"the outputs of {which} are on the DVC remote '{remote}' ({uploaded} file(s) uploaded), but "
+                f"pushing their git refs to '{git_remote}' failed ({type(e).__name__}: {e}): check the git remote "
+                f"(`git remote -v`: its URL, your access), then finish with `halludetect exp-push {git_remote} "
+                f"{which}` (the outputs are not uploaded again)"
+            ) from None
+    return {**result, "uploaded": uploaded, "unreadable": skipped}

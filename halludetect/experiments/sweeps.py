@@ -26,7 +26,9 @@ Every experiment of the parameter is in the table: one that failed is a row mark
 with the first line of its error from the queue's log in the notes (`dvc queue logs NAME` has
 all of it); one still queued or running is a row marked so; one whose metrics are recorded in
 its commit but neither in the cache nor on the remote is a row marked `missing`, with what to
-run. The parameter, the `--where` keys, the method, the metric, the revisions and the
+run; one whose git ref cannot be read (halludetect/experiments/refs.py) is a note naming the ref
+and why, and is kept from DVC, which would walk the whole history for a ref at its own baseline.
+The parameter, the `--where` keys, the method, the metric, the revisions and the
 experiment names are checked against what exists, each a `SweepError` naming the valid ones.
 """
 
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
+from halludetect.experiments.refs import ExpRef, exp_refs
 from halludetect.report.paper_tables import Grid, sweep_table
 from halludetect.report.tables import Table
 
@@ -59,8 +62,8 @@ class Experiment:
     name: str  # the experiment's name, or the baseline commit
     params: dict[str, object]  # dotted key -> value
     metrics: dict[tuple[str, str, str], dict]  # (model, dataset, method) -> its metrics/eval JSON
-    state: str | None = None  # None: finished (or the baseline); else "failed", "queued" or "running"
-    error: str | None = None  # a failed experiment's first error line, from its queue log
+    state: str | None = None  # None: finished (or the baseline); else "failed", "queued", "running" or "unreadable"
+    error: str | None = None  # a failed experiment's first error line, from its queue log; why a ref is unreadable
     rev: str | None = None  # its commit (short sha), to find what its dvc.lock records
     unread: dict[str, str] | None = None  # evaluation files its dvc.lock records that could not be read: why
 
@@ -120,29 +123,34 @@ def _git(repo: str | Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def baselines(
-    repo: str | Path, revs: list[str] | None = None, all_commits: bool = False, names: list[str] | None = None
+    repo: str | Path,
+    revs: list[str] | None = None,
+    all_commits: bool = False,
+    names: list[str] | None = None,
+    refs: list[ExpRef] | None = None,
 ) -> list[str]:
     """The commits whose experiments to read, HEAD's first (full shas).
 
     `names`: the baselines of those experiments. `revs`: those commits. `all_commits`: HEAD and
     the baseline of every experiment the repository holds. Otherwise: HEAD and the baselines
     that are ancestors of HEAD, which is what a sweep committed over (a remote, dvc.lock) needs.
-    Queued, running and failed experiments count by the commit they were queued on."""
+    Queued, running and failed experiments count by the commit they were queued on. `refs`: the
+    clone's experiment refs, as `exp_refs` read them (read here when not given)."""
     from dvc.repo import Repo
-    from dvc.repo.experiments.utils import exp_refs, exp_refs_by_names
 
+    refs = exp_refs(repo) if refs is None else refs
     with Repo(str(repo)) as r:
         head = r.scm.get_rev()
         if names:
-            found = exp_refs_by_names(r.scm, set(names))
-            if missing := sorted(n for n in names if not found.get(n)):
-                known = sorted({ref.name for ref in exp_refs(r.scm)})
+            if missing := sorted(n for n in names if not any(ref.name == n for ref in refs)):
+                known = sorted({ref.name for ref in refs})
                 hint = suggest(missing[0], known) if known else ": this clone has no experiments"
                 raise SweepError(
                     f"no experiment named {', '.join(missing)}{hint}. A colleague's experiments come with "
                     "`dvc exp pull origin -A --no-cache`"
                 )
-            return list(dict.fromkeys(ref.baseline_sha for refs in found.values() for ref in refs))
+            named = dict.fromkeys(ref.baseline for ref in refs if ref.name in names and ref.baseline)
+            return [b for b in named if _git(repo, "cat-file", "-e", f"{b}^{{commit}}").returncode == 0]
         if revs:
             out = []
             for rev in revs:
@@ -151,11 +159,13 @@ def baselines(
                     raise SweepError(f"--rev {rev}: no such commit in this clone (a branch, tag or sha)")
                 out.append(res.stdout.strip())
             return list(dict.fromkeys(out))
-        bases = {ref.baseline_sha for ref in exp_refs(r.scm)}
+        bases = {ref.baseline for ref in refs if ref.baseline}
         queue = r.experiments.celery_queue
         for entries in (queue.iter_queued(), queue.iter_active(), (e for e, _ in queue.iter_failed())):
             bases |= {e.baseline_rev for e in entries if e.baseline_rev}
     bases.discard(head)
+    # a baseline this clone lacks (a damaged ref's) has no experiments to read; its refs are reported
+    bases = {b for b in bases if _git(repo, "cat-file", "-e", f"{b}^{{commit}}").returncode == 0}
     if not all_commits:
         bases = {b for b in bases if _git(repo, "merge-base", "--is-ancestor", b, head).returncode == 0}
     # newest baseline first, as exp_show lists HEAD's
@@ -172,14 +182,18 @@ def experiments(
     """Every baseline commit of `baselines()` and the experiments derived from it (`dvc exp
     show`'s rows), newest first. Queued, running and failed ones come with their state and no
     metrics (exp_show gives a failed experiment the baseline's); failed ones with their first
-    error line. Metrics that are not in the local cache are read from the workspace's DVC remote."""
-    import dvc.api
-
+    error line. Metrics that are not in the local cache are read from the workspace's DVC remote.
+    An experiment whose ref cannot be read (damaged, a commit this clone lacks, a tree, its
+    baseline itself) comes last, marked `unreadable`, with the problem and the fix as its error."""
     from halludetect.experiments.sharing import workspace_remotes
 
-    bases = baselines(repo, revs, all_commits, names)
+    refs = exp_refs(repo)
+    bases = baselines(repo, revs, all_commits, names, refs)
     remotes = workspace_remotes(repo)
-    rows = dvc.api.exp_show(repo=str(repo), revs=bases, config=remotes)
+    # DVC sees the readable refs only: it walks a ref's first parents until the baseline, which a ref
+    # pointing at its baseline never meets (the whole history, read commit by commit), and a damaged
+    # ref is dropped silently or a traceback, depending on which git library DVC tries first
+    rows = _exp_show(repo, bases, remotes, {ref.ref for ref in refs if ref.problem})
     sections = _param_sections(repo)
     errors = queue_errors(repo) if any(row.get("State") == "Failed" for row in rows) else {}
     out = []
@@ -203,7 +217,26 @@ def experiments(
             error = errors.get(name) or errors.get(row.get("rev")) or "no log found (see `dvc queue logs`)"
         metrics, unread = ({}, {}) if state or not row.get("rev") else evaluations(repo, row["rev"], remotes)
         out.append(Experiment(name, params, metrics, state, error, row.get("rev"), unread))
+    for ref in refs:  # a named one is reported even when its baseline is not in this clone
+        if ref.problem and (ref.name in names if names else ref.baseline in bases):
+            out.append(Experiment(ref.name, {}, {}, "unreadable", ref.problem))
     return out
+
+
+def _exp_show(repo: str | Path, revs: list[str], config: dict | None, hidden: set[str]) -> list[dict]:
+    """`dvc.api.exp_show(repo, revs, config=config)` with the experiment refs `hidden` out of
+    DVC's sight. (exp_show's `refs` filter cannot do it: DVC 3.67 keeps the first ref of each
+    baseline only.)"""
+    from dvc.api.experiments import _postprocess  # the API's own conversion of the table's values
+    from dvc.repo import Repo
+    from dvc.repo.experiments.show import tabulate
+
+    with Repo.open(str(repo), config=config) as r:
+        listed = r.scm.iter_refs  # DVC lists a baseline's experiments through this repository's scm
+        r.scm.iter_refs = lambda base=None: (ref for ref in listed(base=base) if ref not in hidden)
+        states = r.experiments.show(revs=revs, num=1)
+        table, _ = tabulate(states, fill_value=None)
+        return _postprocess(table.as_dict())
 
 
 def recorded_evaluations(repo: str | Path, rev: str) -> list[str]:
@@ -384,7 +417,14 @@ def sweep(
     if method not in METHODS:
         raise SweepError(f"unknown method '{method}'{suggest(method, METHODS)}")
     exps = experiments(repo, revs, all_commits, names)
-    results, without = sweep_results(exps, param, method, where)
+    # an experiment whose ref cannot be read has no params to place it by: a note, never silence
+    unreadable = [f"experiment {e.name} is not in the table: {e.error}" for e in exps if e.state == "unreadable"]
+    try:
+        results, without = sweep_results([e for e in exps if e.state != "unreadable"], param, method, where)
+    except SweepError as err:
+        if not unreadable:
+            raise
+        raise SweepError(f"{err}. And {len(unreadable)} could not be read: {'; '.join(unreadable)}") from None
     for e in without:
         if e.state is None and (paths := [p for p in e.unread or {} if EVAL.match(p)["method"] == method]):
             e.state, e.error = "missing", missing_metrics_advice(repo, paths)
@@ -400,7 +440,7 @@ def sweep(
         grid.dataset_keys,
     )
     table = sweep_table(param, results, grid, metric=metric, name=param.replace(".", "_"), marks=marks)
-    table.notes += notes
+    table.notes += notes + unreadable
     return table
 
 

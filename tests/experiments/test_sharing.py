@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import experiments_repo, git
 
 from halludetect.experiments import sharing, sweeps
 from halludetect.experiments.sharing import SharingError, push_experiments, workspace_remotes
@@ -224,3 +225,108 @@ def test_exp_push_with_no_experiment_in_scope_or_a_bad_job_count_says_what_to_do
         main(["exp-push", "origin"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "no experiment to push: none derives from HEAD or a commit before it" in err
+
+
+@pytest.fixture
+def pusher(tmp_path, monkeypatch):
+    """A clone after a sweep (experiments dim-8 and dim-32 of HEAD, their outputs in the local cache),
+    a git remote `origin` (an empty bare repository) and a DVC remote `shared` (a local directory),
+    the clone as the working directory, as `halludetect exp-push` runs."""
+    repo, origin, store = tmp_path / "a", tmp_path / "origin.git", tmp_path / "store"
+    shas = experiments_repo(repo, history=2)
+    git(tmp_path, "init", "-q", "--bare", str(origin))
+    git(repo, "remote", "add", "origin", str(origin))
+    with open(repo / ".dvc/config", "a") as config:
+        config.write(f"[core]\n    remote = shared\n['remote \"shared\"']\n    url = {store}\n")
+    monkeypatch.chdir(repo)
+    return repo, origin, store, shas
+
+
+def exp_push(*args: str, capsys) -> tuple[int, str, str]:
+    from halludetect.cli import main
+
+    try:
+        main(["exp-push", *args])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def pushed_refs(origin: Path) -> list[str]:
+    return sorted(git(origin, "for-each-ref", "--format=%(refname:lstrip=-1)").split())
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nowhere"], "no git remote 'nowhere'; valid: origin. Add it (`git remote add nowhere URL`) or give its URL"),
+        (["orign"], "no git remote 'orign'; did you mean 'origin'? valid: origin. Add it"),
+        (["../nope.git"], "no git repository at ../nope.git and no git remote of that name; valid: origin"),
+        (
+            ["origin", "dim-9"],
+            "no experiment named dim-9; did you mean 'dim-8'? valid: dim-32, dim-8 (`dvc exp list -A`",
+        ),
+        (["origin", "--rev", "nope"], "--rev nope: no such commit in this clone (a branch, tag or sha; `git log"),
+    ],
+)
+def test_exp_push_with_an_unknown_git_remote_experiment_or_rev_says_so_before_pushing_anything(
+    pusher, capsys, args, message
+):
+    """Before: a traceback each (DVC's SCMError, UnresolvedExpNamesError, RevError)."""
+    _, origin, store, _ = pusher
+    code, _, err = exp_push(*args, capsys=capsys)
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert pushed_refs(origin) == [] and not store.exists()
+
+
+@pytest.mark.hostile
+def test_exp_push_to_a_dvc_remote_that_cannot_be_written_pushes_no_git_ref(pusher, tmp_path, capsys):
+    """Before: the git refs went first, then the upload failed (a traceback): a colleague got
+    experiments whose outputs no one can fetch. (A directory under a file: unwritable even as root.)"""
+    repo, origin, _, _ = pusher
+    (tmp_path / "a-file").write_text("")
+    (repo / ".dvc/config.local").write_text(f"['remote \"shared\"']\n    url = {tmp_path / 'a-file' / 'store'}\n")
+    code, _, err = exp_push("origin", capsys=capsys)
+    assert code == 2 and err.splitlines()[-1].startswith(
+        "error: the outputs of dim-32 dim-8 could not be pushed to the DVC remote 'shared' (NotADirectoryError: "
+    ), err
+    assert err.splitlines()[-1].endswith(
+        "so no git ref was pushed: check its URL (`dvc remote list`) and credentials, then run this again"
+    )
+    assert pushed_refs(origin) == []
+
+
+@pytest.mark.hostile
+def test_exp_push_whose_git_refs_fail_after_the_data_says_what_was_done_and_how_to_finish(pusher, capsys):
+    repo, origin, store, _ = pusher
+    git(repo, "remote", "add", "team", str(origin.with_name("moved.git")))  # the server moved
+    code, _, err = exp_push("team", capsys=capsys)
+    last = err.splitlines()[-1]
+    assert code == 2 and last.startswith(
+        "error: the outputs of dim-32 dim-8 are on the DVC remote 'shared' (2 file(s) uploaded), but pushing their "
+        "git refs to 'team' failed ("
+    ), err
+    assert last.endswith(
+        "then finish with `halludetect exp-push team dim-32 dim-8` (the outputs are not uploaded again)"
+    )
+    assert sum(1 for f in store.rglob("*") if f.is_file()) == 2 and pushed_refs(origin) == []
+    git(repo, "remote", "set-url", "team", str(origin))
+    code, out, _ = exp_push("team", "dim-32", "dim-8", capsys=capsys)
+    assert code == 0 and json.loads(out)["files_uploaded"] == 0 and pushed_refs(origin) == ["dim-32", "dim-8"]
+
+
+@pytest.mark.hostile
+def test_exp_push_leaves_out_an_experiment_ref_at_its_own_baseline_and_says_so(pusher, capsys):
+    """Before: DVC pushed it, after walking the whole history for its commits' outputs."""
+    repo, origin, _, shas = pusher
+    base = shas["baseline"]
+    git(repo, "update-ref", f"refs/exps/{base[:2]}/{base[2:]}/at-head", "HEAD")
+    code, out, err = exp_push("origin", capsys=capsys)
+    assert code == 0 and pushed_refs(origin) == ["dim-32", "dim-8"], err
+    assert json.loads(out)["not_pushed"] == [f"refs/exps/{base[:2]}/{base[2:]}/at-head"]
+    assert f"warning: not pushed: refs/exps/{base[:2]}/{base[2:]}/at-head points at its baseline" in err
+    code, _, err = exp_push("origin", "at-head", capsys=capsys)
+    assert code == 2 and "error: experiment at-head cannot be pushed: refs/exps/" in err

@@ -5,7 +5,7 @@ method or metric is an error naming the valid ones."""
 
 import pytest
 import yaml
-from support import ROOT
+from support import ROOT, experiments_repo, git
 
 from halludetect.experiments import sharing, sweeps
 from halludetect.experiments.sweeps import Experiment, SweepError, first_error
@@ -119,8 +119,6 @@ def test_an_unknown_metric_or_method_is_named_with_the_valid_ones(repo_with):
 def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch):
     """`dvc exp show` gives a metric its bare key where no other file has it (the evidence JSON's
     `methods.max...`): only keys under a section of params.yaml are params."""
-    import dvc.api
-
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"detectors": {"max": {"dim": 8}}, "train": {"epochs": 8}}))
     rows = [
         {
@@ -135,7 +133,8 @@ def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch
         }
         for name, dim in (("a", 8), ("b", 16))
     ]
-    monkeypatch.setattr(dvc.api, "exp_show", lambda repo, revs, config: rows)
+    monkeypatch.setattr(sweeps, "_exp_show", lambda repo, revs, config, hidden: rows)
+    monkeypatch.setattr(sweeps, "exp_refs", lambda repo: [])
     evaluation = {("world", "world", "max"): {"best_layer": 2, "test": {"auroc": {"mean": 0.7}}}}
     monkeypatch.setattr(sweeps, "evaluations", lambda repo, rev, remotes: (evaluation, {}))
     monkeypatch.setattr(sweeps, "baselines", lambda *a: ["HEAD"])
@@ -147,3 +146,79 @@ def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch
     ]
     results, _ = sweeps.sweep_results(exps, "detectors.max.dim", "max")
     assert set(results[("world", "world")]) == {8, 16}
+
+
+def table_rows(md: str) -> list[str]:
+    return [line for line in md.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+
+
+ROWS = ["| 8 | 0.080 ± 0.010 L1 |", "| 16 | <u>0.160</u> ± 0.010 L1 |", "| 32 | **0.320** ± 0.010 L1 |"]
+
+
+@pytest.mark.hostile
+def test_an_experiment_ref_at_its_own_baseline_reads_no_history_and_is_a_note(tmp_path, monkeypatch):
+    """Before: DVC walked first parents from the ref's commit until it met the baseline, which a ref
+    pointing at HEAD itself never meets: every commit of the history was read (past 10 GB in 6
+    minutes on this repository's). Now DVC reads the baseline and the two experiments, nothing else."""
+    import dvc.repo.experiments.collect as collect
+
+    repo = tmp_path / "repo"
+    shas = experiments_repo(repo, history=6)
+    base = shas["baseline"]
+    ref = f"refs/exps/{base[:2]}/{base[2:]}/at-head"
+    git(repo, "update-ref", ref, "HEAD")
+    read = []
+    collect_rev = collect.collect_rev
+    monkeypatch.setattr(
+        collect, "collect_rev", lambda r, rev, *a, **kw: read.append(rev) or collect_rev(r, rev, *a, **kw)
+    )
+    md = to_markdown(sweeps.sweep(repo, "detectors.max.dim", GRID))
+    assert set(read) <= {"workspace", base, shas["dim-8"], shas["dim-32"]}, f"DVC read {len(set(read))} commits"
+    assert table_rows(md) == ROWS, md
+    assert (
+        f"- experiment at-head is not in the table: {ref} points at its baseline {base[:7]} itself, not at an "
+        f"experiment's commit on top of it: remove it (`git update-ref -d {ref}`)"
+    ) in md
+
+
+def point_at_tree(repo, ref, base):
+    git(repo, "update-ref", ref, f"{base}^{{tree}}")
+
+
+def damage(repo, ref, base):
+    (repo / ".git" / ref).parent.mkdir(parents=True, exist_ok=True)
+    (repo / ".git" / ref).write_text("not a commit id\n")
+
+
+def point_at_a_lost_commit(repo, ref, base):
+    (repo / ".git" / ref).parent.mkdir(parents=True, exist_ok=True)
+    (repo / ".git" / ref).write_text("1234567" + "0" * 33 + "\n")  # a commit the clone never had
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (point_at_tree, "points at a tree ({tree}), not at a commit: remove it (`git update-ref -d {ref}`)"),
+        (damage, 'is damaged (its file holds no commit id): delete it (`rm "$(git rev-parse --git-dir)/{ref}"`)'),
+        (point_at_a_lost_commit, "points at 1234567, which this clone does not have: remove it"),
+    ],
+)
+def test_an_experiment_whose_ref_cannot_be_read_is_a_note_naming_the_ref_and_why(tmp_path, make, why):
+    """Before: a ref pointing at a tree was a traceback, a damaged one or one whose commit the clone
+    lacks vanished from the table without a word."""
+    repo = tmp_path / "repo"
+    shas = experiments_repo(repo, history=1)
+    base = shas["baseline"]
+    ref = f"refs/exps/{base[:2]}/{base[2:]}/dim-64"
+    make(repo, ref, base)
+    md = to_markdown(sweeps.sweep(repo, "detectors.max.dim", GRID))
+    assert table_rows(md) == ROWS, md
+    tree = git(repo, "rev-parse", "--short", f"{base}^{{tree}}")
+    assert f"- experiment dim-64 is not in the table: {ref} {why.format(ref=ref, tree=tree)}" in md, md
+    assert "dvc exp pull origin dim-64" in md  # how to get it back
+    # with no other experiment left, the error says so too
+    for name in ("dim-8", "dim-32"):
+        git(repo, "update-ref", "-d", f"refs/exps/{base[:2]}/{base[2:]}/{name}")
+    with pytest.raises(SweepError, match=r"^no experiment varies .* And 1 could not be read: experiment dim-64 is not"):
+        sweeps.sweep(repo, "detectors.max.dim", GRID)
