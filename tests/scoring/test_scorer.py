@@ -445,6 +445,41 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
     assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
 
 
+@pytest.mark.hostile
+def test_a_part_copied_by_hand_over_another_is_recomputed_never_merged(
+    contract, bundle_path, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    """A part copied over another part's name (one unit's rows over another's) would give repeated
+    and missing rows with exit 0: each part records which unit it holds, and on resume a part that
+    holds another is discarded with a warning naming it, then scored again."""
+    import logging
+
+    from halludetect.core.unit_store import UnitStore
+
+    src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
+    out = tmp_path / "out.jsonl"
+    put = UnitStore.put
+
+    def put_two_then_stop(self, unit, df):
+        if len(self.finished()) == 2:
+            raise KeyboardInterrupt
+        put(self, unit, df)
+
+    kw = dict(model=str(tiny_model_dir), device="cpu", rows_per_part=2, progress=False, log=lambda *_: None)
+    monkeypatch.setattr(UnitStore, "put", put_two_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        score_file(bundle_path, src, out, **kw)
+    monkeypatch.undo()
+    parts = tmp_path / ".out.jsonl.parts"
+    shutil.copy(parts / "unit_000000.parquet", parts / "unit_000001.parquet")
+    with caplog.at_level(logging.WARNING, logger="halludetect"):
+        score_file(bundle_path, src, out, **kw)
+    assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
+    assert f"discarding damaged work unit {parts / 'unit_000001.parquet'} (another unit's" in caplog.text
+    score_file(bundle_path, src, tmp_path / "whole.jsonl", **kw)
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
 # ------------------------------------------------------------------ two runs, one output
 PAUSE_AFTER_FIRST_PART = """
 import os, sys, time
