@@ -107,7 +107,8 @@ def _show(args) -> None:
     from halludetect.scoring.bundle import load_bundle, p_sem_requirement
     from halludetect.scoring.bundle_summary import summary_text
 
-    b = load_bundle(args.bundle)  # a damaged bundle is an error here, as when scoring
+    # a damaged bundle is an error here, as when scoring; a plugin's is summarised without its plugin
+    b = load_bundle(args.bundle, metadata_only_without_plugin=True)
     for warning in b.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if not args.json:

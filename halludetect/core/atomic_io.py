@@ -5,6 +5,10 @@ half-written file that DVC or the next stage would take for a result. A rename a
 not survive a power loss, though: the new name can reach the disk before the data does. Files
 that a later run trusts without re-checking their bytes (resume units) are written
 `durable=True`: the data is fsynced before the rename and the directory after it.
+
+The temporary sibling is created at the mode a plain `open()` or `mkdir()` gives (0666 or 0777,
+less the umask), not `tempfile`'s private 0600 or 0700: the rename keeps the mode, so every output
+is as readable to a colleague as any other file the umask lets them read.
 """
 
 from __future__ import annotations
@@ -13,12 +17,28 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
+
+
+def temp_sibling(path: Path, *, is_dir: bool = False) -> Path:
+    """A new, empty file (or directory) `.<name>.<random>.tmp` next to `path`, created exclusively
+    at the umask's mode (module docstring)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            if is_dir:
+                os.mkdir(tmp, 0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        except FileExistsError:
+            continue  # a name another writer drew: draw again
+        return tmp
+    raise FileExistsError(f"no free temporary name next to {path} after 100 tries")
 
 
 def fsync_path(path: str | Path) -> None:
@@ -38,12 +58,7 @@ def atomic_path(path: str | Path, *, is_dir: bool = False, durable: bool = False
     that after a power loss `path` holds either the old bytes or all of the new ones."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if is_dir:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
+    tmp = temp_sibling(path, is_dir=is_dir)
     try:
         yield tmp
         if is_dir:

@@ -13,7 +13,10 @@ Damaged state never blocks a re-run: a unit file is fsynced before its rename (s
 loss leaves the whole unit or none), and `prepare` still reads every kept unit back. One
 that is unreadable (truncated, empty) or has another schema is discarded with a warning
 naming it, and recomputed; an unreadable `fingerprint.json` discards the whole store, with a
-warning.
+warning. Each unit file also carries what it holds, in its Parquet key-value metadata
+(`halludetect.unit`: its unit number and the digest of the fingerprint it was computed under):
+a file copied by hand over another unit's name (one unit's rows over another's, or a unit of
+another run) would give repeated and missing rows with no error, so it is discarded the same way.
 
 One run owns a store at a time. `prepare` claims it before it reads or discards anything:
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -43,13 +47,14 @@ from pathlib import Path
 
 import polars as pl
 
-from halludetect.core.atomic_io import write_json, write_parquet
+from halludetect.core.atomic_io import atomic_path, write_json
 from halludetect.core.errors import DataError, UserError
 from halludetect.core.processes import HOST, pid_alive
 
 log = logging.getLogger("halludetect")
 UNIT = re.compile(r"unit_(\d{6,})\.parquet")
 LOCK, OWNER, FINGERPRINT = "owner.lock", "owner.json", "fingerprint.json"
+HOLDS = b"halludetect.unit"  # a unit file's key-value metadata: {"unit": N, "fingerprint": sha256}
 
 
 class StoreBusy(UserError):
@@ -69,6 +74,7 @@ class UnitStore:
         `busy_hint`: what a refused second run can do instead (e.g. ", or write to another --out")."""
         self.dir = Path(directory)
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))  # JSON-normalised
+        self._digest = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()
         self.schema = pl.Schema(schema) if schema is not None else None
         self.busy_hint = busy_hint
         self._lock = None  # the open lock file while this object owns the store
@@ -213,7 +219,23 @@ class UnitStore:
             return None, f"unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if self.schema is not None and df.schema != self.schema:
             return None, f"another schema ({dict(df.schema)} instead of {dict(self.schema)})"
-        return df, None
+        return df, self._holds(path)
+
+    def _holds(self, path: Path) -> str | None:
+        """Why the file at `path` is not the unit its name says of this store's run; None when it is."""
+        import pyarrow.parquet as pq
+
+        try:
+            holds = json.loads((pq.read_schema(path).metadata or {})[HOLDS])
+            unit, digest = int(holds["unit"]), str(holds["fingerprint"])
+        except Exception:  # no such entry, or not ours: any file not written by `put`
+            return "not written by this store: it records no unit; copied in by hand?"
+        named = int(UNIT.fullmatch(path.name)[1])
+        if digest != self._digest:
+            return f"another run's: it records unit {unit} of a run with other params, inputs or code; copied by hand?"
+        if unit != named:
+            return f"another unit's: it records unit {unit}, not {named}; copied over this name by hand?"
+        return None
 
     def _discard_damaged(self) -> None:
         for tmp in self.dir.glob(".*.tmp"):  # a write that a kill interrupted before its rename
@@ -228,8 +250,16 @@ class UnitStore:
         return {int(m[1]) for p in self.dir.glob("unit_*.parquet") if (m := UNIT.fullmatch(p.name))}
 
     def put(self, unit: int, df: pl.DataFrame) -> None:
-        # Durable: a later run trusts a unit that exists (after reading it back once).
-        write_parquet(self._path(unit), df, durable=True)
+        """Keep a finished unit. The file records which unit of which run it holds (module docstring),
+        through pyarrow: polars writes no key-value metadata before 1.26. Durable: a later run trusts
+        a unit that exists (after reading it back once)."""
+        import pyarrow.parquet as pq
+
+        table = df.to_arrow()
+        holds = json.dumps({"unit": unit, "fingerprint": self._digest}, sort_keys=True).encode()
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), HOLDS: holds})
+        with atomic_path(self._path(unit), durable=True) as tmp:
+            pq.write_table(table, tmp)
 
     def paths(self, n_units: int) -> list[Path]:
         """Every unit's file in unit order (for merges that stream rather than load them all)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
 from torch import nn
 
 from halludetect.core.artifacts import damaged, load_safetensors, safetensors_metadata
@@ -33,6 +35,44 @@ def build_detector(method: str, d: int, params) -> nn.Module:
             "mapping Bags to one score per answer; fix its build"
         )
     return net
+
+
+def check_scores(method: str, z, n: int, where: str, *, finite: bool = True) -> None:
+    """A plugin network's output `z` on `where` (n bags) must be one score per bag: a float tensor
+    (or array) of shape [n], and finite when `finite`. Anything else stops here with one line naming
+    the plugin and what it returned: NaN would train every epoch and then fail writing the figures,
+    and another shape fail inside torch with torch's message. Cheap (callers check a first batch,
+    or scores they already have) and it reads `z` only; the built-in networks, whose shapes and
+    numbers are tested, are not checked."""
+    spec = lookup_method(method)
+    if spec.origin is None:
+        return
+    if isinstance(z, torch.Tensor):
+        z = z.detach().cpu()
+        shape, floating = list(z.shape), z.is_floating_point()
+    elif isinstance(z, np.ndarray):
+        shape, floating = list(z.shape), np.issubdtype(z.dtype, np.floating)
+    else:
+        shape, floating = None, False
+    if shape is None:
+        got = f"a {type(z).__name__}"
+    elif shape != [n]:
+        got = f"a tensor of shape {shape}"
+    elif not floating:
+        got = f"a tensor of {z.dtype}"
+    elif finite and not (ok := np.isfinite(a := _float64(z))).all():
+        a = a[~ok]
+        got = f"{int(np.isnan(a).sum())} NaN and {int(np.isinf(a).sum())} infinite score(s) of {n}"
+    else:
+        return
+    raise PluginError(
+        f"detector '{method}' (from {spec.origin.describe()}): on {where} of {n} bags its network returned "
+        f"{got}, not one finite score per bag (a float tensor of shape [{n}]); fix its forward"
+    )
+
+
+def _float64(z) -> np.ndarray:
+    return z.double().numpy() if isinstance(z, torch.Tensor) else np.asarray(z, dtype=np.float64)
 
 
 def origin_meta(method: str) -> dict | None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from halludetect.core.errors import DataError
-from halludetect.detectors.build import build_detector
+from halludetect.detectors.build import build_detector, check_scores
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.inference import score
 from halludetect.methods import method as lookup_method
@@ -61,7 +61,9 @@ def fit_detector(
     elif spec.fit != "none":
         raise ValueError(f"{method}: unknown fit '{spec.fit}'")
     model = model.to(device)
-    val_auroc = float(auroc(val.y.cpu().numpy(), score(model, val.to(device))))
+    val_z = score(model, val.to(device))
+    check_scores(method, val_z, len(val), "the validation split")  # a plugin's: one finite score per bag
+    val_auroc = float(auroc(val.y.cpu().numpy(), val_z))
     info["val_auroc"] = val_auroc
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return state, val_auroc, info

@@ -39,7 +39,7 @@ from torch import nn
 
 from halludetect.activations.bags import Bags
 from halludetect.core.errors import DataError
-from halludetect.detectors.build import build_detector
+from halludetect.detectors.build import build_detector, check_scores
 from halludetect.detectors.data import SplitData
 from halludetect.detectors.gradient_ratio import GradientRatioTrace
 from halludetect.detectors.inference import score
@@ -205,13 +205,20 @@ def train_detector(
         for batch in steps:
             batch = batch.to(device)
             bags, y = train.bags(batch), train.y[batch]
-            loss = hami_mil_loss(model, bags, y, method_params) if mil else logistic_loss(model(bags), y, pos_weight)
+            if mil:
+                loss = hami_mil_loss(model, bags, y, method_params)
+            else:
+                z = model(bags)  # [B]
+                if epoch == 1 and n == 0:  # a plugin's output, once: shape and finite (build.check_scores)
+                    check_scores(method, z, len(batch), "the first training batch")
+                loss = logistic_loss(z, y, pos_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += loss.item() * len(batch)
             n += len(batch)
         val_z = score(model, val)
+        check_scores(method, val_z, len(val), f"the validation split after epoch {epoch}")  # eval mode may differ
         val_auroc = float(auroc(val_y, val_z))
         row = {"epoch": epoch, "train_loss": total / n, "val_auroc": val_auroc, "lr": lr}
         row |= epoch_margins(train_y, score(model, train), val_y, val_z)

@@ -17,7 +17,9 @@ register first (`load_factory`), and nothing is imported because a file says so.
 Every failure is one `PluginError` naming the entry point or the params key and the fix: a module
 that does not exist or fails to import, a factory that is missing, not callable, raises, returns
 something that is not a `Method` or a method of another name, or a name already taken. A network
-that is not an `nn.Module` is refused where it is built (detectors/build.py), before training.
+that is not an `nn.Module` is refused where it is built (detectors/build.py), before training, and
+one whose output is not one finite score per bag on its first training batch, or at score time
+(`build.check_scores`).
 """
 
 from __future__ import annotations

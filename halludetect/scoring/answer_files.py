@@ -17,8 +17,8 @@ the number of rows.
 Output (Parquet or JSONL, by extension), one row per input row, in input order: `row` (the
 0-based input row), `id`, with --generate `answer`, `answer_token_ids`, `finish_reason`, then
 `n_tokens`, `score` (the ensemble's bag logit), `probability` (calibrated), `flag` (score >=
-the threshold), `reason` (why a row has no score: empty_answer, too_long, no_p_sem; null
-when scored), `in_distribution` (whether the answer's token log-probs are within the range of
+the threshold), `reason` (why a row has no score: empty_answer, too_long, too_short, no_p_sem;
+null when scored), `in_distribution` (whether the answer's token log-probs are within the range of
 the answers the detector was fit on: scoring/answer_range.py; null when not checked),
 `ood_reason` (why not), `mean_logprob` and `min_logprob` (the answer's own token log-probs under
 the base model: their mean and lowest) and, if asked, `seed_scores`; with --explain, `question`, `answer` and the token

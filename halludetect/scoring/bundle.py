@@ -75,9 +75,16 @@ from halludetect.config import ExportParams, threshold_name
 from halludetect.core.atomic_io import atomic_path, file_sha256
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import UnknownName
-from halludetect.detectors.build import build_detector, check_known, load_detector, origin_meta, params_for
+from halludetect.detectors.build import (
+    build_detector,
+    check_known,
+    check_scores,
+    load_detector,
+    origin_meta,
+    params_for,
+)
 from halludetect.detectors.evidence import Evidence, NoEvidence, describe, ensemble_evidence
-from halludetect.methods import SP_METHODS
+from halludetect.methods import SP_METHODS, PluginError
 from halludetect.methods import method as lookup_method
 from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
@@ -376,8 +383,15 @@ class Bundle:
 
     @torch.no_grad()
     def seed_logits(self, bags: Bags) -> torch.Tensor:
-        """[S, B] each seed's bag logits, in the order of `seeds`."""
-        return torch.stack([self.detectors[s](bags) for s in self.seeds])
+        """[S, B] each seed's bag logits, in the order of `seeds`. A plugin's network that returns
+        anything but one score per bag stops here naming it (a non-finite score: the scorer names
+        the row)."""
+        out = []
+        for s in self.seeds:
+            z = self.detectors[s](bags)  # [B]
+            check_scores(self.method, z, len(bags), "a batch of answers", finite=False)
+            out.append(z)
+        return torch.stack(out)
 
     def evidence(self, bags: Bags) -> Evidence:
         """The token evidence of the seeds' mean logit (detectors/evidence.py): score = bias + sum_t c_t."""
@@ -583,9 +597,12 @@ def check_tensors(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> l
     return warnings
 
 
-def load_bundle(path: str | Path) -> Bundle:
+def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False) -> Bundle:
     """Rebuild a bundle's detectors from its file (weights by safetensors, no pickles), after
-    checking its metadata, its digest and its weights (module docstring)."""
+    checking its metadata, its digest and its weights (module docstring). A plugin's bundle whose
+    plugin is not registered here is a `PluginError` saying how to register it; with
+    `metadata_only_without_plugin` (`halludetect show`) it is loaded without detectors instead,
+    every check but the rebuild done, with a warning saying so."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -610,7 +627,13 @@ def load_bundle(path: str | Path) -> Bundle:
         raise BundleError(f"{path}: the bundle metadata is not valid JSON ({e}): damaged; {RE_EXPORT}") from None
     meta = check_meta(path, meta)
     warnings = check_tensors(path, meta, tensors) + format_warnings(path, meta)
-    check_known(meta, path)  # a plugin's method: registered here, or named with how to register it
+    try:
+        check_known(meta, path)  # a plugin's method: registered here, or named with how to register it
+    except PluginError as e:
+        if not metadata_only_without_plugin:
+            raise
+        warnings.append(f"{e} to score it; shown from its metadata (its weights are checked, not rebuilt)")
+        return Bundle(meta=meta, detectors={}, path=path, sha256=file_sha256(path), warnings=warnings)
     detectors = {}
     try:
         method_params = params_for(meta["method"], meta["params"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+from halludetect.core.lookup import UnknownName
 from halludetect.methods import method as lookup_method
 from halludetect.scoring.answer_range import describe_range
 from halludetect.scoring.bundle import Bundle, p_sem_requirement
@@ -103,7 +104,11 @@ def summary_text(b: Bundle) -> str:
     """The readable summary of a loaded bundle (its metadata already checked by `load_bundle`)."""
     meta = b.meta
     ev, inputs, cal = meta["evaluation"], meta["inputs"], meta["calibration"]
-    display = lookup_method(meta["method"]).display  # load_bundle checked it is registered
+    origin = meta.get("origin")
+    try:
+        display = lookup_method(meta["method"]).display
+    except UnknownName:  # a plugin not registered here: `show` summarises the metadata without it
+        display = "a plugin's method, not registered here"
     seeds = ", ".join(map(str, meta["seeds"]))
     top = meta["n_layers"]
     where = {0: "the embeddings", top: "the top, after the final norm"}.get(meta["layer"], "a middle block's output")
@@ -119,6 +124,7 @@ def summary_text(b: Bundle) -> str:
     lines = [
         _line("bundle", f"{b.path} (format {meta['format_version']}, sha256 {(b.sha256 or '?')[:16]}...)"),
         _line("detector", f"{meta['method']} ({display}): the mean logit of {len(meta['seeds'])} seeds ({seeds})"),
+        *([_more(f"from the plugin factory {origin['factory']} ({origin['via']})")] if origin else []),
         *_model(meta["base_model"]),
         _line("layer", f"{meta['layer']} of {top} ({where})"),
         _line("positions", f"{inputs['positions']}: {positions}"),

@@ -23,12 +23,13 @@ Order of work, so that bad input fails before anything expensive:
     (scoring/answer_range.py: `in_distribution`, `ood_reason`).
 
 Rows that cannot be scored keep their place with a `reason`: empty_answer, too_long (prompt +
-answer longer than the model's context: the row is named in the log), no_p_sem (a method that
-reads P_sem, given none). A score that comes out NaN or infinite is never written: the run stops
-naming the row (`NonFiniteScore`). A bundle without an `answer_range` (exported before it was
-recorded), `check_distribution=False` (--no-distribution-check) or a loaded model without an LM
-head leave `in_distribution` null, and the log and the summary say why; nothing pretends the
-rows were checked.
+answer longer than the model's context: the row is named in the log), too_short (fewer tokens
+than the method reads: a one-token answer has no second-last token for sep_slt; named in the
+log), no_p_sem (a method that reads P_sem, given none). A score that comes out NaN or infinite
+is never written: the run stops naming the row (`NonFiniteScore`). A bundle without an
+`answer_range` (exported before it was recorded), `check_distribution=False`
+(--no-distribution-check) or a loaded model without an LM head leave `in_distribution` null, and
+the log and the summary say why; nothing pretends the rows were checked.
 
 Options are checked before any weights are read: batch_size and rows_per_part of at
 least 1, a device this machine has, a finite threshold, sampling params that validate, a revision
@@ -74,6 +75,7 @@ from halludetect.lm.hf_models import (
 )
 from halludetect.lm.model_inputs import encode_prompt, pad_ids
 from halludetect.lm.token_text import char_spans, token_pieces
+from halludetect.methods import method as lookup_method
 from halludetect.scoring.answer_files import (
     AnswerFile,
     AnswerRow,
@@ -347,6 +349,8 @@ class Scorer:
             log,
         )
         self.threshold_name, self.threshold = b.threshold(threshold)
+        # the DAG leaves shorter bags out (detectors/data.py, `too_short`): the token it reads is not there
+        self.min_tokens = lookup_method(b.method).min_tokens
         self.states_dtype = DTYPES[inputs["states_dtype"]]
         self._named: Counter = Counter()
         if model is not None and not isinstance(model, str | Path | ModelPreset):  # a loaded model
@@ -437,6 +441,12 @@ class Scorer:
         elif detail and self._named[reason] == MAX_NAMED + 1:
             self.log(f"more rows with reason '{reason}': see the reason column")
 
+    def _too_short(self, n: int) -> str:
+        return (
+            f"{n} answer token(s); '{self.bundle.method}' reads answers of at least {self.min_tokens} "
+            "(the token it reads is not there)"
+        )
+
     # ------------------------------------------------------------------ scoring
     def score(self, rows: list[AnswerRow]) -> list[dict]:
         """One result per row, in order (columns: answer_files.output_schema)."""
@@ -470,6 +480,8 @@ class Scorer:
                 total = len(prompt) + len(answer)
                 if not answer:
                     self._skip(out[i], r, "empty_answer")
+                elif len(answer) < self.min_tokens:
+                    self._skip(out[i], r, "too_short", self._too_short(len(answer)))
                 elif self.context is not None and total > self.context:
                     self._skip(
                         out[i],
@@ -560,6 +572,8 @@ class Scorer:
                 }
                 if s.states is None:
                     self._skip(out[i], rows[i], "empty_answer")
+                elif len(s.answer.token_ids) < self.min_tokens:
+                    self._skip(out[i], rows[i], "too_short", self._too_short(len(s.answer.token_ids)))
                 else:
                     done.append(i)
                     bags.append(s.states)

@@ -47,6 +47,40 @@ def test_generate_discards_a_store_with_a_garbage_fingerprint_with_a_warning(tmp
 
 
 @pytest.mark.hostile
+def test_a_unit_file_copied_by_hand_over_another_is_discarded_with_a_warning(tmp_path, caplog):
+    """Each unit records which unit of which run it holds: a copy over another unit's name, a unit
+    of another run (another fingerprint, the same schema) or a file not written by the store would
+    otherwise be merged as that unit (repeated and missing rows, no error)."""
+    import shutil
+
+    from halludetect.core.unit_store import UnitStore
+
+    progress = tmp_path / "progress"
+    store = UnitStore(progress, {"run": 1})
+    store.prepare()
+    for u in range(4):
+        store.put(u, pl.DataFrame({"x": [u]}))
+    store.release()
+    other = UnitStore(tmp_path / "other", {"run": 2})
+    other.prepare()
+    other.put(2, pl.DataFrame({"x": [20]}))
+    other.release()
+    shutil.copy(progress / "unit_000000.parquet", progress / "unit_000001.parquet")  # unit 0's rows as unit 1
+    shutil.copy(tmp_path / "other" / "unit_000002.parquet", progress / "unit_000002.parquet")
+    pl.DataFrame({"x": [30]}).write_parquet(progress / "unit_000003.parquet")  # no record of what it holds
+    with caplog.at_level(logging.WARNING, logger="halludetect"):
+        assert UnitStore(progress, {"run": 1}).prepare() == 1
+    assert sorted(p.name for p in progress.glob("unit_*")) == ["unit_000000.parquet"]
+    assert (
+        f"discarding damaged work unit {progress / 'unit_000001.parquet'} (another unit's: it records unit 0, not 1;"
+        in (caplog.text)
+    )
+    assert "unit_000002.parquet (another run's: it records unit 2 of a run with other params" in caplog.text
+    assert "unit_000003.parquet (not written by this store: it records no unit;" in caplog.text
+    assert caplog.text.count("it will be recomputed") == 3
+
+
+@pytest.mark.hostile
 def test_a_unit_is_fsynced_before_its_rename(tmp_path, monkeypatch):
     from halludetect.core import atomic_io
     from halludetect.core.unit_store import UnitStore

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 from support import doc_blocks
+from torch import nn
 
 from halludetect.core import code_deps
 
@@ -250,3 +252,131 @@ print(json.dumps(out))
     dvc_yaml = (tmp_path / "dvc.yaml").read_text()
     assert dvc_yaml.count("      - my_detectors\n") == 1  # the code stage's deps only
     assert "my_detectors/" not in dvc_yaml
+
+
+# ------------------------------------------------------------------ plugins that misbehave at run time
+class Misbehaves(nn.Module):
+    """A plugin's network: a linear score on each bag's last state (shape [B]), then what `bad` makes
+    of it: NaN or infinite scores (in training, or in eval mode only), a column [B, 1], a tuple."""
+
+    def __init__(self, d: int, bad: str):
+        super().__init__()
+        self.linear = nn.Linear(d, 1)
+        self.bad = bad
+
+    def forward(self, bags):
+        z = self.linear(bags.tokens[bags.token_rows(-1)]).squeeze(-1)  # [B]
+        if self.bad == "nan" or (self.bad == "nan_in_eval" and not self.training):
+            return z * float("nan")
+        if self.bad == "inf":
+            return z.detach() * 0 + float("inf")
+        return {"column": lambda: z.unsqueeze(-1), "tuple": lambda: (z,)}.get(self.bad, lambda: z)()
+
+
+@pytest.fixture
+def misbehaving():
+    """Register `Misbehaves` as a params-key plugin named after its fault; unregistered after the test."""
+    from halludetect.methods import METHODS, Method, Origin, register
+    from halludetect.methods.pooling import PoolingParams
+
+    names = []
+
+    def make(bad: str) -> str:
+        name = f"plugin_{bad}"
+        origin = Origin(f"my_detectors.bad:{name}", "params")
+        build = lambda net, d, p: Misbehaves(d, bad)  # noqa: E731
+        register(Method(name, name, PoolingParams, build=build, family="yours", origin=origin))
+        names.append(name)
+        return name
+
+    yield make
+    for name in names:
+        METHODS.pop(name)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("bad", "returned"),
+    [
+        ("nan", "on the first training batch of 32 bags its network returned 32 NaN and 0 infinite score(s) of 32"),
+        ("inf", "on the first training batch of 32 bags its network returned 0 NaN and 32 infinite score(s) of 32"),
+        ("column", "on the first training batch of 32 bags its network returned a tensor of shape [32, 1]"),
+        ("tuple", "on the first training batch of 32 bags its network returned a tuple"),
+        ("nan_in_eval", "on the validation split after epoch 1 of 60 bags its network returned 60 NaN"),
+    ],
+)
+def test_a_plugin_returning_nan_or_the_wrong_shape_stops_training_at_once_naming_it(misbehaving, bad, returned):
+    """Checked on the first batch (and on each epoch's validation scores, which training computes
+    anyway), never after every epoch has run (NaN failed then, writing the figures' JSON) nor inside
+    torch (another shape failed with torch's message)."""
+    from support import synthetic
+
+    from halludetect.detectors.build import params_for
+    from halludetect.detectors.data import split_data
+    from halludetect.detectors.training import train_detector
+    from halludetect.methods import PluginError
+
+    name = misbehaving(bad)
+    layer, labels = synthetic()
+    train, val = split_data(layer, labels, "train"), split_data(layer, labels, "val")
+    with pytest.raises(PluginError) as e:
+        train_detector(name, params_for(name), train, val, epochs=3, batch_size=32, seed=0)
+    message = str(e.value)
+    assert message.startswith(
+        f"detector '{name}' (from the params key detectors.<name>.factory = 'my_detectors.bad:{name}'): "
+    )
+    assert returned in message and message.endswith("; fix its forward") and "\n" not in message
+    fine = misbehaving("fine")  # a plugin that returns one finite score per bag trains as before
+    res = train_detector(fine, params_for(fine), train, val, epochs=2, batch_size=32, seed=0)
+    assert len(res.curve) == 2 and all(torch.isfinite(v).all() for v in res.state_dict.values())
+
+
+@pytest.mark.hostile
+def test_a_plugin_bundle_of_the_wrong_shape_stops_score_naming_it(misbehaving, bundle_path, tiny_model_dir, tmp_path):
+    from halludetect.detectors.build import build_detector, params_for
+    from halludetect.methods import PluginError
+    from halludetect.scoring.bundle import load_bundle, save_bundle
+    from halludetect.scoring.scorer import score_answers
+
+    name = misbehaving("column")
+    b = load_bundle(bundle_path)
+    meta = json.loads(json.dumps(b.meta)) | {
+        "method": name,
+        "params": params_for(name).model_dump(),
+        "origin": {"factory": f"my_detectors.bad:{name}", "via": "params", "distribution": None},
+    }
+    out = tmp_path / "column.safetensors"
+    save_bundle(out, {s: build_detector(name, 32, params_for(name)).state_dict() for s in b.seeds}, meta)
+    row = {"question": "Where was Tavo Mir born?", "answer": "Tavo Mir was born in Calomar."}
+    with pytest.raises(
+        PluginError, match=r"on a batch of answers of 1 bags its network returned a tensor of shape \[1, 1\]"
+    ):
+        score_answers(out, [row], model=str(tiny_model_dir), device="cpu")
+
+
+@pytest.mark.hostile
+def test_show_summarises_a_params_key_plugins_bundle_without_the_plugin(bundle_path, tmp_path, capsys):
+    """`score` needs the plugin registered (it rebuilds the network); `show` reads the metadata only:
+    it summarises the bundle, with a warning saying how to register the plugin to score it."""
+    from halludetect import cli as console
+    from halludetect.scoring.bundle import load_bundle, save_bundle
+
+    b = load_bundle(bundle_path)
+    factory = "my_detectors.wide:make"
+    meta = json.loads(json.dumps(b.meta)) | {
+        "method": "wide_max",
+        "origin": {"factory": factory, "via": "params", "distribution": None},
+    }
+    out = tmp_path / "wide_max.safetensors"
+    save_bundle(out, {s: b.detectors[s].state_dict() for s in b.seeds}, meta)
+    console.main(["show", str(out)])
+    text, err = capsys.readouterr()
+    assert "detector     wide_max (a plugin's method, not registered here): the mean logit of 2 seeds" in text
+    assert f"from the plugin factory {factory} (params)" in text and "threshold    fpr_0.05 = " in text
+    assert err.startswith(f"warning: {out}: its detector 'wide_max' comes from the plugin factory '{factory}'")
+    assert "shown from its metadata" in err
+    console.main(["show", str(out), "--json"])
+    assert json.loads(capsys.readouterr().out)["origin"]["factory"] == factory
+    with pytest.raises(SystemExit) as e:  # scoring it still needs the plugin
+        console.main(["score", "--bundle", str(out), "--input", "x.jsonl", "--out", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2 and f"load_factory('wide_max', '{factory}') first" in capsys.readouterr().err

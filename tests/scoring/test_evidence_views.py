@@ -9,6 +9,7 @@ import html
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -17,6 +18,7 @@ import pytest
 from halludetect.core.errors import UserError
 from halludetect.scoring.answer_files import output_schema
 from halludetect.scoring.evidence_views import (
+    MAX_CHARS,
     MAX_TOKENS,
     colour,
     html_page,
@@ -154,6 +156,76 @@ def test_a_file_without_evidence_or_a_bad_one_is_one_clear_error(tmp_path):
         read_explained(tmp_path / "x.csv", 10) if (tmp_path / "x.csv").write_text("a") else None
     with pytest.raises(UserError, match="--limit must be at least 1"):
         read_explained(plain, 0)
+
+
+def hand_made(tmp_path, rows) -> Path:
+    """A JSONL file as a person may write it: any value in any field (NaN spelt as Python's json does)."""
+    path = tmp_path / "hand.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.hostile
+def test_control_characters_never_reach_the_terminal_and_bidi_controls_are_marked_in_the_page(tmp_path):
+    """An answer that clears the screen, rings the bell, opens a hyperlink or reverses the text after
+    it: each such character is shown as its escape, in the terminal and in the page (marked, named)."""
+    nasty = "\x1b[2J\x07\x1b]8;;http://x\x1b\\Paris\u202eevil\x9b31m"
+    pieces = ["\x1b[2J\x07", "\x1b]8;;http://x\x1b\\", "Paris", "\u202eevil", "\x9b31m"]
+    row = explained_row(0, nasty, pieces, [0.5, 0.25, 1.0, -1.0, 0.0], question="Where?\x1b[31m\u2066")
+    row["id"] = "a\x1b[0m\u202e"
+    ex = read_explained(hand_made(tmp_path, [row]), limit=5)
+    for color in (False, True):
+        text = terminal(ex, color=color)
+        colours = text.replace("\x1b[0m", "")
+        colours = "".join(part.split("m", 1)[1] if k else part for k, part in enumerate(colours.split("\x1b[30;48;2;")))
+        assert not any(c in colours for c in "\x1b\x07\x9b\u202e\u2066"), repr(colours)  # only our own colours
+        assert "Where?\\x1b[31m\\u2066" in text and "id 'a\\x1b[0m\\u202e'" in text
+    plain = terminal(ex, color=False)
+    assert "A: \\x1b[2J\\x07\\x1b]8;;http://x\\x1b\\Paris\\u202eevil\\x9b31m\n" in plain
+    page = html_page(ex)
+    assert not any(c in page for c in "\x1b\x07\x9b\u202e\u2066")
+    assert '<span class="ctl" title="U+202E RIGHT-TO-LEFT OVERRIDE">\\u202e</span>evil' in page
+    assert '<span class="ctl" title="U+2066 LEFT-TO-RIGHT ISOLATE">\\u2066</span>' in page
+    assert '<span class="ctl" title="U+001B a control character">\\x1b</span>[2J' in page
+
+
+@pytest.mark.hostile
+def test_a_hand_made_files_huge_texts_give_a_bounded_page(tmp_path):
+    """A 10 MB question, answer, id and token once gave a 10 MB page: each text is cut, saying so."""
+    big = "x" * 10_000_000
+    row = explained_row(0, big, [big], [1.0], question=big)
+    row["id"] = big
+    ex = read_explained(hand_made(tmp_path, [row]), limit=5)
+    page, text = html_page(ex), terminal(ex, color=True)
+    assert len(page) < 50_000 and len(text) < 50_000
+    assert f"the first {MAX_CHARS:,} characters of the answer shown" in page
+    assert f"the first {MAX_CHARS:,} characters of the answer shown" in text
+    assert "more characters)" in page and "more characters)" in text
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("score", "high", "row 0: 'score' is 'high', not a finite number"),
+        ("score", float("nan"), "row 0: 'score' is nan, not a finite number"),
+        ("row", "zero", "record 1 of the file: 'row' is 'zero', not a whole number"),
+        ("bias", "-0.5", "row 0: 'bias' is '-0.5', not a finite number"),
+        ("probability", "0.5", "row 0: 'probability' is '0.5', not a finite number or null"),
+        ("contributions", [1.0, float("nan"), 0, 0, 0, 0, 0], "row 0: 'contributions' is [1.0, nan,"),
+        ("contributions", [1.0], "row 0: 'contributions' holds 1 values for 7 tokens"),
+        ("tokens", None, "row 0: 'tokens' is None, not a list of strings"),
+        ("offsets_exact", "yes", "row 0: 'offsets_exact' is 'yes', not true or false"),
+        ("token_end", [1.5] * 7, "row 0: 'token_end' is [1.5,"),
+    ],
+)
+def test_a_hand_made_row_of_the_wrong_type_is_one_error_naming_the_row_and_field(tmp_path, field, value, message):
+    path = hand_made(tmp_path, [CAT | {field: value}])
+    with pytest.raises(UserError) as e:
+        ex = read_explained(path, limit=5)
+        terminal(ex, color=True), html_page(ex)  # noqa: B018 - neither may fail with a traceback either
+    assert message in str(e.value) and "score the answers again with `halludetect score --explain`" in str(e.value)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ in a browser

@@ -291,6 +291,42 @@ def test_empty_and_too_long_answers_get_a_reason_and_are_counted(bundle_path, ti
     assert any("line 3 (id 'long')" in m and "do not fit the model's context of 128" in m for m in logged)
 
 
+@pytest.mark.hostile
+def test_a_one_token_answer_to_a_sep_slt_bundle_gets_a_reason_never_a_crash(bundle_path, tiny_model_dir, tmp_path):
+    """sep_slt reads the answer's second-last token: a one-token answer has none. It is left out
+    with `too_short` and named in the log, as the DAG leaves such bags out; the others are scored."""
+    b = load_bundle(bundle_path)
+    meta = json.loads(json.dumps(b.meta))
+    params = params_for("sep_slt")
+    meta |= {"method": "sep_slt", "params": params.model_dump()}
+    torch.manual_seed(0)
+    slt = tmp_path / "sep_slt.safetensors"
+    save_bundle(slt, {s: build_detector("sep_slt", 32, params).state_dict() for s in b.seeds}, meta)
+    q = "Where was Tavo Mir born?"
+    rows = [
+        {"id": "one", "question": q, "answer": "Calomar", "answer_token_ids": [7]},
+        {"id": "two", "question": q, "answer": "Calomar.", "answer_token_ids": [7, 8]},
+    ]
+    logged = []
+    summary = score_file(
+        slt,
+        write_jsonl(tmp_path / "in.jsonl", rows),
+        tmp_path / "out.jsonl",
+        str(tiny_model_dir),
+        progress=False,
+        log=logged.append,
+        device="cpu",
+    )
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["score"] is None) for r in out] == [("too_short", True), (None, False)]
+    assert summary["not_scored"] == {"too_short": 1} and summary["scored"] == 1
+    assert any("line 1 (id 'one')" in m and "'sep_slt' reads answers of at least 2" in m for m in logged)
+    sampled = score_answers(
+        slt, [{"question": q}], model=str(tiny_model_dir), device="cpu", generate=GenerateParams(max_new_tokens=1)
+    )  # one sampled token (or none, at once the end of the text)
+    assert sampled["reason"][0] in ("too_short", "empty_answer") and sampled["score"][0] is None
+
+
 def sp_bundle(bundle_path, out):
     """A hami_sp bundle (random weights): its detector reads each answer's P_sem."""
     b = load_bundle(bundle_path)
@@ -407,6 +443,41 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
     score_file(bundle_path, src, out, threshold="best_f1", log=logged.append, **kw)
     assert not any("resuming" in m for m in logged)  # another threshold: the two parts are not reused
     assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
+
+
+@pytest.mark.hostile
+def test_a_part_copied_by_hand_over_another_is_recomputed_never_merged(
+    contract, bundle_path, tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    """A part copied over another part's name (one unit's rows over another's) would give repeated
+    and missing rows with exit 0: each part records which unit it holds, and on resume a part that
+    holds another is discarded with a warning naming it, then scored again."""
+    import logging
+
+    from halludetect.core.unit_store import UnitStore
+
+    src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
+    out = tmp_path / "out.jsonl"
+    put = UnitStore.put
+
+    def put_two_then_stop(self, unit, df):
+        if len(self.finished()) == 2:
+            raise KeyboardInterrupt
+        put(self, unit, df)
+
+    kw = dict(model=str(tiny_model_dir), device="cpu", rows_per_part=2, progress=False, log=lambda *_: None)
+    monkeypatch.setattr(UnitStore, "put", put_two_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        score_file(bundle_path, src, out, **kw)
+    monkeypatch.undo()
+    parts = tmp_path / ".out.jsonl.parts"
+    shutil.copy(parts / "unit_000000.parquet", parts / "unit_000001.parquet")
+    with caplog.at_level(logging.WARNING, logger="halludetect"):
+        score_file(bundle_path, src, out, **kw)
+    assert [json.loads(line)["row"] for line in out.read_text().splitlines()] == list(range(6))
+    assert f"discarding damaged work unit {parts / 'unit_000001.parquet'} (another unit's" in caplog.text
+    score_file(bundle_path, src, tmp_path / "whole.jsonl", **kw)
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
 # ------------------------------------------------------------------ two runs, one output
