@@ -37,10 +37,14 @@ def run(args, params):
     analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
-    tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets))
+    tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets), metrics)
     stages = {k: v.model_dump() for k, v in g.transfer_stages.items()}
     tables += transfer_tables(
-        load_transfer(args.metrics_dir, stages), g.datasets, [*g.methods, *g.sp_methods], params.export.threshold
+        load_transfer(args.metrics_dir, stages),
+        g.datasets,
+        [*g.methods, *g.sp_methods],
+        params.export.threshold,
+        metrics,  # the params of each training dataset's detectors, for the captions
     )
     # A dataset whose prompt gives the answer away is marked in every table (report.leak_threshold).
     flag_leaks(tables, load_leaks(args.prepare_dir, g.datasets), params.report.leak_threshold, g.models)

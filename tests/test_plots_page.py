@@ -17,9 +17,20 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
+from matplotlib.colors import to_hex
 from support import ROOT
 
-from halludetect.evaluation.plot_data import class_histogram_data
+from halludetect.evaluation.baselines import BASELINES
+from halludetect.evaluation.plot_data import (
+    CLASS_COLOURS,
+    CLASSES,
+    METHOD_COLOURS,
+    class_histogram_data,
+    series_colour,
+    with_colours,
+)
+from halludetect.methods import METHODS
+from halludetect.report import figures
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 PLOTS = ROOT / ".dvc" / "plots"
@@ -53,12 +64,64 @@ def test_every_plot_has_a_title_axis_names_and_a_template_of_the_repository():
     assert [name for name, st in stages.items() if "plots" in st] == []
 
 
+def line_layer(name: str) -> dict:
+    """A series template's line (its first layer; the second draws the line's points)."""
+    return json.loads((PLOTS / f"{name}.json").read_text())["layer"][0]["encoding"]
+
+
 def test_the_revision_is_told_apart_by_dash_and_the_series_by_colour():
-    encodings = [json.loads((PLOTS / f"{name}.json").read_text())["encoding"] for name in ("series", "series_int")]
+    encodings = [line_layer(name) for name in ("series", "series_int")]
     encodings.append(json.loads((PLOTS / "panels.json").read_text())["spec"]["encoding"])
     for enc in encodings:
         assert enc["color"]["field"] == "series" and enc["strokeDash"]["field"] == "rev"
         assert enc["strokeDash"]["legend"]["symbolType"] == "stroke"  # the legend draws the dash
+
+
+def test_a_series_has_one_colour_in_the_pngs_and_on_the_page():
+    """The templates take the colour scale's range from the data's `colour` column, which the plot
+    data fill from the map the PNGs draw with: one colour per method (and class) everywhere."""
+    for name in ("series", "series_int"):
+        assert line_layer(name)["color"]["scale"] == {"range": {"field": "colour"}}, name
+        points = json.loads((PLOTS / f"{name}.json").read_text())["layer"][1]["encoding"]["color"]
+        assert points == {"field": "colour", "type": "nominal", "scale": None, "legend": None}, name
+    classes = json.loads((PLOTS / "panels.json").read_text())["spec"]["encoding"]["color"]["scale"]
+    assert dict(zip(classes["domain"], classes["range"])) == {name: CLASS_COLOURS[label] for name, label in CLASSES}
+    # every method, baseline and model baseline has a colour of its own
+    assert set(METHOD_COLOURS) == {*METHODS, *BASELINES, "p_true"}
+    assert len(set(METHOD_COLOURS.values())) == len(METHOD_COLOURS)
+    rng = np.random.default_rng(0)
+    methods = ["hami_sp", "max", "mean", "hami"]  # not the map's order: the colour goes with the name
+    layer_rows = {m: [{"layer": i, "val_auroc": 0.6, "test_auroc": 0.6 + 0.01 * i} for i in range(3)] for m in methods}
+    y = np.array([0, 1] * 20)
+    curves = {m: (y, [rng.random(40)]) for m in [*methods, "logprob"]}
+    margins = {m: {"train": [0.1, 0.2], "val": [0.1, 0.15]} for m in ("max", "mean", "hami", "hami_sp")}
+
+    def png_colours(fig) -> dict[str, str]:
+        return {line.get_label(): to_hex(line.get_color()) for ax in fig.axes for line in ax.get_lines()}
+
+    def page_colours(frame: pl.DataFrame) -> dict[str, str]:
+        pairs = frame.select("series", "colour").unique()
+        assert pairs["series"].is_unique().all(), "a series with two colours"
+        assert pairs["colour"].is_unique().all(), "two series of a chart with one colour: the page would mix them up"
+        return dict(pairs.iter_rows())
+
+    page = page_colours(figures.auroc_by_layer_data(layer_rows))
+    png = png_colours(figures.auroc_by_layer(layer_rows, {m: 1 for m in methods}, "t"))
+    assert page == {m: png[m] for m in methods} == {m: METHOD_COLOURS[m] for m in methods}
+    page = page_colours(figures.roc_data(curves))
+    png = png_colours(figures.roc(curves, {m: "0.5" for m in curves}, "t"))
+    assert page == {m: png[f"{m} (0.5)"] for m in curves} == {m: METHOD_COLOURS[m] for m in curves}
+    page = page_colours(figures.margins_by_epoch_data(margins))
+    png = {
+        label.split(" (layer")[0] + f" ({label.split(', ')[1].split(':')[0]})": c
+        for label, c in png_colours(figures.margins_by_epoch(margins, {m: 1 for m in margins}, "t")).items()
+        if "(layer" in label
+    }
+    assert page == png and page["hami (train)"] == METHOD_COLOURS["hami"] != page["hami (val)"]
+    # the classes (the score, response and sensitivity panels): the template's, above
+    fig = figures.class_panels({"p": (rng.normal(size=40), y)}, "t")
+    patches = {to_hex(p.get_facecolor()[:3]) for p in fig.axes[0].patches}
+    assert patches == set(CLASS_COLOURS.values())
 
 
 def test_the_page_template_inlines_the_libraries_listed_in_licenses():
@@ -108,6 +171,7 @@ def write_plot_data(repo):
             ]
         ),
     }
+    frames = {name: with_colours(frame) for name, frame in frames.items()}
     y = rng.integers(0, 2, 200)
 
     def panels(names):
@@ -133,8 +197,8 @@ def write_plot_data(repo):
 def test_the_plots_page_renders_every_chart_with_no_network(tmp_path):
     """`dvc plots show` (plain: the page template comes from .dvc/config) on one cell's plot data;
     Chromium opens the page with every host name unresolvable and no proxy reachable, runs its
-    scripts, and the DOM then holds one SVG per chart with its title and axis names, and the
-    console no error."""
+    scripts, and the DOM then holds one SVG per chart with its title and axis names, every line in
+    its series' colour (the PNGs'), and the console no error."""
     dvc = shutil.which("dvc", path=os.path.dirname(sys.executable))
     assert dvc, "dvc beside the test's python"
     repo = tmp_path / "repo"
@@ -188,3 +252,13 @@ def test_the_plots_page_renders_every_chart_with_no_network(tmp_path):
         assert len(where) == 1, (path, title, len(charts))
         assert d["x_label"] in where[0] and d["y_label"] in where[0], path
     assert len(charts) == len(plots)
+    # each line is drawn in its series' colour, the one the PNGs use (a class's in the panels)
+    lines = re.findall(r'<path aria-label="[^"]*series: ([^;"]+);[^"]*"[^>]*? stroke="(#[0-9a-f]{6})"', dom)
+    drawn = {(html.unescape(series), colour) for series, colour in lines}
+    assert {s for s, _ in drawn} == {
+        "max",
+        "hami_sp",
+        *(f"{m} ({s})" for m in ("max", "hami_sp") for s in ("train", "val")),
+        *(name for name, _ in CLASSES),
+    }
+    assert drawn == {(s, series_colour(s)) for s, _ in drawn}

@@ -2,11 +2,12 @@
 
   evidence         per method, a few test answers with each token's background coloured by its
                    contribution (red toward hallucination, blue toward correct; full colour at
-                   the largest contribution shown for that method)
+                   the largest contribution shown for that method), under a colour key
   sparsity         the share of an answer's tokens that carry 50% and 90% of its positive
                    evidence, per method and class (seeds pooled)
   gradient_ratio   Theorem 2: per epoch, the median squared gradient-norm ratio of max to mean
-                   pooling against the median (T/s)^2; at the best epoch, bag by bag
+                   pooling against the median (T/s)^2; at the best epoch, bag by bag (a colour
+                   per seed, named in the legends)
 
 Drawn with matplotlib's object API on Agg, like figures.py. The answers are set in DejaVu Sans
 Mono (shipped with matplotlib), each token at its own character column, so a coloured box sits
@@ -20,10 +21,11 @@ from functools import cache
 import numpy as np
 import polars as pl
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-from halludetect.report.figures import COLORS
+from halludetect.evaluation.plot_data import CLASS_COLOURS
 from halludetect.scoring.evidence_views import colour, segments
 
 MONO = "DejaVu Sans Mono"
@@ -31,6 +33,12 @@ FONT = 8.0  # points
 ADVANCE = 0.602  # DejaVu Sans Mono's advance width, in em: a character column is ADVANCE * FONT points
 WRAP = 110  # characters per line
 LINE = 1.75  # line height, in font sizes
+KEY = (14, 54, 81)  # the colour key's bar: first and last column, steps from -full to +full
+KEY_NOTE = (  # beside the bar, line by line
+    "a token's contribution to the bag logit",
+    "red: toward hallucination; blue: toward correct",
+    "full: each method's ± value in its heading",
+)
 
 
 @cache
@@ -70,7 +78,7 @@ def _wrap(segs) -> list[list[tuple[int, str, object]]]:
 
 def examples(per_method: dict[str, list[dict]], title: str) -> Figure:
     """{panel title: [example rows as `score --explain` writes them, plus `what` and `score`]}."""
-    blocks = []  # (kind, payload)
+    blocks = [("key", None), ("key_ticks", None), ("key_note", None), ("gap", None)]  # (kind, payload)
     for name, rows in per_method.items():
         sizes = [abs(s.contribution) for r in rows for s in segments(r) if s.tokens]
         scale = max(sizes) if sizes and max(sizes) > 0 else 1.0
@@ -93,7 +101,13 @@ def examples(per_method: dict[str, list[dict]], title: str) -> Figure:
     ax.axis("off")
     fig.suptitle(title, fontsize=10, y=1 - 0.08 / height_in, va="top")
     for y, (kind, payload) in enumerate(blocks, start=1):
-        if kind == "method":
+        if kind == "key":
+            _key(ax, y)
+        elif kind == "key_ticks":
+            _key_ticks(ax, y)
+        elif kind == "key_note":
+            ax.text(KEY[1] + 1, y, KEY_NOTE[2], fontsize=FONT - 0.5, color="#555555", va="center")
+        elif kind == "method":
             ax.text(0, y, payload, fontsize=FONT + 1, fontweight="bold", va="center")
         elif kind == "what":
             ax.text(0, y, payload, fontsize=FONT - 0.5, color="#555555", va="center")
@@ -105,6 +119,26 @@ def examples(per_method: dict[str, list[dict]], title: str) -> Figure:
                     ax.add_patch(Rectangle((col, y - 0.42), len(text), 0.84, facecolor=rgb, edgecolor="none"))
                 ax.text(col, y, text, fontsize=FONT, family=MONO, va="center", ha="left")
     return fig
+
+
+def _key(ax, y: float) -> None:
+    """The colour key: a bar from -full (blue, toward correct) through 0 (white) to +full (red,
+    toward hallucination), coloured by the same function as the tokens."""
+    first, last, steps = KEY
+    width = (last - first) / steps
+    ax.text(0, y, "colour key", fontsize=FONT, fontweight="bold", va="center")
+    for i, c in enumerate(np.linspace(-1.0, 1.0, steps)):
+        rgb = tuple(v / 255 for v in colour(float(c), 1.0))
+        ax.add_patch(Rectangle((first + i * width, y - 0.42), width, 0.84, facecolor=rgb, edgecolor="none"))
+    ax.add_patch(Rectangle((first, y - 0.42), last - first, 0.84, facecolor="none", edgecolor="#999999", lw=0.5))
+    ax.text(last + 1, y, KEY_NOTE[0], fontsize=FONT - 0.5, va="center")
+
+
+def _key_ticks(ax, y: float) -> None:
+    first, last, _ = KEY
+    for x, text, ha in ((first, "-full", "left"), ((first + last) / 2, "0", "center"), (last, "+full", "right")):
+        ax.text(x, y, text, fontsize=FONT - 0.5, color="#555555", va="center", ha=ha)
+    ax.text(last + 1, y, KEY_NOTE[1], fontsize=FONT - 0.5, color="#555555", va="center")
 
 
 def sparsity(rows: pl.DataFrame, methods: dict, title: str) -> Figure:
@@ -127,8 +161,8 @@ def sparsity(rows: pl.DataFrame, methods: dict, title: str) -> Figure:
                 data, positions=pos, widths=0.3, patch_artist=True, showfliers=False, medianprops={"color": "black"}
             )
             for patch in box["boxes"]:
-                patch.set(facecolor=COLORS[label], alpha=0.5)
-            ax.plot([], [], color=COLORS[label], lw=6, alpha=0.5, label=cls)
+                patch.set(facecolor=CLASS_COLOURS[label], alpha=0.5)
+            ax.plot([], [], color=CLASS_COLOURS[label], lw=6, alpha=0.5, label=cls)
         ax.set_xticks(range(len(names)), [methods[m].display for m in names], rotation=35, ha="right", fontsize=8)
         ax.set(title=f"tokens carrying {share} of the positive evidence", ylabel="share of the answer's tokens")
         ax.set_ylim(0, 1.02)
@@ -136,6 +170,20 @@ def sparsity(rows: pl.DataFrame, methods: dict, title: str) -> Figure:
         ax.legend(fontsize=8)
     fig.suptitle(title)
     return fig
+
+
+# gradient_ratio's curves over training: the key of the traced file, line style, legend label
+QUANTITIES = (
+    ("median_ratio", "-", "ratio ||∇z_max||² / ||∇z_mean||²"),
+    ("median_t_over_s90_sq", "--", "(T / s90)²"),
+    ("median_t_over_s50_sq", ":", "(T / s50)²"),
+    ("median_t_over_s_paper_sq", "-.", "(T / s_B)², the assumption's s_B"),
+)
+
+
+def _seed_handles(seeds: dict) -> list[Line2D]:
+    """One legend entry per seed in its colour, named as the traced file names it (seed_0: seed 0)."""
+    return [Line2D([], [], color=f"C{k}", lw=2, label=name.replace("seed_", "seed ")) for k, name in enumerate(seeds)]
 
 
 def gradient_ratio(traced: dict[str, dict], title: str) -> Figure:
@@ -149,32 +197,28 @@ def gradient_ratio(traced: dict[str, dict], title: str) -> Figure:
     fig = Figure(figsize=(11, 3.9 * len(traced)), layout="constrained")
     axes = fig.subplots(len(traced), 2, squeeze=False)
     for (left, right), (method, seeds) in zip(axes, traced.items()):
-        for key, style, label in (
-            ("median_ratio", "-", "ratio ||∇z_max||² / ||∇z_mean||²"),
-            ("median_t_over_s90_sq", "--", "(T / s90)²"),
-            ("median_t_over_s50_sq", ":", "(T / s50)²"),
-            ("median_t_over_s_paper_sq", "-.", "(T / s_B)², the assumption's s_B"),
-        ):
+        for key, style, _ in QUANTITIES:
             for k, t in enumerate(seeds.values()):
                 epochs = [e["epoch"] for e in t["epochs"]]
                 values = [np.nan if e.get(key) is None else e[key] for e in t["epochs"]]
-                left.plot(epochs, values, ls=style, lw=1.2, color=f"C{k}", label=f"{label}" if k == 0 else None)
+                left.plot(epochs, values, ls=style, lw=1.2, color=f"C{k}")
+        styles = [Line2D([], [], ls=style, lw=1.2, color="#555555", label=label) for _, style, label in QUANTITIES]
+        left.add_artist(left.legend(handles=styles, fontsize=7, loc="upper left"))
+        left.legend(handles=_seed_handles(seeds), fontsize=7, loc="upper right", title="seeds", title_fontsize=7)
         left.set(
             yscale="log",
             xlabel="epoch",
             ylabel="median over positive training bags",
             title=f"{method}: over training (a colour per seed)",
         )
-        left.legend(fontsize=7)
         left.grid(alpha=0.3)
         xs, ys = [], []
-        for t in seeds.values():
+        for k, t in enumerate(seeds.values()):
             b = t["bags"]
-            for tt, s, r in zip(b["T"], b["s90"], b["ratio"]):
-                if s:
-                    xs.append((tt / s) ** 2)
-                    ys.append(r)
-        right.scatter(xs, ys, s=8, alpha=0.5, color=COLORS[1])
+            pairs = [((tt / s) ** 2, r) for tt, s, r in zip(b["T"], b["s90"], b["ratio"]) if s]
+            xs += [x for x, _ in pairs]
+            ys += [r for _, r in pairs]
+            right.scatter([x for x, _ in pairs], [r for _, r in pairs], s=8, alpha=0.5, color=f"C{k}")
         if xs:
             lo, hi = min(min(xs), min(ys)), max(max(xs), max(ys))
             right.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls=":", label="ratio = (T/s90)²")
@@ -188,7 +232,7 @@ def gradient_ratio(traced: dict[str, dict], title: str) -> Figure:
         for axis in (right.xaxis, right.yaxis):  # plain numbers: log minor labels overlap
             axis.set_major_formatter(ScalarFormatter())
             axis.set_minor_formatter(NullFormatter())
-        right.legend(fontsize=7)
+        right.legend(handles=[*right.get_legend_handles_labels()[0], *_seed_handles(seeds)], fontsize=7)
         right.grid(alpha=0.3)
     fig.suptitle(title)
     return fig

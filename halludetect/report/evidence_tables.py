@@ -8,6 +8,9 @@ gradient_ratio     Theorem 2 as training measured it (mean and max networks, at 
                    of max to mean pooling over positive training bags, against the medians of
                    (T/s)^2 for s = s90, s50 and the assumption's own s_B, how often the ratio
                    reaches (T/s90)^2, and their rank correlation
+
+Their captions name the seeds behind the figures and, where HaMI (SP) is among the methods, its
+P_sem variant and λ (paper_tables.conventions, from the cell's evaluation of the method).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from halludetect.report.paper_tables import conventions
 from halludetect.report.tables import Cell, Row, Table
 
 CLASSES = ("hallucinated", "correct")
@@ -37,10 +41,10 @@ def load_evidence(directory: str | Path, models: list[str], datasets: list[str])
     return out
 
 
-def _in_order(cell: dict) -> list[dict]:
-    """The cell's methods in the grid's order."""
+def _in_order(cell: dict) -> list[tuple[str, dict]]:
+    """The cell's methods in the grid's order: (name, its figures)."""
     order = cell.get("order") or sorted(cell["methods"])
-    return [cell["methods"][m] for m in order if m in cell["methods"]]
+    return [(m, cell["methods"][m]) for m in order if m in cell["methods"]]
 
 
 def _quartiles(stat: dict | None, fmt: str) -> Cell:
@@ -49,12 +53,20 @@ def _quartiles(stat: dict | None, fmt: str) -> Cell:
     return Cell(stat["median"], ci=(stat["q25"], stat["q75"]), fmt=fmt, group=None)
 
 
-def sparsity_table(evidence: dict) -> Table | None:
-    rows = []
+def _entry(cell: dict, key: tuple[str, str], method: str, metrics: dict | None) -> dict:
+    """What conventions reads of one method of a cell: its seeds and the params it was trained with."""
+    params = ((metrics or {}).get((*key, method)) or {}).get("params")
+    return {"method": method, "seeds": cell.get("seeds"), "params": params}
+
+
+def sparsity_table(evidence: dict, metrics: dict | None = None) -> Table | None:
+    """`metrics`: load_metrics' {(model, dataset, method): evaluation}, for HaMI (SP)'s params."""
+    rows, entries = [], []
     for k, ((m, d), cell) in enumerate(evidence.items()):
-        for i, e in enumerate(_in_order(cell)):
+        for i, (method, e) in enumerate(_in_order(cell)):
             if not e.get("evidence"):
                 continue
+            entries.append(_entry(cell, (m, d), method, metrics))
             cells = []
             for cls in CLASSES:
                 c = e["classes"][cls]
@@ -69,9 +81,10 @@ def sparsity_table(evidence: dict) -> Table | None:
     if not rows:
         return None
     cols = ["answers x seeds", "T", "s50", "s90", "s90 share of T"]
+    caption, defs, _ = conventions("How many tokens carry a test answer's positive evidence", entries)
     return Table(
         "evidence_sparsity",
-        "How many tokens carry a test answer's positive evidence",
+        caption,
         "Cell: method (best layer)",
         [(cls, cols) for cls in CLASSES],
         rows,
@@ -81,6 +94,7 @@ def sparsity_table(evidence: dict) -> Table | None:
             "with any positive evidence (each seed's detector on its own); answers x seeds counts those",
             "contributions sum exactly to the logit minus a bias (detectors/evidence.py); for the raw and "
             "attention networks the bias is the answer's own (the MLP after pooling, linear on its active units)",
+            *defs,
         ],
     )
 
@@ -96,13 +110,14 @@ RATIO_COLUMNS = [
 
 
 def gradient_ratio_table(evidence: dict) -> Table | None:
-    rows = []
+    rows, entries = [], []
     for k, ((m, d), cell) in enumerate(evidence.items()):
         first = True
-        for e in _in_order(cell):
+        for method, e in _in_order(cell):
             traced = e.get("gradient_ratio")
             if not traced:
                 continue
+            entries.append({"method": method, "seeds": list(traced)})
             cells = []
             for key, _, fmt in RATIO_COLUMNS:
                 values = [t[key] for t in traced.values() if t.get(key) is not None]
@@ -114,9 +129,12 @@ def gradient_ratio_table(evidence: dict) -> Table | None:
             first = False
     if not rows:
         return None
+    caption, _, _ = conventions(
+        "Theorem 2 measured: squared gradient-norm ratio of max to mean pooling per positive training bag", entries
+    )
     return Table(
         "gradient_ratio",
-        "Theorem 2 measured: squared gradient-norm ratio of max to mean pooling per positive training bag",
+        caption,
         "Cell: network trained (best layer)",
         [("", [c for _, c, _ in RATIO_COLUMNS])],
         rows,
@@ -131,5 +149,5 @@ def gradient_ratio_table(evidence: dict) -> Table | None:
     )
 
 
-def evidence_tables(evidence: dict) -> list[Table]:
-    return [t for t in (sparsity_table(evidence), gradient_ratio_table(evidence)) if t is not None]
+def evidence_tables(evidence: dict, metrics: dict | None = None) -> list[Table]:
+    return [t for t in (sparsity_table(evidence, metrics), gradient_ratio_table(evidence)) if t is not None]

@@ -13,7 +13,9 @@
 
 PNGs are drawn with matplotlib's object API on the Agg canvas (no display, no global pyplot
 state) and written atomically without the Software/date metadata, so the same data gives the same
-bytes. CSVs have a `series` column (a method or a class) for the DVC template in .dvc/plots/series.json.
+bytes. CSVs have a `series` column (a method or a class) and its `colour` for the DVC templates in
+.dvc/plots/; a method, baseline or class has one colour in every PNG and on the plots page
+(evaluation/plot_data.py's map).
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ import polars as pl
 from matplotlib.figure import Figure
 
 from halludetect.core.atomic_io import atomic_path
-from halludetect.evaluation.plot_data import CLASSES, bin_edges
+from halludetect.evaluation.plot_data import (
+    CLASS_COLOURS,
+    CLASSES,
+    bin_edges,
+    method_colour,
+    series_colour,
+    with_colours,
+)
 from halludetect.metrics import roc_points
 
-COLORS = {0: "#1f77b4", 1: "#d62728"}  # correct, hallucinated
 FPR_GRID = np.linspace(0.0, 1.0, 101)
 DPI = 110
 
@@ -56,21 +64,23 @@ def _grid(n: int, cols: int, size=(4.2, 3.2)) -> tuple[Figure, list]:
 
 # ----------------------------------------------------------------------------- AUROC by layer
 def auroc_by_layer_data(layers: dict[str, list[dict]]) -> pl.DataFrame:
-    """{method: evaluate's `layers` list} -> long frame: layer, series, test_auroc, val_auroc."""
-    return pl.DataFrame(
-        [
-            {"layer": r["layer"], "series": m, "test_auroc": r["test_auroc"], "val_auroc": r["val_auroc"]}
-            for m, rows in layers.items()
-            for r in rows
-        ]
+    """{method: evaluate's `layers` list} -> long frame: layer, series, test_auroc, val_auroc, colour."""
+    return with_colours(
+        pl.DataFrame(
+            [
+                {"layer": r["layer"], "series": m, "test_auroc": r["test_auroc"], "val_auroc": r["val_auroc"]}
+                for m, rows in layers.items()
+                for r in rows
+            ]
+        )
     )
 
 
 def auroc_by_layer(layers: dict[str, list[dict]], best: dict[str, int], title: str) -> Figure:
     fig = Figure(figsize=(7.5, 4.6), layout="constrained")
     ax = fig.subplots()
-    colors = _palette(len(layers))
-    for color, (method, rows) in zip(colors, layers.items()):
+    for method, rows in layers.items():
+        color = method_colour(method)
         x = [r["layer"] for r in rows]
         y = [r["test_auroc"] for r in rows]
         ax.plot(x, y, marker="o", ms=4, lw=1.6, color=color, label=method)
@@ -105,17 +115,18 @@ def mean_roc(y: np.ndarray, scores: list[np.ndarray]) -> np.ndarray:
 
 
 def roc_data(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]]) -> pl.DataFrame:
-    """{method: (y, per-seed scores)} -> long frame: fpr, series, tpr."""
-    return pl.concat(
-        [pl.DataFrame({"fpr": FPR_GRID, "series": m, "tpr": mean_roc(y, s)}) for m, (y, s) in curves.items()]
+    """{method: (y, per-seed scores)} -> long frame: fpr, series, tpr, colour."""
+    return with_colours(
+        pl.concat([pl.DataFrame({"fpr": FPR_GRID, "series": m, "tpr": mean_roc(y, s)}) for m, (y, s) in curves.items()])
     )
 
 
 def roc(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]], aurocs: dict[str, str], title: str) -> Figure:
     fig = Figure(figsize=(6.6, 5.4), layout="constrained")
     ax = fig.subplots()
-    for color, (method, (y, scores)) in zip(_palette(len(curves)), curves.items()):
-        ax.plot(FPR_GRID, mean_roc(y, scores), lw=1.6, color=color, label=f"{method} ({aurocs.get(method, '')})")
+    for method, (y, scores) in curves.items():
+        label = f"{method} ({aurocs.get(method, '')})"
+        ax.plot(FPR_GRID, mean_roc(y, scores), lw=1.6, color=method_colour(method), label=label)
     ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
     ax.set(
         xlabel="false-positive rate (correct answers flagged)",
@@ -147,7 +158,7 @@ def class_panels(
     for ax, (name, (values, y)) in zip(axes, panels.items()):
         edges = bin_edges(values, bins, name in discrete)
         for cls, label in CLASSES:
-            color = COLORS[label]
+            color = CLASS_COLOURS[label]
             sel = y == label
             if not sel.any():
                 continue
@@ -186,20 +197,23 @@ MARGIN_FAMILIES = (("embedding-based", ("mean", "max")), ("instance-based", ("ha
 
 def margins_by_epoch_data(curves: dict[str, dict[str, list[float]]]) -> pl.DataFrame:
     """{method: {"train": [...], "val": [...]}} (evaluate's margin_by_epoch) -> long frame:
-    epoch, series (method, split), margin."""
-    return pl.DataFrame(
-        [
-            {"epoch": i + 1, "series": f"{m} ({split})", "margin": v}
-            for m, by in curves.items()
-            for split, values in by.items()
-            for i, v in enumerate(values)
-        ],
-        schema={"epoch": pl.Int64, "series": pl.String, "margin": pl.Float64},
+    epoch, series (method, split), margin, colour (the method's; lightened for validation)."""
+    return with_colours(
+        pl.DataFrame(
+            [
+                {"epoch": i + 1, "series": f"{m} ({split})", "margin": v}
+                for m, by in curves.items()
+                for split, values in by.items()
+                for i, v in enumerate(values)
+            ],
+            schema={"epoch": pl.Int64, "series": pl.String, "margin": pl.Float64},
+        )
     )
 
 
 def margins_by_epoch(curves: dict[str, dict[str, list[float]]], best: dict[str, int], title: str) -> Figure:
-    """One panel per family present, train margin solid and validation margin dashed per method."""
+    """One panel per family present, per method the train margin solid in its colour and the
+    validation margin dashed in its colour lightened (the plots page's colours of both series)."""
     panels = [(name, [m for m in methods if m in curves]) for name, methods in MARGIN_FAMILIES]
     panels = [(name, ms) for name, ms in panels if ms]
     if not panels:  # the file is a declared output: say why it is empty
@@ -208,23 +222,15 @@ def margins_by_epoch(curves: dict[str, dict[str, list[float]]], best: dict[str, 
         fig.suptitle(title)
         return fig
     fig, axes = _grid(len(panels), 2, size=(5.2, 3.8))
-    colors = dict(zip([m for _, ms in panels for m in ms], _palette(sum(len(ms) for _, ms in panels))))
     for ax, (name, methods) in zip(axes, panels):
         for m in methods:
             for split, ls in (("train", "-"), ("val", "--")):
                 y = curves[m][split]
                 label = f"{m} (layer {best[m]}), {split}: {y[0]:.2f} → {y[-1]:.2f}"
-                ax.plot(range(1, len(y) + 1), y, ls=ls, lw=1.5, color=colors[m], label=label)
+                ax.plot(range(1, len(y) + 1), y, ls=ls, lw=1.5, color=series_colour(f"{m} ({split})"), label=label)
         ax.set(title=name, xlabel="epoch", ylabel="margin mean(y z), logit space")
         ax.axhline(0.0, color="grey", lw=0.8, ls=":")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
     return fig
-
-
-def _palette(n: int) -> list:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]

@@ -6,6 +6,9 @@ transfer_<method>  one per method and model: test AUROC (seed mean ± SE, questi
 transfer_drop      per method: the mean off-diagonal drop, AUROC(B -> B) - AUROC(A -> B) over
                    the off-diagonal cells whose column has its diagonal; with the calibration
                    error and the best-F1 threshold's false-positive rate carried from A to B
+
+Their captions name the seeds behind the cells and HaMI (SP)'s P_sem variant and λ, as the other
+tables' do (paper_tables.conventions), from the training dataset's evaluation of the detector.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from halludetect.methods import method as lookup_method
+from halludetect.report.paper_tables import conventions
 from halludetect.report.tables import Cell, Row, Table
 
 
@@ -39,33 +43,53 @@ def _datasets(pairs, model: str, order: list[str]) -> tuple[list[str], list[str]
     return rows, cols
 
 
-def _auroc(m: dict) -> Cell:
+def _auroc(m: dict, seeds_note: bool = False) -> Cell:
     a = m["test"]["auroc"]
     ci = m["test"].get("auroc_ci95")
-    return Cell(a["mean"], err=a["stderr"], ci=tuple(ci) if ci else None, note=f"L{m['layer']}", group=None)
+    note = f"L{m['layer']}" + (f", {len(m['seeds'])} seeds" if seeds_note and m.get("seeds") else "")
+    return Cell(a["mean"], err=a["stderr"], ci=tuple(ci) if ci else None, note=note, group=None)
 
 
-def matrix_tables(transfer: dict, datasets: list[str], methods: list[str]) -> list[Table]:
+def _entries(transfer: dict, methods: list[str], metrics: dict | None) -> dict[tuple, dict]:
+    """{(model, train, test, method): the pair's figures of the method, with the `params` its
+    detector was trained with (the training dataset's evaluation in `metrics`, where given)}: what
+    paper_tables.conventions reads for the caption's seeds and P_sem convention."""
+    out = {}
+    for (model, a, b), pair in transfer.items():
+        for method in methods:
+            if method in pair["methods"]:
+                params = ((metrics or {}).get((model, a, method)) or {}).get("params")
+                out[(model, a, b, method)] = {"method": method, **pair["methods"][method], "params": params}
+    return out
+
+
+def matrix_tables(transfer: dict, datasets: list[str], methods: list[str], metrics: dict | None = None) -> list[Table]:
     tables = []
+    entries = _entries(transfer, methods, metrics)
     for model in sorted({k[0] for k in transfer}):
         rows_d, cols_d = _datasets(transfer, model, datasets)
         for method in methods:
+            mine = [e for k, e in entries.items() if k[0] == model and k[3] == method]
+            name = lookup_method(method).display
+            caption, defs, per_cell = conventions(
+                f"{name} across datasets ({model}): test AUROC, rows trained on, columns tested on", mine
+            )
             rows = []
             for a in rows_d:
                 cells = []
                 for b in cols_d:
-                    pair = transfer.get((model, a, b))
-                    cells.append(_auroc(pair["methods"][method]) if pair and method in pair["methods"] else Cell())
+                    e = entries.get((model, a, b, method))
+                    cells.append(_auroc(e, per_cell) if e else Cell())
                 rows.append(Row(a, cells))
-            name = lookup_method(method).display
             tables.append(
                 Table(
                     name=f"transfer_{method}" if len({k[0] for k in transfer}) == 1 else f"transfer_{model}_{method}",
-                    caption=f"{name} across datasets ({model}): test AUROC, rows trained on, columns tested on",
+                    caption=caption,
                     header="trained on",
                     groups=[("tested on", cols_d)],
                     rows=rows,
                     notes=[
+                        *defs,
                         "The diagonal is in-distribution; off it, the layer, the seeds, the calibration and the "
                         "thresholds are chosen on the training dataset's validation split, and the test "
                         "dataset's questions that are among the training dataset's are left out.",
@@ -76,7 +100,9 @@ def matrix_tables(transfer: dict, datasets: list[str], methods: list[str]) -> li
     return tables
 
 
-def drop_table(transfer: dict, methods: list[str], default_threshold: str = "fpr_0.05") -> Table | None:
+def drop_table(
+    transfer: dict, methods: list[str], default_threshold: str = "fpr_0.05", metrics: dict | None = None
+) -> Table | None:
     """The mean off-diagonal drop per method (and model), with what a bundle user lives with: the
     calibration, and the false-positive rate on B of the bundle's default flag (export.threshold,
     `default_threshold`) and of its best-F1 threshold, both chosen on A's validation."""
@@ -119,9 +145,13 @@ def drop_table(transfer: dict, methods: list[str], default_threshold: str = "fpr
             )
     if not rows:
         return None
+    caption, defs, _ = conventions(
+        "Cross-dataset transfer: the mean off-diagonal AUROC drop per method",
+        list(_entries(transfer, methods, metrics).values()),
+    )
     return Table(
         name="transfer_drop",
-        caption="Cross-dataset transfer: the mean off-diagonal AUROC drop per method",
+        caption=caption,
         header="method",
         groups=[
             (
@@ -148,16 +178,23 @@ def drop_table(transfer: dict, methods: list[str], default_threshold: str = "fpr
             "validation split, where it flags the target share of correct answers.",
             "Best-F1 FPR shift: the false-positive rate on B's test split of A's best-F1 threshold minus its "
             "rate on A's validation split; every threshold of export.fpr_targets is in the pair's JSON.",
+            *defs,
         ],
     )
 
 
 def transfer_tables(
-    transfer: dict, datasets: list[str], methods: list[str], default_threshold: str = "fpr_0.05"
+    transfer: dict,
+    datasets: list[str],
+    methods: list[str],
+    default_threshold: str = "fpr_0.05",
+    metrics: dict | None = None,
 ) -> list[Table]:
+    """`metrics`: load_metrics' {(model, dataset, method): evaluation}, for the params of each
+    training dataset's detectors (HaMI (SP)'s P_sem variant and λ in the captions)."""
     if not transfer:
         return []
-    tables = matrix_tables(transfer, datasets, methods)
-    if (drop := drop_table(transfer, methods, default_threshold)) is not None:
+    tables = matrix_tables(transfer, datasets, methods, metrics)
+    if (drop := drop_table(transfer, methods, default_threshold, metrics)) is not None:
         tables.append(drop)
     return tables

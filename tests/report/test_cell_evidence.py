@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import polars as pl
 import torch
+from matplotlib.colors import to_hex
 
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import read_layer
@@ -17,7 +18,8 @@ from halludetect.detectors.data import split_data
 from halludetect.detectors.evidence import evidence, tokens_carrying
 from halludetect.evaluation.evaluate import load_models
 from halludetect.report.cell_evidence import evidence_cell, pick_examples
-from halludetect.report.evidence_figures import gradient_ratio
+from halludetect.report.evidence_figures import KEY_NOTE, examples, gradient_ratio
+from halludetect.scoring.evidence_views import colour
 
 
 def test_pick_examples_is_the_fixed_rule():
@@ -96,3 +98,44 @@ def test_the_cell_evidence_of_the_miniature_dag(contract, tiny, tmp_path):
 def test_the_gradient_ratio_figure_says_when_nothing_was_traced():
     fig = gradient_ratio({}, "t")
     assert "nothing traced" in fig.texts[0].get_text()
+
+
+def test_the_evidence_figure_has_a_colour_key_with_its_scale():
+    """evidence.png: a bar coloured by the tokens' own colour function from -full (blue, toward
+    correct) through white to +full (red, toward hallucination), named; the full value per method."""
+    row = {
+        "question": "Where was Tavo born?",
+        "answer": " Solvane.",
+        "what": "hallucinated, highest score",
+        "score": 1.5,
+        "tokens": [" Sol", "vane", "."],
+        "token_start": [1, 4, 8],
+        "token_end": [4, 8, 9],
+        "offsets_exact": True,
+        "contributions": [0.9, 0.8, -0.2],
+    }
+    fig = examples({"Max pooling (layer 1)": [row]}, "t")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "colour key" in texts and set(KEY_NOTE) <= set(texts) and "blue: toward correct" in KEY_NOTE[1]
+    assert "-full" in texts and "0" in texts and "+full" in texts
+    assert any("full colour at ±0.9 logit" in t for t in texts)
+    bar = [p.get_facecolor()[:3] for p in fig.axes[0].patches if p.get_width() < 1]  # the key's steps
+    ends = [tuple(v / 255 for v in colour(c, 1.0)) for c in (-1.0, 0.0, 1.0)]
+    assert np.allclose(bar[0], ends[0]) and np.allclose(bar[len(bar) // 2], ends[1]) and np.allclose(bar[-1], ends[2])
+
+
+def test_the_gradient_ratio_figure_names_each_seed_in_its_colour():
+    trace = {
+        "best_epoch": 2,
+        "epochs": [{"epoch": e, "median_ratio": 2.0 * e, "median_t_over_s90_sq": 4.0} for e in (1, 2)],
+        "bags": {"T": [4.0, 6.0], "s90": [2.0, 3.0], "ratio": [3.0, 5.0]},
+    }
+    fig = gradient_ratio({"max": {"seed_0": trace, "seed_3": trace}}, "t")
+    left, right = fig.axes
+    for ax in (left, right):
+        legends = [ax.get_legend(), *(a for a in ax.artists if a is not ax.get_legend())]
+        entries = {t.get_text(): h for lg in legends for t, h in zip(lg.get_texts(), lg.legend_handles)}
+        assert "seed 0" in entries and "seed 3" in entries, list(entries)
+        assert [to_hex(entries[s].get_color()) for s in ("seed 0", "seed 3")] == [to_hex("C0"), to_hex("C1")]
+    # the curves of seed 3 are drawn in its colour
+    assert {to_hex(line.get_color()) for line in left.get_lines()} == {to_hex("C0"), to_hex("C1")}

@@ -123,10 +123,10 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
         "scores.png",
     ]
     epochs = pl.read_csv(tmp_path / "plots" / "epochs" / "m" / "d.csv")
-    assert epochs.columns == ["epoch", "series", "margin"] and epochs.height == 2 * 2 * 10
+    assert epochs.columns == ["epoch", "series", "margin", "colour"] and epochs.height == 2 * 2 * 10
     assert epochs.filter(pl.col("series") == "hami_sp (train)")["margin"].to_list()[-1] == pytest.approx(2.0)
     roc = pl.read_csv(tmp_path / "plots" / "roc" / "m" / "d.csv")
-    assert set(roc["series"]) == {*methods, "p_sem", "length"} and roc.columns == ["fpr", "series", "tpr"]
+    assert set(roc["series"]) == {*methods, "p_sem", "length"} and roc.columns == ["fpr", "series", "tpr", "colour"]
     assert set(pl.read_csv(tmp_path / "plots" / "layers" / "m" / "d.csv")["series"]) == set(methods)
     scores = pl.read_csv(tmp_path / "plots" / "scores" / "m" / "d.csv")  # one chart, a panel per method
     assert scores.columns == ["value", "series", "density", "panel"]

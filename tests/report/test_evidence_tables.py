@@ -90,3 +90,16 @@ def test_the_tables_compile_with_latex(tmp_path):
     tables = evidence_tables(write_cells(tmp_path))
     res = pdflatex(tables, tmp_path)
     assert res.returncode == 0, res.stdout[-2000:]
+
+
+def test_the_captions_name_the_seeds_and_the_hami_sp_variant():
+    """As the other tables: the seeds behind the figures, and HaMI (SP)'s P_sem variant and λ
+    (the cell's evaluation of the method records its params)."""
+    c = cell()
+    c["seeds"] = [0, 1, 2]
+    c["methods"]["hami_sp"] = c["methods"]["hami"] | {"display": "HaMI (SP)"}
+    metrics = {("m", "d", "hami_sp"): {"method": "hami_sp", "params": {"p_sem": "count", "lam": 0.5}}}
+    sparsity, ratio = evidence_tables({("m", "d"): c}, metrics)
+    assert "(ours over 3 seeds per cell; HaMI (SP) scales by (1 + λ P_sem), λ = 0.5, P_sem count)" in sparsity.caption
+    assert any(n.startswith("P_sem count: ") for n in sparsity.notes)
+    assert ratio.caption.endswith("(ours over 2 seeds per cell)")  # the traced seeds

@@ -46,4 +46,4 @@ def test_mean_roc_and_layers_data():
     area = np.trapezoid(figures.mean_roc(y, seeds), figures.FPR_GRID)
     assert abs(area - 0.5) < 0.02
     d = figures.auroc_by_layer_data(layers())
-    assert d.columns == ["layer", "series", "test_auroc", "val_auroc"] and d.height == 8
+    assert d.columns == ["layer", "series", "test_auroc", "val_auroc", "colour"] and d.height == 8

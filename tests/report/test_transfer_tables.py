@@ -62,3 +62,25 @@ def test_a_missing_pair_file_names_the_transfer_stage(tmp_path):
 
 def test_no_transfer_no_table():
     assert transfer_tables({}, ["a"], ["max"]) == []
+
+
+def test_the_captions_name_the_seeds_and_the_hami_sp_variant(tmp_path):
+    """As the other tables: the seeds behind the cells, and HaMI (SP)'s P_sem variant and λ, those of
+    the training dataset's detectors (its evaluation records their params)."""
+    stages = {}
+    for a, b in AUROC:
+        path = tmp_path / "m" / "transfer" / f"{a}__{b}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        methods = {m: cell(AUROC[(a, b)]) | {"method": m, "seeds": [0, 1]} for m in ("max", "hami_sp")}
+        path.write_text(json.dumps({"methods": methods}))
+        stages[f"m-{a}-{b}"] = {"model": "m", "train": a, "test": b}
+    metrics = {("m", d, "hami_sp"): {"method": "hami_sp", "params": {"p_sem": "mean", "lam": 2.0}} for d in "ab"}
+    by_name = {
+        t.name: t
+        for t in transfer_tables(load_transfer(tmp_path, stages), ["a", "b"], ["max", "hami_sp"], metrics=metrics)
+    }
+    sp = "HaMI (SP) scales by (1 + λ P_sem), λ = 2, P_sem length-normalised"
+    assert by_name["transfer_hami_sp"].caption.endswith(f"(ours over 2 seeds per cell; {sp})")
+    assert by_name["transfer_max"].caption.endswith("(ours over 2 seeds per cell)")
+    assert by_name["transfer_drop"].caption.endswith(f"(ours over 2 seeds per cell; {sp})")
+    assert any(n.startswith("P_sem length-normalised: ") for n in by_name["transfer_hami_sp"].notes)

@@ -1,7 +1,8 @@
 """docs/scoring.md "Scoring new answers" and "Where in the answer": their shell commands and the
-Python example run as written, and so does the README's example, in a directory laid out like the
-repository (data/world/model, data/bundles/world/world/max.safetensors) with the tiny test model
-and a bundle exported from the miniature DAG on it."""
+Python example run as written, and so do the README's examples (its explain example building
+answers.jsonl from the DAG's test answers first), in a directory laid out like the repository
+(data/world/model, data/bundles/world/world/max.safetensors, the DAG's generations, questions and
+evidence) with the tiny test model and a bundle exported from the miniature DAG on it."""
 
 import json
 import os
@@ -61,3 +62,32 @@ def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monk
         scope: dict = {}
         exec(compile(code, where, "exec"), scope)  # the example as written
         assert scope["df"].height == 1 and scope["df"]["score"][0] is not None, where
+
+
+def test_the_readme_explain_example_runs_as_written(bundle_path, tiny_model_dir, contract, tmp_path):
+    """README "Where in the answer": answers.jsonl built from the DAG's test answers that the
+    evidence stage picked (metrics/evidence, data/generations, data/questions), then scored with
+    --explain and shown, as written."""
+    blocks = doc_blocks("README.md", "Where in the answer")
+    assert list(blocks) == ["bash"] and len(blocks["bash"]) == 1
+    repo = world_like(tmp_path, bundle_path, tiny_model_dir)
+    for src, dst in (("generations", "data/generations/world/world"), ("questions", "data/questions/world")):
+        (repo / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(contract / f"{src}.parquet", repo / f"{dst}.parquet")
+    gens = pl.read_parquet(contract / "generations.parquet").filter(pl.col("split") == "test")
+    picked = [f"{q}/{i}" for q, i in gens.select("question_id", "sample_index").rows()][:4][::-1]  # not file order
+    evidence = {"methods": {"max": {"examples": [{"response_id": r, "what": "w", "score": 0.0} for r in picked]}}}
+    (repo / "metrics" / "evidence" / "world").mkdir(parents=True)
+    (repo / "metrics" / "evidence" / "world" / "world.json").write_text(json.dumps(evidence))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    res = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", blocks["bash"][0]], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    answers = [json.loads(line) for line in (repo / "answers.jsonl").read_text().splitlines()]
+    assert [a["id"] for a in answers] == picked
+    by_id = {f"{q}/{i}": r for q, i, r in gens.select("question_id", "sample_index", "token_ids").rows()}
+    assert all(a["answer_token_ids"] == list(by_id[a["id"]]) and a["question"] and a["answer"] for a in answers)
+    explained = pl.read_parquet(repo / "explained.parquet")
+    assert explained["id"].to_list() == picked and explained["score"].null_count() == 0
+    assert "\n#1  score " in res.stdout and "#2  score" not in res.stdout and "Q: Where was Tavo Mir" in res.stdout
