@@ -307,7 +307,7 @@ def test_authors_recipe_refuses_a_training_split_smaller_than_one_batch(tmp_path
             recipe="authors",
         )
     assert not any(tmp_path.iterdir())  # refused before anything was written
-    # the MIL loss draws full batches of pairs: not refused
+    # the MIL loss draws pairs, as many of each class as the smaller class has: not refused
     train_detector("hami", params_for("hami", FAST), train, val, **big)
 
 
