@@ -404,9 +404,10 @@ class TrainParams(Section):
     # 3/5 of the time. Every table prints the count behind its cells.
     seeds: Annotated[list[int], AfterValidator(_seeds)] = [0, 1, 2]
     device: Device = "cpu"
-    # paper: the protocol the paper states. authors: what the authors' training code adds to the
-    # logistic loss (positive-class weight 0.3, ReduceLROnPlateau on the validation loss, drop_last);
-    # detectors/training.py.
+    # paper: the protocol the paper states. authors: what the authors' code runs: for the logistic
+    # loss their pooling code's extras (positive-class weight 0.3, ReduceLROnPlateau on the validation
+    # loss, drop_last), for HaMI's MIL loss the HaMI code's loop (128 + 128 answers per step, its
+    # per-step schedule on the training loss, a step per epoch); detectors/loop.py.
     recipe: Literal["paper", "authors"] = "paper"
 
 

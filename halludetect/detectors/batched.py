@@ -18,7 +18,8 @@ tests/detectors/test_batched.py). What makes the numbers the same:
 - optimiser: the parameters are stacked over seeds, [S, *shape]; the total loss is the sum of the
   seeds' losses, so each slice of a stacked gradient is that seed's own gradient, and `StackedAdam`
   applies torch.optim.Adam's CPU arithmetic elementwise, with one learning rate per seed (the
-  authors' ReduceLROnPlateau steps each seed's rate on that seed's validation loss).
+  authors' ReduceLROnPlateau steps each seed's rate on that seed's validation loss, the HaMI
+  code's on that seed's training loss of every step).
 - evaluation (per-epoch scores, margins, the gradient-ratio trace) runs on each seed's own
   nn.Module with its current weights loaded: the code `train_detector` runs.
 
@@ -52,13 +53,13 @@ from halludetect.detectors.data import SplitData
 from halludetect.detectors.gradient_ratio import GradientRatioTrace
 from halludetect.detectors.inference import score
 from halludetect.detectors.loop import (
-    PairedSampler,
     Recipe,
     TrainResult,
     check_recipe,
     epoch_batches,
     epoch_margins,
     logistic_loss,
+    mil_sampler,
     recipe_of,
 )
 from halludetect.detectors.pooling import segment_softmax, segment_sum, topk_mean, topk_sigmoid_logit
@@ -311,6 +312,12 @@ class StackedAdam:
 
 
 # ---------------------------------------------------------------------------- training
+def stand_in_plateau(lr: float, kwargs: dict) -> torch.optim.lr_scheduler.ReduceLROnPlateau:
+    """ReduceLROnPlateau(mode="min", **kwargs) on a stand-in optimiser holding one seed's rate."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(stand_in, mode="min", **kwargs)
+
+
 def train_batched(
     method: str,
     method_params,
@@ -343,19 +350,17 @@ def train_batched(
     n_seeds = len(seeds)
     opt = StackedAdam(list(st.params.values()), method_params.lr, method_params.weight_decay)
     mil = getattr(method_params, "loss", "logistic") == "mil"
-    samplers = [PairedSampler(train.y, batch_size, g) for g in batch_gens] if mil else None
+    samplers = [mil_sampler(rec, train.y, batch_size, g) for g in batch_gens] if mil else None
     pos_weight = None if mil else rec.pos_weight
     drop_last = rec.drop_last and not mil
     check_recipe(rec, method_params, len(train), batch_size)
-    # ReduceLROnPlateau per seed, each on a stand-in optimiser whose one learning rate is that seed's
-    plateaus = None
+    # ReduceLROnPlateau per seed, each on a stand-in optimiser whose one learning rate is that seed's:
+    # on the validation loss after every epoch (logistic), or on the training loss after every step (MIL)
+    plateaus = step_plateaus = None
     if rec.plateau and not mil:
-        plateaus = [
-            torch.optim.lr_scheduler.ReduceLROnPlateau(
-                torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=method_params.lr), mode="min", **rec.plateau
-            )
-            for _ in seeds
-        ]
+        plateaus = [stand_in_plateau(method_params.lr, rec.plateau) for _ in seeds]
+    if rec.mil_plateau and mil:
+        step_plateaus = [stand_in_plateau(method_params.lr, rec.mil_plateau) for _ in seeds]
     results = [TrainResult({}, 0, -1.0, []) for _ in seeds]
     val_y, train_y = val.y.numpy(), train.y.numpy()
     traces = [None] * n_seeds
@@ -381,6 +386,10 @@ def train_batched(
             opt.zero_grad()
             losses.sum().backward()  # a seed's slice of each gradient is its own loss's gradient
             opt.step()
+            if step_plateaus is not None:
+                for i, (sched, loss) in enumerate(zip(step_plateaus, losses, strict=True)):
+                    sched.step(loss.item())
+                    opt.lrs[i] = sched.optimizer.param_groups[0]["lr"]
             totals += np.asarray([loss.item() for loss in losses]) * lay.bags  # as train_detector sums them
             n += lay.bags[0]  # the same number of bags for every seed
         for s, res in enumerate(results):

@@ -16,12 +16,20 @@ Losses:
             + w * sum over bags longer than `smooth_min_len` of sum_t (s_t - s_t+1)^2 / pairs.
 
 Recipes (`train.recipe`): `paper` is the protocol the paper states (Adam at the method's fixed
-learning rate, every batch of a shuffled pass). `authors` adds what the authors' training code
-(github.com/FUJI1229/Hallucination_Detection, Detection/) does beyond it: a weight of 0.3 on the
-hallucinated class in the logistic loss, ReduceLROnPlateau on the validation loss (factor 0.5,
-patience 3, min lr 1e-7, stepped after every epoch) and dropping the last partial batch. That
-code trains the embedding-based detectors with the logistic loss; HaMI's paired MIL loss is the
-HaMI code's own loop (balanced pairs, no partial batch), which the recipe leaves as it is.
+learning rate, every batch of a shuffled pass; the MIL loss draws batch_size/2 bags of each class
+per step from endlessly reshuffled streams, as many steps per epoch as a plain pass). `authors`
+runs what the authors' code runs. For the logistic loss, their pooling code
+(github.com/FUJI1229/Hallucination_Detection, Detection/): a weight of 0.3 on the hallucinated
+class, ReduceLROnPlateau on the validation loss (factor 0.5, patience 3, min lr 1e-7, stepped
+after every epoch) and dropping the last partial batch. For HaMI's MIL loss, the HaMI code
+(github.com/mala-lab/HaMI at 3d27760, main.py:55-56 and train.py:16-61): each class from its own
+DataLoader(batch_size, shuffle=True, drop_last=True), so batch_size bags of each class per step,
+a class reshuffled once its full batches are used up and its remainder left out
+(`LoaderSampler`); ReduceLROnPlateau(factor 0.1, patience 20, min lr 1e-6) stepped after every
+step on that step's training loss; and one step per "epoch" (its `--epoch 100` counts steps, with
+validation and the best-model choice after each). Where a class has fewer than batch_size
+training bags (the HaMI code's loader then has no batch and its step count divides by zero),
+both classes draw as many as the smaller class has.
 
 Per epoch, beside the loss and the validation AUROC, `curves.json` holds the margins mean(y z)
 of the training and validation sets in eval mode (epoch_margins): the paper's Theorem 1 says
@@ -50,25 +58,36 @@ from halludetect.metrics import auroc, margin
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a training loop adds to the paper's protocol, for the logistic loss (module docstring)."""
+    """What a training loop adds to the paper's protocol (module docstring): the first three act
+    on the logistic loss, the last three on HaMI's MIL loss."""
 
     name: str
     pos_weight: float | None = None  # weight of the hallucinated class (y = 1) in the logistic loss
-    plateau: dict | None = None  # ReduceLROnPlateau(mode="min", **plateau) on the validation loss
+    plateau: dict | None = None  # ReduceLROnPlateau(mode="min", **plateau) on the validation loss, per epoch
     drop_last: bool = False  # drop the last partial batch of every epoch
+    mil_loaders: bool = False  # the HaMI code's two loaders: batch_size bags of each class per step (LoaderSampler)
+    mil_plateau: dict | None = None  # ReduceLROnPlateau(mode="min", **mil_plateau) on each step's training loss
+    mil_step_epochs: bool = False  # one step per epoch: validation and the best-weights choice after every step
 
 
 RECIPES = {
     "paper": Recipe("paper"),
     "authors": Recipe(
-        "authors", pos_weight=0.3, plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7}, drop_last=True
+        "authors",
+        pos_weight=0.3,
+        plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7},
+        drop_last=True,
+        mil_loaders=True,
+        mil_plateau={"factor": 0.1, "patience": 20, "min_lr": 1e-6},
+        mil_step_epochs=True,
     ),
 }
 
 
 def check_recipe(recipe: str | Recipe, method_params, n_train: int, batch_size: int) -> None:
     """A recipe that drops the last partial batch trains nothing on fewer bags than one batch:
-    refused before any training (the MIL loss draws full batches of pairs and is not affected)."""
+    refused before any training (the MIL loss draws pairs of bags and is not affected: under
+    `mil_loaders` a class with fewer bags than a batch makes both classes draw its count)."""
     rec = recipe_of(recipe)
     if rec.drop_last and getattr(method_params, "loss", "logistic") != "mil" and n_train < batch_size:
         raise DataError(
@@ -145,6 +164,40 @@ class PairedSampler:
             yield torch.cat([self._take(0), self._take(1)])
 
 
+class LoaderSampler:
+    """The HaMI code's two loaders (main.py:55-56, train.py:28-36): each class is its own
+    DataLoader(batch_size, shuffle=True, drop_last=True), restarted (a new shuffle) once its full
+    batches are used up; each step takes the next batch of each, correct bags first. `per_class`
+    is batch_size, or the smaller class's count where that is less (module docstring); an epoch
+    is `steps` steps (1 under `mil_step_epochs`)."""
+
+    def __init__(self, y: torch.Tensor, batch_size: int, gen: torch.Generator, steps: int = 1):
+        self.pools = [torch.nonzero(y == c).squeeze(1) for c in (0, 1)]
+        self.per_class = min(batch_size, *(len(p) for p in self.pools))
+        self.batches: list[list[torch.Tensor]] = [[], []]
+        self.steps = steps
+        self.gen = gen
+
+    def _take(self, c: int) -> torch.Tensor:
+        if not self.batches[c]:  # a new pass: one shuffle, its full batches, the remainder left out
+            pool = self.pools[c]
+            perm = pool[torch.randperm(len(pool), generator=self.gen)]
+            self.batches[c] = list(perm[: len(perm) - len(perm) % self.per_class].split(self.per_class))
+        return self.batches[c].pop(0)
+
+    def epoch(self):
+        for _ in range(self.steps):
+            yield torch.cat([self._take(0), self._take(1)])
+
+
+def mil_sampler(rec: Recipe, y: torch.Tensor, batch_size: int, gen: torch.Generator):
+    """The recipe's MIL batches: the HaMI code's loaders (`mil_loaders`: one step per epoch under
+    `mil_step_epochs`, else a plain pass's count of steps) or the paper's paired streams."""
+    if not rec.mil_loaders:
+        return PairedSampler(y, batch_size, gen)
+    return LoaderSampler(y, batch_size, gen, steps=1 if rec.mil_step_epochs else -(-len(y) // batch_size))
+
+
 @dataclass
 class TrainResult:
     state_dict: dict[str, torch.Tensor]
@@ -170,10 +223,11 @@ def train_detector(
 ) -> TrainResult:
     """The paper's protocol: Adam with the method's lr and weight decay, `epochs` epochs,
     best epoch by validation AUROC; `recipe` adds the authors' code's extras to the logistic
-    loss (module docstring). Deterministic for a seed on a given device. For a mean or max
-    pooling network, Theorem 2's gradient-norm ratio is traced after every epoch (it draws no
-    random numbers: the weights are the same without it). A method fitted otherwise
-    (`Method.fit`: a closed-form probe, an unsupervised score) goes to fitting.py."""
+    loss and the HaMI code's loop to the MIL loss (module docstring). Deterministic for a seed
+    on a given device. For a mean or max pooling network, Theorem 2's gradient-norm ratio is
+    traced after every epoch (it draws no random numbers: the weights are the same without it).
+    A method fitted otherwise (`Method.fit`: a closed-form probe, an unsupervised score) goes to
+    fitting.py."""
     if lookup_method(method).fit != "sgd":
         from halludetect.detectors.fitting import fit_detector
 
@@ -186,14 +240,17 @@ def train_detector(
     model = build_detector(method, train.tokens.shape[-1], method_params).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=method_params.lr, weight_decay=method_params.weight_decay)
     mil = getattr(method_params, "loss", "logistic") == "mil"
-    sampler = PairedSampler(train.y.cpu(), batch_size, gen) if mil else None
-    # The recipe's extras belong to the logistic-loss loop; the MIL loss keeps the HaMI code's.
+    sampler = mil_sampler(rec, train.y.cpu(), batch_size, gen) if mil else None
+    # The logistic loss's extras (pos_weight, plateau, drop_last) and the MIL loss's (mil_*) apart
     pos_weight = None if mil else rec.pos_weight
     drop_last = rec.drop_last and not mil
     check_recipe(rec, method_params, len(train), batch_size)
     plateau = None
     if rec.plateau and not mil:
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", **rec.plateau)
+    step_plateau = None  # the HaMI code's: stepped on every step's training loss (train.py:49)
+    if rec.mil_plateau and mil:
+        step_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", **rec.mil_plateau)
     best = TrainResult({}, 0, -1.0, [])
     val_y, train_y = val.y.cpu().numpy(), train.y.cpu().numpy()
     trace = GradientRatioTrace.for_training(model, train) if trace_gradient_ratio else None
@@ -215,6 +272,8 @@ def train_detector(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if step_plateau is not None:
+                step_plateau.step(loss.item())
             total += loss.item() * len(batch)
             n += len(batch)
         val_z = score(model, val)

@@ -1,7 +1,8 @@
 """The seeds of one cell trained together as one batched model (halludetect/detectors/batched.py):
 every seed of every built-in SGD method gets what `train_detector` gives it alone (weights of the
 best and the last epoch, best epoch, curves, gradient-ratio trace, scores), under both recipes and
-both losses, whatever seeds train beside it; a network with no batched form trains its seeds one
+both losses (the MIL loss's per-step schedule of the authors' recipe included), whatever seeds
+train beside it; a network with no batched form trains its seeds one
 after another instead.
 
 Observed on this synthetic cell (AMD EPYC, pinned numerics): the batched weights equal the
@@ -72,7 +73,7 @@ def assert_same_result(got, want) -> None:
 
 
 def sequential(method, params, data, seeds=SEEDS, **kw):
-    return [train_detector(method, params, data["train"], data["val"], seed=s, **KW, **kw) for s in seeds]
+    return [train_detector(method, params, data["train"], data["val"], seed=s, **(KW | kw)) for s in seeds]
 
 
 @pytest.mark.parametrize("recipe", ["paper", "authors"])
@@ -116,6 +117,34 @@ def test_each_seed_keeps_its_own_learning_rate_under_the_plateau_schedule():
     assert any(len({seed[e] for seed in lrs}) > 1 for e in range(8)), lrs  # the rates differ somewhere
     for a, b in zip(got, want, strict=True):
         assert_same_result(a, b)
+
+
+@pytest.mark.parametrize("method", ["hami", "hami_sp"])
+def test_each_seed_keeps_its_own_learning_rate_under_the_hami_code_s_step_schedule(method):
+    """The authors' recipe for the MIL loss (the HaMI code's loaders, a step per epoch, the plateau
+    schedule on every step's training loss), with no patience and a rate high enough for the loss
+    to stall: the seeds' rates part ways, and each seed's steps are the ones it took alone."""
+    data = splits(method)
+    params = small(method, lr=0.5)
+    rec = Recipe(
+        "h", mil_loaders=True, mil_step_epochs=True, mil_plateau={"factor": 0.1, "patience": 0, "min_lr": 1e-6}
+    )
+    kw = {"epochs": 10, "batch_size": 16, "recipe": rec}
+    want = [train_detector(method, params, data["train"], data["val"], seed=s, **kw) for s in SEEDS]
+    got = train_batched(method, params, data["train"], data["val"], SEEDS, **kw)
+    lrs = [[row["lr"] for row in r.curve] for r in got]
+    assert any(len({seed[e] for seed in lrs}) > 1 for e in range(10)), lrs  # the rates differ somewhere
+    for a, b in zip(got, want, strict=True):
+        assert len(a.curve) == 10  # one step per epoch
+        assert_same_result(a, b)
+    # the authors' recipe itself, batched: batch_size bags of each class per step (16 of the 30)
+    for recipe in ("authors", "paper"):
+        want = sequential(method, small(method), data, recipe=recipe, epochs=6, batch_size=16)
+        got = train_batched(
+            method, small(method), data["train"], data["val"], SEEDS, recipe=recipe, epochs=6, batch_size=16
+        )
+        for a, b in zip(got, want, strict=True):
+            assert_same_result(a, b)
 
 
 @pytest.mark.parametrize("method", ["hami", "max", "gated_attention"])

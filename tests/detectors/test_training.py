@@ -1,7 +1,8 @@
 """Training (halludetect/detectors/training.py) on synthetic bags: every method learns and is
 deterministic for a seed, the paired sampler balances the classes, the MIL loss equals the
-HaMI code's bag by bag, the authors' recipe changes the logistic loop and nothing else, and every
-epoch records the margins of its weights."""
+HaMI code's bag by bag, the authors' recipe adds their pooling code's extras to the logistic loop
+and runs the HaMI code's loop (its loaders, its per-step schedule, a step per epoch) for the MIL
+loss, and every epoch records the margins of its weights."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from support import synthetic
 from halludetect.detectors.build import DETECTORS, build_detector, params_for
 from halludetect.detectors.data import split_data
 from halludetect.detectors.inference import score
+from halludetect.detectors.loop import LoaderSampler
 from halludetect.detectors.training import (
     RECIPES,
     PairedSampler,
@@ -136,20 +138,34 @@ def same_weights(a, b) -> bool:
 
 
 def test_authors_recipe_differs_from_the_paper_where_it_should_and_only_there():
-    """The authors' code's three extras act on the logistic loss only: HaMI's paired MIL loop (the
-    HaMI code's) trains to the same bytes under either recipe, max pooling does not; and each
-    extra alone changes the logistic training."""
+    """The authors' pooling code's three extras act on the logistic loss, the HaMI code's three on
+    the MIL loss: each extra alone changes its own loss's training and leaves the other's alone."""
     train, val = data_and_params()
     kw = {"epochs": 6, "batch_size": 32, "seed": 0}
     hami = params_for("hami", FAST)
     assert hami.loss == "mil"
-    a, b = (train_detector("hami", hami, train, val, recipe=r, **kw) for r in ("paper", "authors"))
-    assert same_weights(a.state_dict, b.state_dict) and same_weights(a.last_state_dict, b.last_state_dict)
-    assert a.curve == b.curve  # no validation loss, no schedule: the same curve keys too
+    paper_hami = train_detector("hami", hami, train, val, recipe="paper", **kw)
+    for extra in (
+        Recipe("l", mil_loaders=True),
+        Recipe("p", mil_plateau={"factor": 0.1, "patience": 0, "min_lr": 1e-6}),
+        Recipe("e", mil_loaders=True, mil_step_epochs=True),
+        "authors",
+    ):
+        other = train_detector("hami", hami, train, val, recipe=extra, **kw)
+        assert not same_weights(paper_hami.last_state_dict, other.last_state_dict), extra
+    # the logistic loss's extras leave the MIL loop as the paper's, and the MIL loss's the logistic loop
+    logistic_only = Recipe("x", pos_weight=0.3, plateau={"factor": 0.5, "patience": 0, "min_lr": 1e-7}, drop_last=True)
+    same = train_detector("hami", hami, train, val, recipe=logistic_only, **kw)
+    assert same_weights(paper_hami.last_state_dict, same.last_state_dict) and paper_hami.curve == same.curve
     # a learning rate high enough for the validation loss to rise, so that a schedule acts
     mx = params_for("max", {"dim": 16, "lr": 0.5})
     paper = train_detector("max", mx, train, val, recipe="paper", **kw)
     assert "val_loss" not in paper.curve[0] and {c["lr"] for c in paper.curve} == {mx.lr}
+    mil_only = Recipe(
+        "m", mil_loaders=True, mil_plateau={"factor": 0.1, "patience": 0, "min_lr": 1e-6}, mil_step_epochs=True
+    )
+    same = train_detector("max", mx, train, val, recipe=mil_only, **kw)
+    assert same_weights(paper.last_state_dict, same.last_state_dict) and paper.curve == same.curve
     for extra in (
         Recipe("w", pos_weight=0.3),
         Recipe("p", plateau={"factor": 0.5, "patience": 0, "min_lr": 1e-7}),
@@ -163,10 +179,79 @@ def test_authors_recipe_differs_from_the_paper_where_it_should_and_only_there():
     assert {c["lr"] for c in w.curve} == {mx.lr} and "val_loss" not in w.curve[0]
 
 
+def test_authors_recipe_is_the_hami_code_s_loop_for_the_mil_loss():
+    """github.com/mala-lab/HaMI at 3d27760: main.py:55-56 (a DataLoader per class, batch_size each,
+    shuffle, drop_last), train.py:19-21 (ReduceLROnPlateau(min, 0.1, 20, 1e-6)), train.py:26-49
+    (`--epoch` counts steps; the schedule steps on each step's training loss)."""
+    authors = RECIPES["authors"]
+    assert authors.mil_loaders and authors.mil_step_epochs
+    assert authors.mil_plateau == {"factor": 0.1, "patience": 20, "min_lr": 1e-6}
+    paper = RECIPES["paper"]
+    assert not paper.mil_loaders and paper.mil_plateau is None and not paper.mil_step_epochs
+    train, val = data_and_params()
+    res = train_detector("hami", params_for("hami", FAST), train, val, epochs=7, batch_size=8, seed=0, recipe="authors")
+    assert [c["epoch"] for c in res.curve] == list(range(1, 8))  # an epoch is one step: 7 steps, 7 validations
+    assert {c["lr"] for c in res.curve} == {FAST["lr"]}  # patience 20: no cut in 7 steps
+
+
+def test_the_hami_code_s_schedule_cuts_the_lr_on_the_training_loss_of_every_step():
+    train, val = data_and_params()
+    hami = params_for("hami", {"dim": 16, "lr": 0.5})  # too high: the training loss goes up and down
+    patience = 1
+    rec = Recipe(
+        "h", mil_loaders=True, mil_step_epochs=True, mil_plateau={"factor": 0.1, "patience": patience, "min_lr": 1e-6}
+    )
+    res = train_detector("hami", hami, train, val, epochs=15, batch_size=16, seed=0, recipe=rec)
+    lrs = [c["lr"] for c in res.curve]
+    assert lrs[0] == 0.5 and min(lrs) < 0.5
+    # the schedule's rule, replayed on the recorded step losses (an epoch's lr is the one its step ran at)
+    best, bad, lr = float("inf"), 0, 0.5
+    for c in res.curve:
+        assert c["lr"] == pytest.approx(lr)
+        if c["train_loss"] < best * (1 - 1e-4):
+            best, bad = c["train_loss"], 0
+        else:
+            bad += 1
+            if bad > patience:
+                lr, bad = max(lr * 0.1, 1e-6), 0
+
+
+def test_the_hami_code_s_loaders_draw_a_batch_of_each_class_per_step_and_drop_each_pass_s_remainder():
+    y = torch.tensor([0] * 50 + [1] * 21)
+    sampler = LoaderSampler(y, batch_size=8, gen=torch.Generator().manual_seed(0), steps=12)
+    steps = list(sampler.epoch())
+    assert len(steps) == 12 and all(len(b) == 16 and int(y[b].sum()) == 8 for b in steps)
+    assert all(bool((y[b[:8]] == 0).all()) for b in steps)  # correct bags first, as the HaMI code's cat
+    ok, hal = [b[:8] for b in steps], [b[8:] for b in steps]
+    # a pass is floor(n / 8) batches of one shuffle: 6 for the 50 correct bags, 2 for the 21 hallucinated
+    for chunks, per_pass, n in ((ok, 6, 50), (hal, 2, 21)):
+        for start in range(0, 12 - per_pass + 1, per_pass):
+            drawn = torch.cat(chunks[start : start + per_pass])
+            assert len(set(drawn.tolist())) == per_pass * 8 < n  # no bag twice in a pass, the remainder left out
+    assert not torch.equal(torch.cat(hal[0:2]), torch.cat(hal[2:4]))  # a new shuffle every pass
+
+
+def test_a_class_smaller_than_a_batch_makes_both_classes_draw_its_count():
+    """The HaMI code's loader of such a class has no batch (its step counter then divides by zero):
+    here both classes draw as many bags as the smaller class has, the smaller all of them each step."""
+    y = torch.tensor([0] * 40 + [1] * 5)
+    sampler = LoaderSampler(y, batch_size=16, gen=torch.Generator().manual_seed(1), steps=4)
+    for b in sampler.epoch():
+        assert len(b) == 10 and set(b[5:].tolist()) == set(range(40, 45))
+    train, val = data_and_params()
+    res = train_detector(
+        "hami", params_for("hami", FAST), train, val, epochs=2, batch_size=512, seed=0, recipe="authors"
+    )
+    assert len(res.curve) == 2
+
+
 def test_the_plateau_schedule_halves_the_lr_when_the_validation_loss_stalls():
     # the authors' code: ReduceLROnPlateau(mode="min", factor=0.5, patience=3, min_lr=1e-7), on the val loss
-    assert RECIPES["authors"] == Recipe(
-        "authors", pos_weight=0.3, plateau={"factor": 0.5, "patience": 3, "min_lr": 1e-7}, drop_last=True
+    authors = RECIPES["authors"]
+    assert (authors.pos_weight, authors.plateau, authors.drop_last) == (
+        0.3,
+        {"factor": 0.5, "patience": 3, "min_lr": 1e-7},
+        True,
     )
     train, val = data_and_params()
     mx = params_for("max", {"dim": 16, "lr": 0.5})  # too high: the validation loss goes up and down
@@ -222,7 +307,7 @@ def test_authors_recipe_refuses_a_training_split_smaller_than_one_batch(tmp_path
             recipe="authors",
         )
     assert not any(tmp_path.iterdir())  # refused before anything was written
-    # the MIL loss draws full batches of pairs: not refused
+    # the MIL loss draws pairs, as many of each class as the smaller class has: not refused
     train_detector("hami", params_for("hami", FAST), train, val, **big)
 
 
