@@ -25,7 +25,9 @@ from halludetect.evaluation.plot_data import (
     CLASS_COLOURS,
     CLASSES,
     METHOD_COLOURS,
+    PLUGIN_COLOURS,
     class_histogram_data,
+    method_colour,
     series_colour,
     with_colours,
 )
@@ -89,6 +91,9 @@ def test_a_series_has_one_colour_in_the_pngs_and_on_the_page():
     # every method, baseline and model baseline has a colour of its own
     assert set(METHOD_COLOURS) == {*METHODS, *BASELINES, "p_true"}
     assert len(set(METHOD_COLOURS.values())) == len(METHOD_COLOURS)
+    # a user's plugin has a colour too, none of ours, the same in every process (a digest of its name)
+    assert method_colour("wide_max") == method_colour("wide_max") not in METHOD_COLOURS.values()
+    assert not set(PLUGIN_COLOURS) & set(METHOD_COLOURS.values())
     rng = np.random.default_rng(0)
     methods = ["hami_sp", "max", "mean", "hami"]  # not the map's order: the colour goes with the name
     layer_rows = {m: [{"layer": i, "val_auroc": 0.6, "test_auroc": 0.6 + 0.01 * i} for i in range(3)] for m in methods}

@@ -15,10 +15,10 @@ tests/test_plots_page.py.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import polars as pl
-
-from halludetect.core.errors import DataError
 
 # The classes as every figure and plot names them (the paper's neg = correct, pos = hallucinated).
 CLASSES = (("correct (neg)", 0), ("hallucinated (pos)", 1))
@@ -56,10 +56,17 @@ def _tint(colour: str, amount: float) -> str:
     return "#" + "".join(f"{round(v + (255 - v) * amount):02x}" for v in rgb)
 
 
+# Colours for the methods METHOD_COLOURS does not list (a user's plugin): none of the listed ones,
+# each picked by a stable digest of the method's name, so a plugin has the same colour in every
+# figure, on the page and in every run (Python's own hash() changes between processes).
+PLUGIN_COLOURS = ("#5254a3", "#6b6ecf", "#8ca252", "#bd9e39", "#e7ba52", "#ad494a", "#a55194", "#ce6dbd", "#de9ed6")
+
+
 def method_colour(method: str) -> str:
-    if method not in METHOD_COLOURS:
-        raise DataError(f"no colour for {method!r}: add one to METHOD_COLOURS (halludetect/evaluation/plot_data.py)")
-    return METHOD_COLOURS[method]
+    if method in METHOD_COLOURS:
+        return METHOD_COLOURS[method]
+    digest = int(hashlib.sha256(method.encode()).hexdigest(), 16)
+    return PLUGIN_COLOURS[digest % len(PLUGIN_COLOURS)]
 
 
 def series_colour(series: str) -> str:
