@@ -122,7 +122,9 @@ class Progress:
             if t is None:
                 return None
             total += t
-        if self.current is not None and (t := self.expected(self.current[0])) is not None:
+        if self.current is not None:
+            if (t := self.expected(self.current[0])) is None:
+                return None  # the stage now running: nothing known of it yet (not "0 left")
             total += max(0.0, t - (time.monotonic() - self.current[1]))
         return total
 
@@ -159,23 +161,36 @@ def main(args: list[str]) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they are written, not at exit
     proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out, line = sys.stdout.buffer, b""
+
+    def show(data: bytes) -> None:
+        """Write through; once the reader has gone (`| head`), stop writing but let DVC finish the
+        stage it is in (its own writes go to this pipe, which stays open and drained)."""
+        nonlocal out
+        if out is None:
+            return
+        try:
+            out.write(data)
+            out.flush()
+        except BrokenPipeError:
+            out = None
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit either
+
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches DVC (same process group): it stops
     try:
         while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            out.write(chunk)  # bytes as they come: tqdm's carriage returns too
-            out.flush()
+            show(chunk)  # bytes as they come: tqdm's carriage returns too
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
                 m = VISIT.match(text.decode(errors="replace").strip("\r"))
                 if m and (msg := progress.visit(m["run"] or m["skip"], bool(m["run"]))):
-                    out.write(msg.encode() + b"\n")
-                    out.flush()
+                    show(msg.encode() + b"\n")
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
     progress.finish()
     write_history(HISTORY, {**history, **progress.seconds})
     ran = len(progress.seconds)
-    print(f"{'done' if code == 0 else 'stopped'}: {ran} stage(s) ran in {hms(time.monotonic() - progress.start)}")
+    if out is not None:
+        print(f"{'done' if code == 0 else 'stopped'}: {ran} stage(s) ran in {hms(time.monotonic() - progress.start)}")
     return code

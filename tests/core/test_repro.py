@@ -82,10 +82,20 @@ def test_repro_of_a_broken_dvc_yaml_is_dvcs_message_without_running(repo):
 def test_the_estimate_uses_the_last_run_then_the_family_then_all():
     planned = [("world", True), ("train@a", True), ("train@b", True), ("report", True)]
     p = Progress(planned, {"report": 5.0}, start=0.0)
-    assert p.visit("world", True).startswith("[running 1 of 4 | stage 1 of 4 | ")
-    assert p.left() is None  # train@a and train@b: nothing known of them or their family yet
+    line = p.visit("world", True)
+    assert line.startswith("[running 1 of 4 | stage 1 of 4 | ") and "left" not in line  # not "0 left"
+    assert p.left() is None  # world, train@a and train@b: nothing known of them or their family yet
     p.seconds["world"] = 100.0  # as if world took 100 s
     p.current = None
     assert p.expected("train@a") == 100.0 and p.expected("report") == 5.0
     p.seconds["train@a"] = 10.0
     assert p.expected("train@b") == 10.0  # its family's, not world's
+
+
+def test_repro_piped_into_a_reader_that_leaves_finishes_the_run(repo):
+    """`halludetect repro | head -1`: the reader goes after a line; DVC still runs every stage."""
+    res = subprocess.run(
+        f"{sys.executable} -m halludetect.cli repro | head -1", shell=True, cwd=repo, capture_output=True, text=True
+    )
+    assert res.stdout == "dvc repro: 3 stages, 3 to run, 0 unchanged\n" and "Traceback" not in res.stderr
+    assert (repo / "c.txt").read_text() == "a\nb\n"
