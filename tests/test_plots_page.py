@@ -267,3 +267,9 @@ def test_the_plots_page_renders_every_chart_with_no_network(tmp_path):
         *(name for name, _ in CLASSES),
     }
     assert drawn == {(s, series_colour(s)) for s, _ in drawn}
+    # and every chart names the series it draws in a legend (the points' colour layer has none, and
+    # sharing one colour scale with it dropped the lines' legend: the templates resolve them apart)
+    for _, body in charts:
+        series = {html.unescape(s) for s in re.findall(r'<path aria-label="[^"]*series: ([^;"]+);', body)}
+        text = html.unescape(" ".join(re.findall(r"<text[^>]*>([^<]*)</text>", body)))
+        assert all(s in text for s in series), (series, text[:300])
