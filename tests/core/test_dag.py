@@ -133,3 +133,10 @@ def test_dag_of_a_pipeline_dvc_cannot_read_is_one_line_and_exit_2(tmp_path, caps
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert message.format(repo=tmp_path.resolve() / "r") in err
+
+
+def test_a_family_every_other_reads_is_said_once_not_on_every_line():
+    fams = [Family("code", 1), Family("world", 1, ["code"]), Family("train", 3, ["code", "world"])]
+    assert render(fams) == "code       -> every other family reads it\nworld\ntrain x 3  <- world\n"
+    two = [Family("world", 1), Family("train", 3, ["world"])]  # with two, the upstream one is just that
+    assert render(two) == "world\ntrain x 3  <- world\n"
