@@ -503,5 +503,13 @@ def test_sigint_stops_sending_keeps_every_reply_and_a_rerun_asks_only_the_rest(t
         srv.fault = None
         df, stats = sample(tiny_model_dir, params(srv.url, endpoint={"concurrency": 2}), questions(10), store=store)
     bodies = [json.dumps(b, sort_keys=True) for b in srv.requests]
-    assert len(set(bodies)) == len(bodies) == 10  # nothing asked twice
+    first, second = bodies[:answered], bodies[answered:]
+    # Which run asked twice, when one did (seen once in a full `make test` under load, 2026-11-27,
+    # not reproduced alone: a retry within a run and a reply lost across the interrupt differ here)
+    twice = {
+        "within the interrupted run": len(first) - len(set(first)),
+        "within the re-run": len(second) - len(set(second)),
+        "asked again by the re-run": len(set(first) & set(second)),
+    }
+    assert len(set(bodies)) == len(bodies) == 10, twice  # nothing asked twice
     assert df.height == 30 and stats["requests_sent"] == 10 - answered
