@@ -194,6 +194,20 @@ def test_authors_recipe_is_the_hami_code_s_loop_for_the_mil_loss():
     assert {c["lr"] for c in res.curve} == {FAST["lr"]}  # patience 20: no cut in 7 steps
 
 
+def assert_plateau_schedule(curve: list[dict], loss: str, lr: float, *, factor, patience, min_lr) -> None:
+    """Each epoch's recorded lr is ReduceLROnPlateau's (mode min, threshold 1e-4 relative), replayed
+    on the curve's `loss` column from the starting `lr`."""
+    best, bad = float("inf"), 0
+    for c in curve:
+        assert c["lr"] == pytest.approx(lr)
+        if c[loss] < best * (1 - 1e-4):
+            best, bad = c[loss], 0
+        else:
+            bad += 1
+            if bad > patience:
+                lr, bad = max(lr * factor, min_lr), 0
+
+
 def test_the_hami_code_s_schedule_cuts_the_lr_on_the_training_loss_of_every_step():
     train, val = data_and_params()
     hami = params_for("hami", {"dim": 16, "lr": 0.5})  # too high: the training loss goes up and down
@@ -205,15 +219,7 @@ def test_the_hami_code_s_schedule_cuts_the_lr_on_the_training_loss_of_every_step
     lrs = [c["lr"] for c in res.curve]
     assert lrs[0] == 0.5 and min(lrs) < 0.5
     # the schedule's rule, replayed on the recorded step losses (an epoch's lr is the one its step ran at)
-    best, bad, lr = float("inf"), 0, 0.5
-    for c in res.curve:
-        assert c["lr"] == pytest.approx(lr)
-        if c["train_loss"] < best * (1 - 1e-4):
-            best, bad = c["train_loss"], 0
-        else:
-            bad += 1
-            if bad > patience:
-                lr, bad = max(lr * 0.1, 1e-6), 0
+    assert_plateau_schedule(res.curve, "train_loss", 0.5, factor=0.1, patience=patience, min_lr=1e-6)
 
 
 def test_the_hami_code_s_loaders_draw_a_batch_of_each_class_per_step_and_drop_each_pass_s_remainder():
@@ -261,15 +267,7 @@ def test_the_plateau_schedule_halves_the_lr_when_the_validation_loss_stalls():
     lrs = [c["lr"] for c in res.curve]
     assert lrs[0] == 0.5 and min(lrs) < 0.5
     # the schedule's rule, replayed on the recorded validation losses (the lr of each epoch is the one it ran at)
-    best, bad, lr = float("inf"), 0, 0.5
-    for c in res.curve:
-        assert c["lr"] == pytest.approx(lr)
-        if c["val_loss"] < best * (1 - 1e-4):
-            best, bad = c["val_loss"], 0
-        else:
-            bad += 1
-            if bad > patience:
-                lr, bad = max(lr * 0.5, 1e-7), 0
+    assert_plateau_schedule(res.curve, "val_loss", 0.5, factor=0.5, patience=patience, min_lr=1e-7)
 
 
 def test_drop_last_leaves_out_the_partial_batch_of_the_same_shuffle():

@@ -421,11 +421,10 @@ def test_a_killed_run_loses_no_finished_part(contract, bundle_path, tiny_model_d
     assert (tmp_path / "out.parquet").read_bytes() == (tmp_path / "whole.parquet").read_bytes()
 
 
-def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_model_dir, tmp_path, monkeypatch):
+def interrupted_after_two_parts(bundle_path, src, out, monkeypatch, **kw) -> None:
+    """A score run of `src` into `out` stopped (KeyboardInterrupt) once two parts are kept."""
     from halludetect.core.unit_store import UnitStore
 
-    src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
-    out = tmp_path / "out.jsonl"
     put = UnitStore.put
 
     def put_two_then_stop(self, unit, df):
@@ -433,11 +432,17 @@ def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_mode
             raise KeyboardInterrupt
         put(self, unit, df)
 
-    kw = dict(model=str(tiny_model_dir), device="cpu", rows_per_part=2, progress=False)
     monkeypatch.setattr(UnitStore, "put", put_two_then_stop)
     with pytest.raises(KeyboardInterrupt):
         score_file(bundle_path, src, out, **kw)
     monkeypatch.undo()
+
+
+def test_parts_from_other_options_are_discarded(contract, bundle_path, tiny_model_dir, tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
+    out = tmp_path / "out.jsonl"
+    kw = dict(model=str(tiny_model_dir), device="cpu", rows_per_part=2, progress=False)
+    interrupted_after_two_parts(bundle_path, src, out, monkeypatch, **kw)
     assert len(list((tmp_path / ".out.jsonl.parts").glob("unit_*"))) == 2
     logged = []
     score_file(bundle_path, src, out, threshold="best_f1", log=logged.append, **kw)
@@ -454,22 +459,10 @@ def test_a_part_copied_by_hand_over_another_is_recomputed_never_merged(
     holds another is discarded with a warning naming it, then scored again."""
     import logging
 
-    from halludetect.core.unit_store import UnitStore
-
     src = write_jsonl(tmp_path / "in.jsonl", dag_rows(contract)[:6])
     out = tmp_path / "out.jsonl"
-    put = UnitStore.put
-
-    def put_two_then_stop(self, unit, df):
-        if len(self.finished()) == 2:
-            raise KeyboardInterrupt
-        put(self, unit, df)
-
     kw = dict(model=str(tiny_model_dir), device="cpu", rows_per_part=2, progress=False, log=lambda *_: None)
-    monkeypatch.setattr(UnitStore, "put", put_two_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        score_file(bundle_path, src, out, **kw)
-    monkeypatch.undo()
+    interrupted_after_two_parts(bundle_path, src, out, monkeypatch, **kw)
     parts = tmp_path / ".out.jsonl.parts"
     shutil.copy(parts / "unit_000000.parquet", parts / "unit_000001.parquet")
     with caplog.at_level(logging.WARNING, logger="halludetect"):
