@@ -133,6 +133,7 @@ class CalibrationMeta(_Meta):
     method: Literal["platt"]
     a: FiniteFloat
     b: FiniteFloat
+    converged: bool | None = None  # false: validation separated the classes (fit_platt); absent before it was kept
 
 
 class BaseModelMeta(_Meta):
@@ -313,13 +314,46 @@ def choose_thresholds(
     return out
 
 
-def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
-    """Platt scaling p = sigmoid(a z + b), an unregularised logistic regression on the logits."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import log_loss
+PLATT_MAX_STEPS = 100
 
-    model = LogisticRegression(C=np.inf).fit(z[:, None], y)
-    a, b = float(model.coef_[0, 0]), float(model.intercept_[0])
+
+def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
+    """Platt scaling p = sigmoid(a z + b): the unregularised logistic regression of the labels on the
+    logits, fitted by Newton's method with a backtracking line search (Platt's own fit; Lin, Lin and
+    Weng 2007 for the safeguards). Two parameters need no optimiser library: this is the exact
+    maximum-likelihood fit (to the last digits, where lbfgs stops at its tolerance), and it spares
+    every evaluate and transfer stage the 1.2 s import of scikit-learn. On validation logits that
+    separate the classes perfectly the likelihood has no maximum (a grows without bound): the fit
+    stops after PLATT_MAX_STEPS steps and says `converged: false`."""
+    y, z = np.asarray(y, dtype=np.float64), np.asarray(z, dtype=np.float64)
+    x = np.stack([z, np.ones_like(z)], axis=1)  # [n, 2]
+
+    def nll(w: np.ndarray) -> float:
+        s = x @ w  # [n] a z + b
+        return float(np.sum(np.logaddexp(0.0, s) - y * s))  # -sum(y log p + (1 - y) log(1 - p))
+
+    rate = np.clip(y.mean(), 1e-12, 1 - 1e-12)
+    w = np.array([0.0, math.log(rate / (1 - rate))])  # a = 0: every answer at the base rate
+    loss, converged = nll(w), False
+    for _ in range(PLATT_MAX_STEPS):
+        p = 1 / (1 + np.exp(-(x @ w)))
+        grad = x.T @ (p - y)  # [2]
+        hess = (x * (p * (1 - p))[:, None]).T @ x  # [2, 2]
+        try:
+            step = np.linalg.solve(hess + 1e-12 * np.eye(2), grad)
+        except np.linalg.LinAlgError:  # every p at 0 or 1: nothing more to gain
+            break
+        t = 1.0
+        while t > 1e-10 and (new := nll(w - t * step)) > loss + 1e-4 * t * float(grad @ -step):
+            t /= 2  # Armijo: halve until the loss falls by a share of what the step promised
+        if t <= 1e-10:
+            converged = bool(np.max(np.abs(grad)) <= 1e-8 * len(y))
+            break
+        w, loss = w - t * step, new
+        if np.max(np.abs(t * step)) <= 1e-12 * (1 + np.max(np.abs(w))):
+            converged = True
+            break
+    a, b = float(w[0]), float(w[1])
     p = 1 / (1 + np.exp(-(a * z + b)))
     return {
         "method": "platt",
@@ -327,7 +361,8 @@ def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
         "b": b,
         "fitted_on": "val",
         "n": int(len(y)),
-        "val_log_loss": float(log_loss(y, p)),
+        "converged": converged,
+        "val_log_loss": loss / len(y),
         "val_brier": float(np.mean((p - y) ** 2)),
     }
 

@@ -143,7 +143,13 @@ def summary_text(b: Bundle) -> str:
             "calibration",
             f"Platt: probability = sigmoid({cal['a']:.4g} score {'+' if cal['b'] >= 0 else '-'} {abs(cal['b']):.4g})"
             + (f", fitted on {cal['n']:,} validation answers" if "n" in cal else ", fitted on validation")
-            + (f" (log loss {cal['val_log_loss']:.3f}, Brier {cal['val_brier']:.3f})" if "val_brier" in cal else ""),
+            + (f" (log loss {cal['val_log_loss']:.3f}, Brier {cal['val_brier']:.3f})" if "val_brier" in cal else "")
+            + (
+                "; the fit did not converge: the validation scores separate the classes, so its probabilities "
+                "are near 0 or 1 and overconfident"
+                if cal.get("converged") is False
+                else ""
+            ),
         ),
         _para(
             "input",

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 import torch
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import roc_auc_score
+from sklearn.metrics import log_loss, roc_auc_score
 
 from halludetect.config import load_params
 from halludetect.core.errors import DataError
@@ -123,11 +123,24 @@ def test_threshold_choice_refuses_what_has_no_rate(y, z, target, match):
 
 
 def test_platt_scaling_is_an_unregularised_logistic_fit():
+    """Newton's fit is the maximum-likelihood one: sklearn's unregularised fit run to a tight
+    tolerance agrees to 1e-7, and the likelihood's gradient is zero there."""
     y, z = labelled_scores()
     c = fit_platt(y, z)
-    ref = LogisticRegression(C=np.inf).fit(z[:, None], y)
-    assert c["a"] == pytest.approx(ref.coef_[0, 0]) and c["b"] == pytest.approx(ref.intercept_[0])
-    assert c["a"] > 0 and 0 < c["val_brier"] < 0.25
+    ref = LogisticRegression(C=np.inf, tol=1e-12, max_iter=10_000).fit(z[:, None], y)
+    assert c["a"] == pytest.approx(ref.coef_[0, 0], rel=1e-7) and c["b"] == pytest.approx(ref.intercept_[0], rel=1e-7)
+    p = 1 / (1 + np.exp(-(c["a"] * z + c["b"])))
+    np.testing.assert_allclose([np.sum((p - y) * z), np.sum(p - y)], 0, atol=1e-9 * len(y))
+    assert c["converged"] and c["a"] > 0 and 0 < c["val_brier"] < 0.25
+    assert c["val_log_loss"] == pytest.approx(log_loss(y, p), rel=1e-12)
+
+
+def test_platt_scaling_of_separated_scores_stops_and_says_it_did_not_converge():
+    """Validation logits that separate the classes have no maximum-likelihood fit: a finite slope
+    after the step limit, `converged: false`, and the bundle's summary says what that means."""
+    c = fit_platt(np.array([0, 0, 1, 1]), np.array([-1.0, -0.5, 0.5, 1.0]))
+    assert not c["converged"] and np.isfinite(c["a"]) and c["a"] > 10
+    assert fit_platt(np.array([0, 1, 0, 1]), np.ones(4))["a"] == 0  # one score for all: the base rate
 
 
 def meta_of(path):

@@ -62,3 +62,11 @@ def test_the_summary_says_what_the_metadata_says(bundle_path):
     assert lines["input"].startswith("the base model's own answers: sampled from this model with the prompt below")
     assert "out of its distribution" in lines["input"]
     assert json.dumps(m["inputs"]["prompt_template"]) in text and "needs" not in text
+
+
+def test_the_summary_says_when_the_calibration_did_not_converge(bundle_path):
+    """A Platt fit on separated validation scores (fit_platt's `converged: false`) is said, with what it means."""
+    b = load_bundle(bundle_path)
+    assert "did not converge" not in summary_text(b)
+    b.meta["calibration"]["converged"] = False
+    assert "the fit did not converge: the validation scores separate the classes" in summary_text(b)
