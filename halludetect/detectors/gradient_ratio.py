@@ -13,6 +13,7 @@ peak token, shared on ties; mean: 1/T) and a_tj = 1{(W h_t + b1)_j > 0}:
 where v is the pooled vector (dz/db = 1, dz/dw_j = v_j, dz/d[W_j, b1_j] = w_j sum_t q_tj a_tj [h_t, 1]).
 The last norm is a quadratic form in the bag's Gram matrix [h_t . h_t' + 1], so nothing of size
 [B, D, d] is built, and the Gram matrices, which depend on the states only, are computed once.
+For max pooling the form is read off at each feature's peak token (`_max_quad`, the same bits).
 tests/detectors/test_gradient_ratio.py checks both against autograd.
 
 s is measured as the sparsity everywhere else (evidence.tokens_carrying): the tokens that carry
@@ -68,10 +69,36 @@ def squared_gradient_norms(net: PoolingNet, bags: Bags, grams: torch.Tensor | No
     out = {}
     for pool, reduce in (("max", segment_max), ("mean", segment_mean)):
         v = reduce(u, bags)  # [B, D]
-        qp = bags.pad(_weights(u, bags, pool) * on)  # [B, T, D] q_tj a_tj
-        quad = (torch.bmm(g, qp) * qp).sum(1)  # [B, D] ||sum_t q_tj a_tj [h_t, 1]||^2
+        quad = _max_quad(u, on, v, bags, g) if pool == "max" else _quad(_weights(u, bags, pool) * on, bags, g)
         out[pool] = 1 + (v**2).sum(1) + quad @ w2
     return out
+
+
+def _quad(qa: torch.Tensor, bags: Bags, g: torch.Tensor) -> torch.Tensor:
+    """[B, D] ||sum_t q_tj a_tj [h_t, 1]||^2 from qa [N, D] = q_tj a_tj, as the quadratic form in the
+    bags' Gram matrices g [B, T, T]."""
+    qp = bags.pad(qa)  # [B, T, D]
+    return (torch.bmm(g, qp) * qp).sum(1)
+
+
+def _max_quad(u: torch.Tensor, on: torch.Tensor, peak: torch.Tensor, bags: Bags, g: torch.Tensor) -> torch.Tensor:
+    """`_quad` of max pooling's weights, with the same bits at a fraction of the work. Where one token
+    t* holds feature j's peak, q a is 1 at t* (if it is on) and 0 elsewhere, so the quadratic form is
+    g[t*, t*] a_t*j: `_quad`'s sums add only zeros to that one product, so taking it directly is exact.
+    Bags where a positive peak is shared by tokens (equal states: layer 0 gives a repeated token the
+    same embedding) weight each holder 1/count and go through `_quad` itself."""
+    holds = u == peak[bags.bag_of_token]  # [N, D]
+    count = segment_sum(holds.double(), bags)  # [B, D] tokens holding each peak
+    shared = ((count > 1) & (peak > 0)).any(1)  # [B] bags with a shared positive peak
+    diag = g.diagonal(dim1=1, dim2=2)[bags.mask]  # [N] g[t, t], packed as the tokens are
+    quad = segment_sum((holds & on).double() * diag[:, None], bags)  # [B, D]: one term per (bag, feature)
+    if shared.any():  # those bags alone, padded to the same width as the whole batch
+        rows = shared[bags.bag_of_token]  # [N] tokens of those bags
+        qa = (holds / count[bags.bag_of_token] * on)[rows]  # as _weights(u, bags, "max") * on
+        qp = qa.new_zeros((int(shared.sum()), bags.width, qa.shape[1]))  # [S, T, D]
+        qp[bags.mask[shared]] = qa
+        quad[shared] = (torch.bmm(g[shared], qp) * qp).sum(1)
+    return quad
 
 
 def _pool_of(net: PoolingNet) -> str:

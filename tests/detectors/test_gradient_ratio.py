@@ -15,7 +15,16 @@ from support import synthetic
 from halludetect.activations.bags import Bags
 from halludetect.detectors.build import build_detector
 from halludetect.detectors.data import split_data
-from halludetect.detectors.gradient_ratio import GradientRatioTrace, squared_gradient_norms, summarise
+from halludetect.detectors.gradient_ratio import (
+    GradientRatioTrace,
+    _max_quad,
+    _quad,
+    _weights,
+    gram,
+    squared_gradient_norms,
+    summarise,
+)
+from halludetect.detectors.pooling import segment_max
 from halludetect.detectors.training import train_detector, write_gradient_ratio
 from halludetect.methods.pooling import PoolingParams
 
@@ -41,6 +50,26 @@ def test_closed_form_norms_equal_autograd_for_max_and_mean(lengths, seed):
     norms = squared_gradient_norms(max_net, bags)
     for pool, net in (("max", max_net), ("mean", mean_net)):  # autograd's gradients are float32
         torch.testing.assert_close(norms[pool], autograd_norm(net, bags), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 25), min_size=1, max_size=6), seed=st.integers(0, 999), repeat=st.booleans())
+def test_max_norms_take_the_peak_tokens_gram_entry_with_the_bits_of_the_full_form(lengths, seed, repeat):
+    """Max pooling's quadratic form read at each feature's peak token (or the full form where a
+    positive peak is shared: a repeated token at layer 0 has the same state) gives the bits of the
+    full [B, T, T] x [B, T, D] form with _weights' 1/count per holder."""
+    bags = random_bags(lengths, seed)
+    if repeat:  # every bag's first token again at its end: every peak it holds is shared
+        own = [bags.tokens[bags.bag_of_token == b] for b in range(len(bags))]
+        rows = torch.cat([torch.cat([t, t[:1]]) for t in own])
+        bags = Bags(rows, bags.lengths + 1)
+    net = model("max", seed)
+    linear = net.feature[0]
+    pre = bags.tokens.double() @ linear.weight.double().T + linear.bias.double()
+    u, on = pre.clamp(min=0), pre > 0
+    g = gram(bags)
+    full = _quad(_weights(u, bags, "max") * on, bags, g)
+    assert torch.equal(_max_quad(u, on, segment_max(u, bags), bags, g), full)
 
 
 def test_a_sparse_positive_bag_gets_the_larger_ratio():
