@@ -8,7 +8,8 @@ layer, thresholds and a Platt calibration fitted on that layer's validation scor
 reproduces its input: the base model and what pins it (manifest), the position convention,
 the prompt template, the stored dtype; and, given the generations and judgments, the range of the
 token log-probs of the answers the detector was fit on, which `score` marks each row against
-(halludetect/scoring/answer_range.py). Format: halludetect/scoring/bundle.py.
+(halludetect/scoring/answer_range.py). The export: halludetect/scoring/export.py; the format:
+halludetect/scoring/bundle.py; the thresholds and calibration: halludetect/evaluation/thresholds.py.
 """
 
 import json
@@ -19,7 +20,7 @@ from halludetect.core.errors import DataError
 from halludetect.labels.readers import read_judgments
 from halludetect.prompts import GENERATION
 from halludetect.scoring.answer_range import kept_answers
-from halludetect.scoring.bundle import export_bundle
+from halludetect.scoring.export import export_bundle
 from stages import common
 
 

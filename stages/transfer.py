@@ -6,7 +6,7 @@ from pathlib import Path
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import write_json
 from halludetect.core.errors import DataError
-from halludetect.experiments.transfer import kept_test_judgments, overlapping_questions, pair_name, transfer_method
+from halludetect.evaluation.transfer import kept_test_judgments, overlapping_questions, pair_name, transfer_method
 from halludetect.labels.readers import read_judgments
 from stages import common
 

@@ -87,7 +87,7 @@ def bundle_path(contract, tmp_path_factory):
 
     from halludetect.prompts import GENERATION
     from halludetect.scoring.answer_range import kept_answers
-    from halludetect.scoring.bundle import export_bundle
+    from halludetect.scoring.export import export_bundle
 
     out = tmp_path_factory.mktemp("bundle") / "max.safetensors"
     export_bundle(

@@ -119,7 +119,8 @@ def test_a_swept_parameter_that_does_not_exist_is_one_line_naming_the_valid_ones
 def test_show_says_which_p_sem_variant_and_how_many_answers_a_hami_sp_bundle_needs(bundle_path, tmp_path, capsys):
     from halludetect import cli as console
     from halludetect.detectors.build import build_detector, params_for
-    from halludetect.scoring.bundle import load_bundle, p_sem_inputs, save_bundle
+    from halludetect.scoring.bundle import load_bundle, save_bundle
+    from halludetect.scoring.export import p_sem_inputs
 
     b = load_bundle(bundle_path)
     meta = json.loads(json.dumps(b.meta))

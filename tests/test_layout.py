@@ -24,7 +24,8 @@ FLOORS = [
     ["lm", "qa"],  # the base model; QA records
     ["labels", "activations"],
     ["detectors", "testing"],
-    ["evaluation", "scoring"],
+    ["evaluation"],  # metrics of a trained detector: best layer, thresholds, calibration, transfer
+    ["scoring"],  # the bundle file a detector travels in, its export, and scoring new answers
     ["report", "world"],
     ["experiments"],
     ["cli"],  # the `halludetect` command

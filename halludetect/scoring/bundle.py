@@ -65,7 +65,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import polars as pl
 import torch
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, NonNegativeInt, PositiveInt, ValidationError
 from torch import nn
@@ -79,16 +78,12 @@ from halludetect.detectors.build import (
     build_detector,
     check_known,
     check_scores,
-    load_detector,
-    origin_meta,
     params_for,
 )
 from halludetect.detectors.evidence import Evidence, NoEvidence, describe, ensemble_evidence
 from halludetect.methods import SP_METHODS, PluginError
 from halludetect.methods import method as lookup_method
-from halludetect.metrics import auroc
 from halludetect.prompts import template_hash
-from halludetect.scoring.answer_range import answer_range
 
 FORMAT = "halludetect-bundle"
 # 3: each threshold's validation and test rates, each split's hallucinated count (read with a
@@ -214,157 +209,6 @@ def metadata_digest(meta: dict) -> str:
     """sha256 of the metadata without its digest entry, as JSON with sorted keys."""
     rest = {k: v for k, v in meta.items() if k != "digest"}
     return hashlib.sha256(json.dumps(rest, sort_keys=True, allow_nan=False).encode()).hexdigest()
-
-
-# ------------------------------------------------------------------ thresholds and calibration
-def _labelled(y, z) -> tuple[np.ndarray, np.ndarray]:
-    """(y as bool [n], z as float64 [n]), checked: same length, finite scores, both classes."""
-    y, z = np.asarray(y).astype(bool), np.asarray(z, dtype=np.float64)
-    if y.shape != z.shape or y.ndim != 1:
-        raise ValueError(f"labels {y.shape} and scores {z.shape} must be two vectors of one length")
-    if not np.isfinite(z).all():
-        raise ValueError(f"{int((~np.isfinite(z)).sum())} score(s) are not finite")
-    pos, neg = int(y.sum()), int((~y).sum())
-    if not pos or not neg:
-        raise ValueError(
-            f"{pos} hallucinated and {neg} correct answer(s): a false- and a true-positive rate need both classes"
-        )
-    return y, z
-
-
-def rates_at_threshold(y, z, threshold: float) -> dict:
-    """What flagging `z >= threshold` does to labelled scores (y = 1: hallucinated): its false- and
-    true-positive rates, precision and F1, and the counts they come from. A transfer check calls it
-    with one dataset's threshold on another's scores."""
-    y, z = _labelled(y, z)
-    flag = z >= threshold
-    tp, fp = int((flag & y).sum()), int((flag & ~y).sum())
-    pos, neg = int(y.sum()), int((~y).sum())
-    precision = tp / (tp + fp) if tp + fp else 0.0
-    return {
-        "threshold": float(threshold),
-        "fpr": fp / neg,
-        "tpr": tp / pos,
-        "precision": precision,
-        "f1": 2 * tp / (tp + fp + pos),  # = 2 P R / (P + R), and 0 when nothing is flagged
-        "flagged": tp + fp,
-        "positives": pos,
-        "negatives": neg,
-    }
-
-
-def _distinct(y: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every distinct score, highest first, and the true and false positives of flagging z >= it:
-    tied scores are flagged together, so a threshold never splits them."""
-    order = np.argsort(-z, kind="mergesort")
-    zs, ys = z[order], y[order]
-    ends = np.r_[np.flatnonzero(np.diff(zs)), len(zs) - 1]  # the last index of each distinct score
-    return zs[ends], np.cumsum(ys)[ends], np.cumsum(~ys)[ends]
-
-
-def threshold_at_fpr(y, z, target_fpr: float) -> dict:
-    """The lowest threshold whose false-positive rate on (y, z) is at most `target_fpr` (flag =
-    z >= threshold), with `rates_at_threshold`'s figures and `target_fpr`: the most hallucinations
-    caught at that rate. Tied scores are flagged together, so the rate reached may be below the
-    target. When even the highest score is a correct answer's and flagging it alone exceeds the
-    target, the threshold sits just above the highest score and flags nothing (`flagged` 0)."""
-    if not 0.0 < target_fpr < 1.0:
-        raise ValueError(f"target false-positive rate {target_fpr!r} is not strictly between 0 and 1")
-    y, z = _labelled(y, z)
-    scores, _, fp = _distinct(y, z)
-    within = np.flatnonzero(fp / (~y).sum() <= target_fpr)  # a prefix: fp never decreases
-    t = float(scores[within[-1]]) if within.size else float(np.nextafter(scores[0], math.inf))
-    return {"target_fpr": target_fpr, **rates_at_threshold(y, z, t)}
-
-
-def threshold_best_f1(y, z) -> dict:
-    """The threshold of the highest F1 on (y, z) (the lowest such threshold on ties), with
-    `rates_at_threshold`'s figures."""
-    y, z = _labelled(y, z)
-    scores, tp, fp = _distinct(y, z)
-    f1 = 2 * tp / (tp + fp + y.sum())
-    best = np.flatnonzero(f1 == f1.max())[-1]
-    return rates_at_threshold(y, z, float(scores[best]))
-
-
-def threshold_entry(rule: dict, test: tuple[np.ndarray, np.ndarray]) -> dict:
-    """A bundle's record of a threshold chosen on validation (`rule`: `threshold_at_fpr`'s or
-    `threshold_best_f1`'s figures): what it does on validation, and on test, measured for the
-    reader only (test never chooses)."""
-    on_test = rates_at_threshold(*test, rule["threshold"])
-    return {
-        **({"target_fpr": rule["target_fpr"]} if "target_fpr" in rule else {}),
-        "threshold": rule["threshold"],
-        "val_fpr": rule["fpr"],
-        "val_tpr": rule["tpr"],
-        "val_precision": rule["precision"],
-        "val_f1": rule["f1"],
-        "test_fpr": on_test["fpr"],
-        "test_tpr": on_test["tpr"],
-    }
-
-
-def choose_thresholds(
-    y: np.ndarray, z: np.ndarray, fpr_targets: list[float], test: tuple[np.ndarray, np.ndarray]
-) -> dict[str, dict]:
-    """A bundle's thresholds on validation logits (y, z): at each target false-positive rate
-    (`fpr_<target>`) and at the best F1 (`best_f1`), each with its validation and test figures."""
-    out = {threshold_name(t): threshold_entry(threshold_at_fpr(y, z, t), test) for t in fpr_targets}
-    out["best_f1"] = threshold_entry(threshold_best_f1(y, z), test)
-    return out
-
-
-PLATT_MAX_STEPS = 100
-
-
-def fit_platt(y: np.ndarray, z: np.ndarray) -> dict:
-    """Platt scaling p = sigmoid(a z + b): the unregularised logistic regression of the labels on the
-    logits, fitted by Newton's method with a backtracking line search (Platt's own fit; Lin, Lin and
-    Weng 2007 for the safeguards). Two parameters need no optimiser library: this is the exact
-    maximum-likelihood fit (to the last digits, where lbfgs stops at its tolerance), and it spares
-    every evaluate and transfer stage the 1.2 s import of scikit-learn. On validation logits that
-    separate the classes perfectly the likelihood has no maximum (a grows without bound): the fit
-    stops after PLATT_MAX_STEPS steps and says `converged: false`."""
-    y, z = np.asarray(y, dtype=np.float64), np.asarray(z, dtype=np.float64)
-    x = np.stack([z, np.ones_like(z)], axis=1)  # [n, 2]
-
-    def nll(w: np.ndarray) -> float:
-        s = x @ w  # [n] a z + b
-        return float(np.sum(np.logaddexp(0.0, s) - y * s))  # -sum(y log p + (1 - y) log(1 - p))
-
-    rate = np.clip(y.mean(), 1e-12, 1 - 1e-12)
-    w = np.array([0.0, math.log(rate / (1 - rate))])  # a = 0: every answer at the base rate
-    loss, converged = nll(w), False
-    for _ in range(PLATT_MAX_STEPS):
-        p = 1 / (1 + np.exp(-(x @ w)))
-        grad = x.T @ (p - y)  # [2]
-        hess = (x * (p * (1 - p))[:, None]).T @ x  # [2, 2]
-        try:
-            step = np.linalg.solve(hess + 1e-12 * np.eye(2), grad)
-        except np.linalg.LinAlgError:  # every p at 0 or 1: nothing more to gain
-            break
-        t = 1.0
-        while t > 1e-10 and (new := nll(w - t * step)) > loss + 1e-4 * t * float(grad @ -step):
-            t /= 2  # Armijo: halve until the loss falls by a share of what the step promised
-        if t <= 1e-10:
-            converged = bool(np.max(np.abs(grad)) <= 1e-8 * len(y))
-            break
-        w, loss = w - t * step, new
-        if np.max(np.abs(t * step)) <= 1e-12 * (1 + np.max(np.abs(w))):
-            converged = True
-            break
-    a, b = float(w[0]), float(w[1])
-    p = 1 / (1 + np.exp(-(a * z + b)))
-    return {
-        "method": "platt",
-        "a": a,
-        "b": b,
-        "fitted_on": "val",
-        "n": int(len(y)),
-        "converged": converged,
-        "val_log_loss": loss / len(y),
-        "val_brier": float(np.mean((p - y) ** 2)),
-    }
 
 
 # ---------------------------------------------------------------------------- the bundle
@@ -692,54 +536,6 @@ def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False)
     return Bundle(meta=meta, detectors=detectors, path=path, sha256=file_sha256(path), warnings=warnings)
 
 
-# ------------------------------------------------------------------ export from the DAG's outputs
-def ensemble_scores(scores: pl.DataFrame, split: str, seeds: list[int], source: str) -> tuple[np.ndarray, np.ndarray]:
-    """Labels [n] and the mean of the seeds' logits [n] of one split's responses, from the
-    per-layer scores table (one row per response and seed)."""
-    part = scores.filter(pl.col("split") == split)
-    have = sorted(part["seed"].unique().to_list())
-    if have != sorted(seeds):
-        raise DataError(
-            f"{source}: the {split} scores hold seeds {have}, the evaluation averaged {sorted(seeds)}: "
-            "re-run train and evaluate"
-        )
-    wide = part.pivot(on="seed", index=["response_id", "label"], values="score", aggregate_function=None)
-    cols = [str(s) for s in seeds]
-    if wide[cols].null_count().sum_horizontal().item():
-        raise DataError(f"{source}: some {split} responses lack a score for some seed: re-run evaluate")
-    wide = wide.sort("response_id")
-    z = wide.select(pl.mean_horizontal([pl.col(c).cast(pl.Float64) for c in cols])).to_series().to_numpy()
-    return wide["label"].to_numpy().astype(np.int64), z
-
-
-def check_scores_match_metrics(scores: pl.DataFrame, metrics: dict, layer: int, source: str) -> None:
-    """The scores table and the metrics JSON must come from the same evaluation."""
-    row = next((r for r in metrics["layers"] if r["layer"] == layer), None)
-    if row is None:
-        raise DataError(f"{source}: the metrics list no layer {layer}")
-    per_seed = []
-    for _, part in scores.filter(pl.col("split") == "val").group_by("seed"):
-        per_seed.append(auroc(part["label"].to_numpy(), part["score"].to_numpy()))
-    if abs(float(np.mean(per_seed)) - row["val_auroc"]) > 1e-4:
-        raise DataError(
-            f"{source}: validation AUROC {np.mean(per_seed):.6f} from the scores, "
-            f"{row['val_auroc']:.6f} in the metrics: they come from different runs; re-run evaluate"
-        )
-
-
-def p_sem_inputs(method: str, params: dict, given: dict | None) -> dict:
-    """{"p_sem": ...} for a method that reads P_sem: which variant and lam (its params), and how
-    many answers per question and which clustering made it (`given`); {} for the others."""
-    if method not in SP_METHODS:
-        return {}
-    if not given or "samples_per_question" not in given:
-        raise DataError(
-            f"'{method}' reads P_sem: its bundle must say how P_sem was made (K answers per question, "
-            "the clustering); pass p_sem_input"
-        )
-    return {"p_sem": {"variant": params["p_sem"], "lam": params["lam"], **given}}
-
-
 def p_sem_requirement(meta: dict) -> str | None:
     """What a bundle's input rows need as p_sem, in words (None: the method reads none)."""
     if meta.get("method") not in SP_METHODS:
@@ -763,114 +559,3 @@ def p_sem_requirement(meta: dict) -> str | None:
         f"weighted by its {how} (P_sem variant '{variant}'); the detector scales states by "
         f"(1 + {info.get('lam', meta.get('params', {}).get('lam', '?'))} p_sem)"
     )
-
-
-def export_bundle(
-    out: str | Path,
-    *,
-    metrics: dict,
-    detectors_dir: str | Path,
-    scores_dir: str | Path,
-    manifest: dict,
-    positions: str,
-    states_dtype: str,
-    prompt_template: str,
-    fpr_targets: list[float],
-    default_threshold: str,
-    p_sem_input: dict | None = None,
-    answers: pl.DataFrame | None = None,
-) -> dict:
-    """The bundle of an evaluated method's best layer, from the DAG's outputs:
-    detectors `<detectors_dir>/layer_LL/seed_S.safetensors`, scores `<scores_dir>/layer_LL.parquet`
-    (val and test rows per seed), the evaluation metrics and the model manifest; for a method that
-    reads P_sem, `p_sem_input` says how its P_sem was made (K answers per question, the
-    clustering; the variant and lam are added from the detector's params). `answers`: the kept
-    answers' token log-probs by split (`answer_range.kept_answers`), for the range `score` checks
-    rows against; without them the bundle records none. Returns its metadata."""
-    layer = int(metrics["best_layer"])
-    seeds = [int(s) for s in metrics["seeds"]]
-    weights, params, d = {}, None, None
-    for seed in seeds:
-        f = Path(detectors_dir) / f"layer_{layer}" / f"seed_{seed}.safetensors"
-        if not f.exists():
-            raise FileNotFoundError(f"{f} is missing: the evaluation used seed {seed} at layer {layer}; re-run train")
-        model, meta = load_detector(f)
-        if meta["method"] != metrics["method"] or int(meta["layer"]) != layer:
-            raise DataError(
-                f"{f} holds a '{meta['method']}' detector of layer {meta['layer']}, not "
-                f"'{metrics['method']}' of layer {layer}: re-run train"
-            )
-        if params is not None and (meta["params"] != params or int(meta["d"]) != d):
-            raise DataError(f"{f}: trained with other params than seed {seeds[0]}'s: re-run train")
-        params, d = meta["params"], int(meta["d"])
-        weights[seed] = model.state_dict()
-    if d != int(manifest["hidden_size"]):
-        raise DataError(
-            f"detectors of d={d} for a model of hidden size {manifest['hidden_size']}: "
-            "the manifest and the detectors come from different models"
-        )
-    scores_path = Path(scores_dir) / f"layer_{layer}.parquet"
-    scores = pl.read_parquet(scores_path)
-    check_scores_match_metrics(scores, metrics, layer, str(scores_path))
-    y_val, z_val = ensemble_scores(scores, "val", seeds, str(scores_path))
-    y_test, z_test = ensemble_scores(scores, "test", seeds, str(scores_path))
-    for split, y in (("val", y_val), ("test", y_test)):
-        if y.min() == y.max():
-            raise DataError(
-                f"{scores_path}: every {split} answer is {'hallucinated' if y[0] else 'correct'}: a flag "
-                "threshold's false- and true-positive rates need both; re-run judge and train"
-            )
-    # export.threshold may name a rate that fpr_targets does not list: it is stored too
-    targets = sorted({*fpr_targets, *([float(default_threshold[4:])] if default_threshold != "best_f1" else [])})
-    thresholds = choose_thresholds(y_val, z_val, targets, (y_test, z_test))
-    if default_threshold not in thresholds:
-        raise DataError(f"export.threshold '{default_threshold}' is none of {sorted(thresholds)}")
-    preset = manifest["preset"]
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "method": metrics["method"],
-        **({"origin": o} if (o := origin_meta(metrics["method"])) else {}),
-        "params": params,
-        "d": d,
-        "layer": layer,
-        "n_layers": int(manifest["num_hidden_layers"]),
-        "base_model": {
-            "name": manifest["name"],
-            "path": preset["path"],
-            "revision": preset.get("revision"),
-            "resolved_revision": manifest.get("resolved_revision"),
-            "files": manifest.get("files"),
-            "hidden_size": int(manifest["hidden_size"]),
-            "num_hidden_layers": int(manifest["num_hidden_layers"]),
-            "preset": preset,
-        },
-        "inputs": {
-            "positions": positions,
-            "prompt_template": prompt_template,
-            "prompt_hash": template_hash(prompt_template),
-            "chat_template": bool(preset["chat_template"]),
-            "states_dtype": states_dtype,
-            **p_sem_inputs(metrics["method"], params, p_sem_input),
-        },
-        "seeds": seeds,
-        "combine": COMBINE,
-        "thresholds": thresholds,
-        "default_threshold": default_threshold,
-        "calibration": fit_platt(y_val, z_val),
-        "evaluation": {
-            "dataset": metrics.get("dataset"),
-            "test_auroc_dag": metrics["test"]["auroc"],
-            "val_auroc_ensemble": float(auroc(y_val, z_val)),
-            "test_auroc_ensemble": float(auroc(y_test, z_test)),
-            "n_val": int(len(y_val)),
-            "n_test": int(len(y_test)),
-            "n_val_hallucinated": int(y_val.sum()),
-            "n_test_hallucinated": int(y_test.sum()),
-            "layer_selection": metrics.get("layer_selection", "highest mean validation AUROC over seeds"),
-        },
-    }
-    if answers is not None:
-        meta["answer_range"] = answer_range(answers)
-    save_bundle(out, weights, meta)
-    return meta

@@ -1,146 +1,19 @@
-"""Detector bundles (halludetect/scoring/bundle.py): thresholds and calibration chosen on validation,
-the export from the per-layer DAG outputs, byte-stable files, the export stage, and clear errors for
-what cannot be exported or loaded."""
+"""Detector bundles (halludetect/scoring/bundle.py): the file format and clear
+errors for what cannot be loaded: damage, wrong types, older formats."""
 
-import argparse
-import hashlib
 import json
-import shutil
 
-import numpy as np
-import polars as pl
 import pytest
 import torch
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import log_loss, roc_auc_score
 
-from halludetect.config import load_params
 from halludetect.core.errors import DataError
-from halludetect.detectors.build import load_detector
-from halludetect.prompts import GENERATION, template_hash
-from halludetect.scoring.answer_range import kept_answers
 from halludetect.scoring.bundle import (
     BundleError,
-    choose_thresholds,
-    export_bundle,
-    fit_platt,
     load_bundle,
     metadata_digest,
-    rates_at_threshold,
     save_bundle,
     tensor_digest,
-    threshold_at_fpr,
-    threshold_best_f1,
 )
-
-
-def labelled_scores(n=400, seed=0):
-    rng = np.random.default_rng(seed)
-    y = rng.integers(0, 2, n)
-    return y, rng.normal(size=n) + 1.5 * y
-
-
-def test_thresholds_meet_their_false_positive_rate_and_best_f1_is_the_best():
-    y, z = labelled_scores()
-    yt, zt = labelled_scores(seed=1)
-    t = choose_thresholds(y, z, [0.01, 0.05, 0.1], (yt, zt))
-    assert sorted(t) == ["best_f1", "fpr_0.01", "fpr_0.05", "fpr_0.1"]
-    neg = z[y == 0]
-    for target in (0.01, 0.05, 0.1):
-        entry = t[f"fpr_{target:g}"]
-        assert np.mean(neg >= entry["threshold"]) == entry["val_fpr"] <= target == entry["target_fpr"]
-        assert np.mean(z[y == 1] >= entry["threshold"]) == entry["val_tpr"]
-        # the lowest such threshold: one score lower and the target would be exceeded
-        lower = z[z < entry["threshold"]].max()
-        assert np.mean(neg >= lower) > target
-        # test figures of the same threshold, for the reader
-        assert entry["test_fpr"] == np.mean(zt[yt == 0] >= entry["threshold"])
-        assert entry["test_tpr"] == np.mean(zt[yt == 1] >= entry["threshold"])
-
-    def f1(th):
-        flag = z >= th
-        tp = (flag & (y == 1)).sum()
-        return 2 * tp / (flag.sum() + (y == 1).sum())
-
-    assert t["best_f1"]["val_f1"] == pytest.approx(max(f1(th) for th in z))
-    assert t["best_f1"]["val_f1"] == pytest.approx(f1(t["best_f1"]["threshold"]))
-    assert "target_fpr" not in t["best_f1"]
-
-
-# Worked out by hand: 10 correct answers (0) and 5 hallucinated (1); three scores tie at 5.
-HAND_Y = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
-HAND_Z = np.array([9.0, 5, 5, 4, 3, 2, 1, 0, -1, -2, 8, 6, 5, 3.5, -3])
-
-
-@pytest.mark.parametrize(
-    ("target", "threshold", "fpr", "tpr", "flagged"),
-    [
-        # at most 1 correct answer: 9 (correct), 8 and 6 (hallucinated); flagging 5 would add the
-        # two correct 5s with the hallucinated one (ties go together): FPR 0.3
-        (0.1, 6.0, 0.1, 0.4, 3),
-        (0.3, 5.0, 0.3, 0.6, 6),  # the tie included: exactly at the target
-        (0.35, 5.0, 0.3, 0.6, 6),  # 4 (correct) would make it 0.4
-        (0.5, 3.0, 0.5, 0.8, 9),  # 9, 8, 6, 5 x3, 4, 3.5, 3
-    ],
-)
-def test_threshold_at_a_target_false_positive_rate_on_scores_worked_out_by_hand(target, threshold, fpr, tpr, flagged):
-    got = threshold_at_fpr(HAND_Y, HAND_Z, target)
-    assert got["threshold"] == threshold and got["target_fpr"] == target
-    assert (got["fpr"], got["tpr"], got["flagged"], got["negatives"], got["positives"]) == (fpr, tpr, flagged, 10, 5)
-    # another set's rates at that threshold (a transfer check): its own counts
-    other = rates_at_threshold([0, 0, 1, 1], [threshold + 1, threshold - 1, threshold, threshold - 1], threshold)
-    assert (other["fpr"], other["tpr"], other["flagged"], other["precision"]) == (0.5, 0.5, 2, 0.5)
-
-
-def test_a_false_positive_rate_no_flag_reaches_flags_nothing():
-    """The highest score, 9, is a correct answer's: any flag costs FPR >= 0.1, above 5%. The threshold
-    then sits just above it: nothing is flagged (no threshold is ever missing)."""
-    got = threshold_at_fpr(HAND_Y, HAND_Z, 0.05)
-    assert got["threshold"] == np.nextafter(9.0, np.inf) and got["flagged"] == 0
-    assert (got["fpr"], got["tpr"], got["f1"]) == (0.0, 0.0, 0.0)
-
-
-def test_best_f1_is_still_there_worked_out_by_hand():
-    # F1 = 2 TP / (TP + FP + 5) at each distinct score: 8 -> 2/7, 6 -> 4/8, 5 -> 6/11, 3.5 -> 8/13 (best), 3 -> 8/14
-    got = threshold_best_f1(HAND_Y, HAND_Z)
-    assert got["threshold"] == 3.5 and got["f1"] == pytest.approx(8 / 13) and (got["fpr"], got["tpr"]) == (0.4, 0.8)
-    # a tie in F1: the lowest threshold, as before (sklearn's precision_recall_curve order)
-    assert threshold_best_f1([1, 0, 0, 1], [4.0, 3.0, 2.0, 1.0])["threshold"] == 1.0  # F1 2/3 at 4 and at 1
-
-
-@pytest.mark.parametrize(
-    ("y", "z", "target", "match"),
-    [
-        ([0, 0, 1], [1.0, 2.0, 3.0], 1.0, "target false-positive rate 1.0 is not strictly between 0 and 1"),
-        ([0, 0, 1], [1.0, 2.0, 3.0], 0.0, "target false-positive rate 0.0 is not strictly between 0 and 1"),
-        ([0, 0, 0], [1.0, 2.0, 3.0], 0.05, "0 hallucinated and 3 correct answer.s.: .* need both classes"),
-        ([0, 1, 1], [1.0, float("nan"), 3.0], 0.05, "1 score.s. are not finite"),
-    ],
-)
-def test_threshold_choice_refuses_what_has_no_rate(y, z, target, match):
-    with pytest.raises(ValueError, match=match):
-        threshold_at_fpr(y, z, target)
-
-
-def test_platt_scaling_is_an_unregularised_logistic_fit():
-    """Newton's fit is the maximum-likelihood one: sklearn's unregularised fit run to a tight
-    tolerance agrees to 1e-7, and the likelihood's gradient is zero there."""
-    y, z = labelled_scores()
-    c = fit_platt(y, z)
-    ref = LogisticRegression(C=np.inf, tol=1e-12, max_iter=10_000).fit(z[:, None], y)
-    assert c["a"] == pytest.approx(ref.coef_[0, 0], rel=1e-7) and c["b"] == pytest.approx(ref.intercept_[0], rel=1e-7)
-    p = 1 / (1 + np.exp(-(c["a"] * z + c["b"])))
-    np.testing.assert_allclose([np.sum((p - y) * z), np.sum(p - y)], 0, atol=1e-9 * len(y))
-    assert c["converged"] and c["a"] > 0 and 0 < c["val_brier"] < 0.25
-    assert c["val_log_loss"] == pytest.approx(log_loss(y, p), rel=1e-12)
-
-
-def test_platt_scaling_of_separated_scores_stops_and_says_it_did_not_converge():
-    """Validation logits that separate the classes have no maximum-likelihood fit: a finite slope
-    after the step limit, `converged: false`, and the bundle's summary says what that means."""
-    c = fit_platt(np.array([0, 0, 1, 1]), np.array([-1.0, -0.5, 0.5, 1.0]))
-    assert not c["converged"] and np.isfinite(c["a"]) and c["a"] > 10
-    assert fit_platt(np.array([0, 1, 0, 1]), np.ones(4))["a"] == 0  # one score for all: the base rate
 
 
 def meta_of(path):
@@ -148,125 +21,6 @@ def meta_of(path):
 
     with safe_open(str(path), "pt") as f:
         return json.loads(f.metadata()["bundle"])
-
-
-def test_export_holds_everything_to_reproduce_the_detectors_input(contract, bundle_path):
-    metrics = json.loads((contract / "metrics" / "max.json").read_text())
-    manifest = json.loads((contract / "manifest.json").read_text())
-    b = load_bundle(bundle_path)
-    layer = metrics["best_layer"]
-    assert (b.method, b.layer, b.n_layers, b.seeds, b.positions) == ("max", layer, 3, [0, 1], "predicting")
-    base = b.meta["base_model"]
-    assert base["files"] == manifest["files"] and base["path"] == manifest["preset"]["path"]
-    assert base["hidden_size"] == 32 and b.meta["d"] == 32
-    inputs = b.meta["inputs"]
-    assert inputs == {
-        "positions": "predicting",
-        "prompt_template": GENERATION,
-        "chat_template": False,
-        "prompt_hash": template_hash(GENERATION),
-        "states_dtype": "float16",
-    }
-    assert b.meta["evaluation"]["test_auroc_dag"] == metrics["test"]["auroc"]
-    assert b.meta["combine"] == "mean_logit" and b.meta["default_threshold"] == "fpr_0.05"
-    # every seed's weights, equal to the trained files
-    for seed in (0, 1):
-        trained, _ = load_detector(contract / "detectors" / "max" / f"layer_{layer}" / f"seed_{seed}.safetensors")
-        for k, v in trained.state_dict().items():
-            assert torch.equal(b.detectors[seed].state_dict()[k], v)
-    # thresholds, calibration and the ensemble's AUROC come from the scores table's mean logits
-    scores = pl.read_parquet(contract / "scores" / "max" / f"layer_{layer}.parquet")
-    for split, key in (("val", "val_auroc_ensemble"), ("test", "test_auroc_ensemble")):
-        z = (
-            scores.filter(pl.col("split") == split)
-            .group_by("response_id")
-            .agg(pl.col("score").mean(), pl.col("label").first())
-        )
-        assert b.meta["evaluation"][key] == pytest.approx(roc_auc_score(z["label"], z["score"]))
-    val = (
-        scores.filter(pl.col("split") == "val")
-        .group_by("response_id")
-        .agg(pl.col("score").mean(), pl.col("label").first())
-    )
-    platt = fit_platt(val["label"].to_numpy(), val["score"].to_numpy())  # rows in another order: the optimiser's noise
-    assert (b.meta["calibration"]["a"], b.meta["calibration"]["b"]) == pytest.approx((platt["a"], platt["b"]), rel=1e-6)
-    # each threshold's validation and test rates, from the same mean logits
-    ensemble = {}
-    for split in ("val", "test"):
-        z = (
-            scores.filter(pl.col("split") == split)
-            .group_by("response_id")
-            .agg(pl.col("score").mean(), pl.col("label").first())
-        )
-        ensemble[split] = (z["label"].to_numpy(), z["score"].to_numpy())
-        assert b.meta["evaluation"][f"n_{split}_hallucinated"] == int(z["label"].sum())
-    for name, entry in b.meta["thresholds"].items():
-        for split in ("val", "test"):
-            y, z = ensemble[split]
-            flag = z >= entry["threshold"]
-            assert entry[f"{split}_fpr"] == pytest.approx(flag[y == 0].mean(), abs=1e-12), name
-            assert entry[f"{split}_tpr"] == pytest.approx(flag[y == 1].mean(), abs=1e-12), name
-    assert b.threshold() == ("fpr_0.05", b.meta["thresholds"]["fpr_0.05"]["threshold"])
-    assert b.threshold("best_f1")[1] == b.meta["thresholds"]["best_f1"]["threshold"]
-    assert b.threshold("0.25") == ("0.25", 0.25)
-    with pytest.raises(BundleError, match="unknown threshold 'fpr_0.5'.*best_f1"):
-        b.threshold("fpr_0.5")
-
-
-def test_the_same_bundle_gives_the_same_bytes(contract, bundle_path, tmp_path):
-    again = tmp_path / "again.safetensors"
-    export_bundle(
-        again,
-        metrics=json.loads((contract / "metrics" / "max.json").read_text()),
-        detectors_dir=contract / "detectors" / "max",
-        scores_dir=contract / "scores" / "max",
-        manifest=json.loads((contract / "manifest.json").read_text()),
-        positions="predicting",
-        states_dtype="float16",
-        prompt_template=GENERATION,
-        fpr_targets=[0.01, 0.05, 0.1],
-        default_threshold="fpr_0.05",
-        answers=kept_answers(*(pl.read_parquet(contract / f) for f in ("generations.parquet", "judgments.parquet"))),
-    )
-    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-    assert digest(again) == digest(bundle_path)
-
-
-def export_args(contract, tmp_path, **change):
-    kw = dict(
-        metrics=json.loads((contract / "metrics" / "max.json").read_text()),
-        detectors_dir=contract / "detectors" / "max",
-        scores_dir=contract / "scores" / "max",
-        manifest=json.loads((contract / "manifest.json").read_text()),
-        positions="predicting",
-        states_dtype="float16",
-        prompt_template=GENERATION,
-        fpr_targets=[0.05],
-        default_threshold="best_f1",
-    )
-    return kw | change
-
-
-def test_export_refuses_what_does_not_fit_together(contract, tmp_path):
-    out = tmp_path / "b.safetensors"
-    metrics = json.loads((contract / "metrics" / "max.json").read_text())
-    with pytest.raises(FileNotFoundError, match="seed_7.safetensors is missing"):
-        export_bundle(out, **export_args(contract, tmp_path, metrics={**metrics, "seeds": [0, 7]}))
-    layers = [{**r, "val_auroc": r["val_auroc"] + 0.1} for r in metrics["layers"]]
-    with pytest.raises(DataError, match="different runs"):
-        export_bundle(out, **export_args(contract, tmp_path, metrics={**metrics, "layers": layers}))
-    manifest = json.loads((contract / "manifest.json").read_text())
-    with pytest.raises(DataError, match="hidden size 64"):
-        export_bundle(out, **export_args(contract, tmp_path, manifest={**manifest, "hidden_size": 64}))
-    # a seed's scores missing from the table
-    scores_dir = tmp_path / "scores"
-    shutil.copytree(contract / "scores" / "max", scores_dir)
-    f = scores_dir / f"layer_{metrics['best_layer']}.parquet"
-    t = pl.read_parquet(f)
-    t.filter(~((pl.col("seed") == 1) & (pl.col("split") == "test"))).write_parquet(f)
-    with pytest.raises(DataError, match=r"test scores hold seeds \[0\], the evaluation averaged \[0, 1\]"):
-        export_bundle(out, **export_args(contract, tmp_path, scores_dir=scores_dir))
-    assert not out.exists()
 
 
 def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path):
@@ -304,41 +58,6 @@ def test_load_refuses_files_that_are_not_bundles(contract, bundle_path, tmp_path
         load_bundle(tmp_path / "v9.safetensors")
 
 
-def test_export_stage_writes_the_bundle(contract, tmp_path, caplog):
-    from stages import export
-
-    caplog.set_level("INFO", "halludetect")
-    out = tmp_path / "data" / "bundles" / "tiny" / "mini" / "max.safetensors"
-    args = argparse.Namespace(
-        metrics=contract / "metrics" / "max.json",
-        detectors=contract / "detectors" / "max",
-        scores=contract / "scores" / "max",
-        manifest=contract / "manifest.json",
-        out=out,
-        generation_metrics=None,  # a method that reads no P_sem: export_sp's alone pass them
-        cluster_metrics=None,
-    )
-    params = load_params("params.yaml")
-    export.run(args, params)
-    b = load_bundle(out)
-    assert b.meta["default_threshold"] == params.export.threshold == "fpr_0.05"
-    assert sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.01", "fpr_0.05", "fpr_0.1"]
-    t = b.meta["thresholds"]["fpr_0.05"]
-    assert f"default threshold fpr_0.05 = {t['threshold']:.3f}: validation FPR {t['val_fpr']:.3f}" in caplog.text
-
-
-def test_best_f1_stays_selectable_and_a_rate_outside_fpr_targets_is_stored(contract, tmp_path):
-    out = tmp_path / "b.safetensors"
-    export_bundle(out, **export_args(contract, tmp_path, fpr_targets=[0.1], default_threshold="best_f1"))
-    b = load_bundle(out)
-    assert b.threshold()[0] == "best_f1" and sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.1"]
-    export_bundle(out, **export_args(contract, tmp_path, fpr_targets=[0.1], default_threshold="fpr_0.2"))
-    b = load_bundle(out)
-    assert b.threshold()[0] == "fpr_0.2" and sorted(b.meta["thresholds"]) == ["best_f1", "fpr_0.1", "fpr_0.2"]
-    assert b.meta["thresholds"]["fpr_0.2"]["val_fpr"] <= 0.2
-
-
-# ------------------------------------------------------------------ damaged bundles are named, not used
 def resaved(bundle_path, out, change_meta=None, change_state=None):
     """The bundle written again by save_bundle (a valid digest of what it holds), changed."""
     b = load_bundle(bundle_path)

@@ -32,16 +32,16 @@ from halludetect.detectors.build import read_meta, trained_params
 from halludetect.detectors.data import p_sem_for, split_data
 from halludetect.detectors.inference import score
 from halludetect.evaluation.evaluate import best_layer, load_models
-from halludetect.methods import CLUSTER_METHODS
-from halludetect.methods import method as lookup_method
-from halludetect.metrics import auroc, check_two_classes, expected_calibration_error, question_groups, split_metrics
-from halludetect.scoring.bundle import (
+from halludetect.evaluation.thresholds import (
     ensemble_scores,
     fit_platt,
     rates_at_threshold,
     threshold_at_fpr,
     threshold_best_f1,
 )
+from halludetect.methods import CLUSTER_METHODS
+from halludetect.methods import method as lookup_method
+from halludetect.metrics import auroc, check_two_classes, expected_calibration_error, question_groups, split_metrics
 
 
 def pair_name(train: str, test: str) -> str:

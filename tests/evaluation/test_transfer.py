@@ -1,4 +1,4 @@
-"""Cross-dataset transfer (halludetect/experiments/transfer.py) on the miniature DAG of
+"""Cross-dataset transfer (halludetect/evaluation/transfer.py) on the miniature DAG of
 tests/contract_layout.py: the layer is chosen on A's validation figures and B's validation split is
 never read; the diagonal reproduces the DAG's own test scores; the calibration and the thresholds
 are the bundle's; and the bad pairs (one class left in B's test split, detectors of another width)
@@ -15,7 +15,7 @@ import pytest
 
 from halludetect.core.errors import DataError
 from halludetect.detectors.build import read_meta, save_detector
-from halludetect.experiments.transfer import kept_test_judgments, overlapping_questions, transfer_method
+from halludetect.evaluation.transfer import kept_test_judgments, overlapping_questions, transfer_method
 from halludetect.metrics import auroc, expected_calibration_error
 
 PAIR = "mini -> other"
