@@ -180,7 +180,7 @@ def _sweep(args) -> None:
     from halludetect.core import yaml12
     from halludetect.core.atomic_io import write_text
     from halludetect.experiments.sweeps import sweep
-    from halludetect.report.paper_tables import Grid
+    from halludetect.report.cells import Grid
     from halludetect.report.tables import to_latex, to_markdown
 
     _check_out_dir(args.out_dir)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 from halludetect.core.atomic_io import atomic_path, write_json, write_text
 from halludetect.report import paper
+from halludetect.report.cells import Grid
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
 from halludetect.report.headline import headlines
 from halludetect.report.leaks import flag_leaks, load_leaks
-from halludetect.report.paper_tables import Grid, build_tables, load_analysis, load_metrics, load_per_cell, summary
+from halludetect.report.paper_tables import build_tables, load_analysis, load_metrics, load_per_cell, summary
 from halludetect.report.tables import to_latex, to_markdown
 from halludetect.report.transfer_tables import load_transfer, transfer_tables
 from stages import common

@@ -44,7 +44,8 @@ from pathlib import Path
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
 from halludetect.experiments.refs import ExpRef, exp_refs
-from halludetect.report.paper_tables import Grid, sweep_table
+from halludetect.report.cells import Grid
+from halludetect.report.sweep_tables import sweep_table
 from halludetect.report.tables import Table
 
 # evaluate's outputs; metrics/eval/<model>/transfer/ holds the transfer stage's (no dataset is named so)

@@ -10,7 +10,7 @@ gradient_ratio     Theorem 2 as training measured it (mean and max networks, at 
                    reaches (T/s90)^2, and their rank correlation
 
 Their captions name the seeds behind the figures and, where HaMI (SP) is among the methods, its
-P_sem variant and λ (paper_tables.conventions, from the cell's evaluation of the method).
+P_sem variant and λ (cells.conventions, from the cell's evaluation of the method).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from halludetect.report.paper_tables import conventions
+from halludetect.report.cells import conventions
 from halludetect.report.tables import Cell, Row, Table
 
 CLASSES = ("hallucinated", "correct")

@@ -8,7 +8,7 @@ transfer_drop      per method: the mean off-diagonal drop, AUROC(B -> B) - AUROC
                    error and the best-F1 threshold's false-positive rate carried from A to B
 
 Their captions name the seeds behind the cells and HaMI (SP)'s P_sem variant and λ, as the other
-tables' do (paper_tables.conventions), from the training dataset's evaluation of the detector.
+tables' do (cells.conventions), from the training dataset's evaluation of the detector.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from halludetect.methods import method as lookup_method
-from halludetect.report.paper_tables import conventions
+from halludetect.report.cells import conventions
 from halludetect.report.tables import Cell, Row, Table
 
 
@@ -53,7 +53,7 @@ def _auroc(m: dict, seeds_note: bool = False) -> Cell:
 def _entries(transfer: dict, methods: list[str], metrics: dict | None) -> dict[tuple, dict]:
     """{(model, train, test, method): the pair's figures of the method, with the `params` its
     detector was trained with (the training dataset's evaluation in `metrics`, where given)}: what
-    paper_tables.conventions reads for the caption's seeds and P_sem convention."""
+    cells.conventions reads for the caption's seeds and P_sem convention."""
     out = {}
     for (model, a, b), pair in transfer.items():
         for method in methods:

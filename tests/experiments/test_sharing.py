@@ -19,7 +19,7 @@ from support import experiments_repo, git
 from halludetect.experiments import sharing, sweeps
 from halludetect.experiments.sharing import SharingError, push_experiments, workspace_remotes
 from halludetect.experiments.sweeps import SweepError
-from halludetect.report.paper_tables import Grid
+from halludetect.report.cells import Grid
 from halludetect.report.tables import to_markdown
 
 GRID = Grid(["world"], ["world"], {"world": None}, {"world": None})

@@ -9,7 +9,7 @@ from support import ROOT, experiments_repo, git
 
 from halludetect.experiments import sharing, sweeps
 from halludetect.experiments.sweeps import Experiment, SweepError, first_error
-from halludetect.report.paper_tables import Grid
+from halludetect.report.cells import Grid
 from halludetect.report.tables import to_markdown
 
 GRID = Grid(["world"], ["world"], {"world": None}, {"world": None})

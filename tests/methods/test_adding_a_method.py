@@ -15,7 +15,7 @@ from halludetect.config import DetectorsParams
 from halludetect.core import code_deps
 from halludetect.detectors.build import build_detector, params_for
 from halludetect.methods import METHODS
-from halludetect.report.paper_tables import NAMES
+from halludetect.report.cells import NAMES
 
 ROOT = code_deps.ROOT
 
@@ -27,7 +27,7 @@ from halludetect.config import parse_params
 from halludetect.activations.bags import Bags
 from halludetect.detectors.build import build_detector
 from halludetect.methods import SP_METHODS
-from halludetect.report.paper_tables import NAMES
+from halludetect.report.cells import NAMES
 from halludetect.core import code_deps
 
 data = yaml.safe_load(open("params.yaml"))

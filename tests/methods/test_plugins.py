@@ -55,7 +55,7 @@ from halludetect.config import parse_params
 from halludetect.activations.bags import Bags
 from halludetect.detectors.build import build_detector
 from halludetect.methods import METHODS
-from halludetect.report.paper_tables import NAMES, family
+from halludetect.report.cells import NAMES, family
 
 data = yaml.safe_load(open("params.yaml"))
 doc = yaml.safe_load(DOC_YAML)

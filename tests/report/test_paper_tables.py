@@ -11,7 +11,9 @@ import yaml
 from support import ROOT, pdflatex
 
 from halludetect.config import parse_params
-from halludetect.report.paper_tables import Grid, build_tables, load_metrics, sweep_table
+from halludetect.report.cells import Grid
+from halludetect.report.paper_tables import build_tables, load_metrics
+from halludetect.report.sweep_tables import sweep_table
 from halludetect.report.tables import Cell, Row, Table, to_latex, to_markdown
 
 
@@ -143,7 +145,7 @@ def test_margins_after_the_last_epoch_beside_the_paper_then_at_the_best_epoch_an
 
 def test_the_papers_144_and_20_9_percent_margin_gains_come_out_of_its_table():
     from halludetect.report import paper
-    from halludetect.report.paper_tables import _gain
+    from halludetect.report.margin_tables import _gain
 
     m = paper.MARGIN
     squad, nq = ("llama3.1-8b", "squad"), ("llama3.1-8b", "nq")
