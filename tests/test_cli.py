@@ -1,4 +1,4 @@
-"""The `halludetect` command (halludetect/cli.py): bad input is one line on stderr and exit status 2,
+"""The `halludetect` command (halludetect/cli/): bad input is one line on stderr and exit status 2,
 and `show` summarises a bundle for a person, or prints its metadata with --json (for hami_sp, what its
 P_sem input must be)."""
 
