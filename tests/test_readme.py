@@ -33,3 +33,10 @@ def test_the_results_table_shows_the_strongest_baseline_first():
     assert strongest.startswith("| Answer log-prob, the strongest baseline here"), rows
     auroc = float(strongest.split("|")[2].split()[0])
     assert auroc == 0.952 and all(auroc > float(r.split("|")[2].split()[0]) for r in rows[1:])
+
+
+def test_the_front_page_is_short_and_its_map_names_every_page():
+    """Issue 35: the front page at most ~150 lines, the map of every docs page on its first screen."""
+    assert len(README.splitlines()) <= 150
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert pages and [p for p in pages if f"(docs/{p})" not in FIRST_SCREEN] == []
