@@ -16,8 +16,9 @@ directory read as it is, default this working tree; and of `--baseline-rev`, tod
 
 1. A temporary repository (git init, dvc init) gets the revision's halludetect/, stages/,
    dvc.yaml, params.yaml, .dvc/config, .dvcignore, pyproject.toml and inputs/README.md, and a
-   params.yaml whose grid is the requested one (grid.transfer_stages derived by that revision's
-   own config; the whole file is validated by its `load_params` and a failure printed). Every
+   params.yaml whose grid is the requested one (grid.transfer: every dataset of it; a revision
+   before that was a list gets grid.transfer_stages derived by its own config; the whole file is
+   validated by its `load_params` and a failure printed). Every
    dependency no stage produces and the revision lacks (a user-supplied dataset file) gets a
    placeholder.
 2. DVC itself expands the stages (`Repo.index.stages`: each one's resolved cmd, deps, outs).
@@ -299,11 +300,14 @@ def build(rev: str | None, grid_args: dict, dest: Path) -> dict:
     from ruamel.yaml import YAML
 
     params = YAML(typ="safe").load(repo / "params.yaml")
-    if "transfer_stages" in params["grid"]:
+    if "transfer_stages" in params["grid"]:  # a revision before grid.transfer became a list of datasets
         want = json.loads(py(repo, TRANSFER, stdin=json.dumps(params["grid"])))
         if want is not None:
             write_params(repo, {"transfer_stages": want})
             params = YAML(typ="safe").load(repo / "params.yaml")
+    elif isinstance(params["grid"].get("transfer"), list):  # every ordered pair of the grid's datasets, as `all` was
+        write_params(repo, {"transfer": list(grid["datasets"])})
+        params = YAML(typ="safe").load(repo / "params.yaml")
     invalid = subprocess.run(
         [sys.executable, "-c", VALIDATE], cwd=repo, env=dict(env, PYTHONPATH=str(repo)), capture_output=True, text=True
     )

@@ -495,18 +495,6 @@ class ExportParams(Section):
     fpr_targets: list[TargetFPR] = [0.01, 0.05, 0.1]  # also stored, for --threshold (export.threshold's is added)
 
 
-class TransferStage(Section):
-    """One transfer stage: detectors trained on `train`, tested on `test`, within `model`."""
-
-    model: str
-    train: str
-    test: str
-
-
-def transfer_stage_name(model: str, train: str, test: str) -> str:
-    return f"{model}-{train}-{test}"
-
-
 class ReportParams(Section):
     """The tables (stage report)."""
 
@@ -516,6 +504,10 @@ class ReportParams(Section):
     # datasets and the three below measure 0.4% to 8.8% on the shared samples, incidental matches
     # (an alias in the question, one of two names a comparison question offers).
     leak_threshold: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+def _flow(items: list) -> str:
+    return "[" + ", ".join(str(x) for x in items) + "]"
 
 
 class GridParams(Section):
@@ -528,34 +520,36 @@ class GridParams(Section):
     baselines: list[str] = []  # scores without hidden states (baselines@)
     model_baselines: list[str] = []  # scores that run the model again (model_baselines@): p_true
     analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
-    # Cross-dataset transfer (stage transfer@<m>-<train>-<test>, docs/transfer.md): off, all (every
-    # ordered pair of grid.datasets), or [train, test] pairs; the diagonal of every dataset named
-    # comes with them. Within each model: a detector reads its own model's hidden states.
-    transfer: Literal["off", "all"] | list[Annotated[list[str], Field(min_length=2, max_length=2)]] = "off"
-    # What DVC fans the transfer stage out over (dvc.yaml cannot expand `all`): derived from
-    # grid.transfer, checked, and the error writes it out when it differs.
-    transfer_stages: dict[str, TransferStage] = {}
+    # Cross-dataset transfer (stage transfer@<m>-<train>-<test>, docs/transfer.md): the datasets whose
+    # every ordered pair, the diagonal included, is evaluated within each model; [] for none. dvc.yaml's
+    # matrix expands the pairs itself, so this list is all there is to write.
+    transfer: list[str] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transfer_of_before(cls, data):
+        """The former forms (`off`, `all`, [train, test] pairs, and the derived `transfer_stages`)
+        get a message saying what to write instead, not pydantic's type errors."""
+        if not isinstance(data, dict):
+            return data
+        if "transfer_stages" in data:
+            raise ValueError(
+                "grid.transfer_stages is gone: delete it (dvc.yaml's matrix now expands grid.transfer's pairs "
+                "itself; grid.transfer lists the datasets whose ordered pairs are evaluated)"
+            )
+        value = data.get("transfer")
+        if value in ("off", "all", False) or (isinstance(value, list) and any(isinstance(v, list) for v in value)):
+            datasets = data.get("datasets") or []
+            raise ValueError(
+                f"grid.transfer: {value!r} is the former form; write the datasets whose ordered pairs (the "
+                f"diagonal included) are evaluated: [] for none, {_flow(datasets)} for all of grid.datasets"
+            )
+        return data
 
     def transfer_pairs(self) -> list[tuple[str, str]]:
-        """The ordered (train, test) pairs of grid.transfer, the diagonal of every dataset named
-        included (the in-distribution cells), in grid.datasets order."""
-        if self.transfer == "off":
-            return []
-        if self.transfer == "all":
-            named = set(self.datasets)
-            wanted = {(a, b) for a in self.datasets for b in self.datasets}
-        else:
-            named = {d for pair in self.transfer for d in pair}
-            wanted = {tuple(pair) for pair in self.transfer} | {(d, d) for d in named}
-        order = {d: i for i, d in enumerate(self.datasets)}
-        return sorted(wanted, key=lambda p: (order.get(p[0], len(order)), order.get(p[1], len(order)), p))
-
-    def expected_transfer_stages(self) -> dict[str, dict]:
-        return {
-            transfer_stage_name(m, a, b): {"model": m, "train": a, "test": b}
-            for m in self.models
-            for a, b in self.transfer_pairs()
-        }
+        """The ordered (train, test) pairs of grid.transfer's datasets, the diagonal included, in
+        grid.transfer's order (dvc.yaml's matrix runs over the same two lists)."""
+        return [(a, b) for a in self.transfer for b in self.transfer]
 
 
 class Params(Section):
@@ -628,21 +622,13 @@ class Params(Section):
                 "grid.datasets: a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/ with "
                 "the transfer stage's results: rename the preset"
             )
-        if not isinstance(self.grid.transfer, str):
-            for a, b in self.grid.transfer:
-                if bad := [d for d in (a, b) if d not in self.grid.datasets]:
-                    problems.append(
-                        f"grid.transfer: the pair [{a}, {b}] names {bad}, not in grid.datasets "
-                        f"{self.grid.datasets}: add it there or drop the pair"
-                    )
-        stages = {k: v.model_dump() for k, v in self.grid.transfer_stages.items()}
-        if not problems and stages != (want := self.grid.expected_transfer_stages()):
-            entries = (f"{k}: {{model: {v['model']}, train: {v['train']}, test: {v['test']}}}" for k, v in want.items())
-            flow = "{" + ", ".join(entries) + "}"
+        if bad := [d for d in self.grid.transfer if d not in self.grid.datasets]:
             problems.append(
-                f"grid.transfer_stages does not match grid.transfer ({self.grid.transfer!r}) over grid.models x "
-                f"grid.datasets (dvc.yaml fans the transfer stage out over it): set it to {flow}"
+                f"grid.transfer: {bad} not in grid.datasets {self.grid.datasets}: add them there or drop them "
+                "from grid.transfer"
             )
+        if len(set(self.grid.transfer)) != len(self.grid.transfer):
+            problems.append(f"grid.transfer: {self.grid.transfer} lists a dataset twice")
         if len(set(self.grid.layers)) != len(self.grid.layers):
             problems.append(f"grid.layers: {self.grid.layers} lists a layer twice")
         if untrained := sorted(set(self.analyze.layers) - set(self.grid.layers)):

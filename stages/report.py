@@ -39,9 +39,9 @@ def run(args, params):
     out = Path(args.out_dir)
     tables = build_tables(metrics, grid, labels, analysis)
     tables += evidence_tables(load_evidence(args.evidence_dir, g.models, g.datasets), metrics)
-    stages = {k: v.model_dump() for k, v in g.transfer_stages.items()}
+    pairs = [(m, a, b) for m in g.models for a, b in g.transfer_pairs()]
     tables += transfer_tables(
-        load_transfer(args.metrics_dir, stages),
+        load_transfer(args.metrics_dir, pairs),
         g.datasets,
         [*g.methods, *g.sp_methods],
         params.export.threshold,

@@ -55,6 +55,7 @@ SMALL = {
         "layers": [1, 2],
         "baselines": ["p_sem", "semantic_entropy", "logprob", "length"],
         "model_baselines": [],  # test_e2e.py adds the field's baselines; the sharing module needs none
+        "transfer": ["world"],  # the diagonal alone: transfer@world-world-world
     },
     "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "max")},
 }
@@ -85,17 +86,6 @@ def set_params(repo: Path, updates: dict) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def derive_transfer_stages(repo: Path) -> None:
-    """grid.transfer_stages written from the repository's grid (set_params merges dicts, so the
-    shipped params' pairs of datasets this grid lacks would stay)."""
-    from halludetect.config import GridParams
-
-    path = repo / "params.yaml"
-    data = yaml.safe_load(path.read_text())
-    data["grid"]["transfer_stages"] = GridParams.model_validate(data["grid"]).expected_transfer_stages()
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 def changed(repo: Path) -> set[str]:
     """Stages `dvc status` marks as changed (their own deps or params changed)."""
     return set(json.loads(run([sys.executable, "-m", "dvc", "status", "--json"], repo) or "{}"))
@@ -117,7 +107,6 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
         shutil.rmtree(pycache)
     for params in (SMALL, *updates):
         set_params(repo, params)
-    derive_transfer_stages(repo)
     if prepare is not None:
         prepare(repo)
     run(["git", "init", "-q"], repo)

@@ -195,18 +195,22 @@ def test_params_yaml_syntax_error_names_file_line_and_column(tmp_path):
 @pytest.mark.hostile
 def test_params_rewritten_by_dvc_keep_their_words(tmp_path):
     """`dvc exp run -S` rewrites the whole params.yaml as YAML 1.2 and drops the quotes that 1.2 does
-    not need: `transfer: 'off'` comes back as `transfer: off`, which YAML 1.1 (PyYAML) reads as
-    False, and every stage of the experiment failed. Written by DVC's own writer, as -S does."""
+    not need: a dataset preset named `no` (Norwegian's code), written `'no'`, comes back as `no`, which
+    YAML 1.1 (PyYAML) reads as False, as it read the former `transfer: 'off'` (every stage of the
+    experiment failed). Written by DVC's own writer, as -S does."""
     from dvc.utils.serialize import modify_yaml
 
     path = tmp_path / "params.yaml"
     path.write_text((ROOT / "params.yaml").read_text())
     with modify_yaml(path) as data:
-        data["grid"]["transfer"], data["grid"]["transfer_stages"] = "off", {}
+        data["datasets"]["no"] = dict(data["datasets"]["world"])
+        data["grid"]["datasets"] = ["world", "no"]
+        data["grid"]["transfer"] = ["no"]
         data["detectors"]["max"]["dim"] = 8  # the swept key
-    assert "\n  transfer: off  " in path.read_text()  # unquoted, as DVC writes it
+    assert "\n  - no\n" in path.read_text() and "\n  no:\n" in path.read_text()  # unquoted, as DVC writes them
     p = load_params(path)
-    assert p.grid.transfer == "off" and p.grid.transfer_pairs() == [] and p.detectors.max.dim == 8
+    assert p.grid.datasets == ["world", "no"] and "no" in p.datasets and p.grid.transfer == ["no"]
+    assert p.grid.transfer_pairs() == [("no", "no")] and p.detectors.max.dim == 8
 
 
 @pytest.mark.hostile
@@ -230,40 +234,44 @@ def test_params_reject_an_unknown_device_naming_the_key():
     parse_params(data)  # real devices pass
 
 
-def test_grid_transfer_expands_to_ordered_pairs_with_their_diagonals():
+def test_grid_transfer_is_every_ordered_pair_of_its_datasets():
     p = load_params("params.yaml")
-    assert p.grid.transfer == "all"
+    assert p.grid.transfer == p.grid.datasets
     assert p.grid.transfer_pairs() == [(a, b) for a in p.grid.datasets for b in p.grid.datasets]
     data = base()
     data["grid"]["datasets"] = ["world", "world_lookalike", "trivia_qa"]
-    data["grid"]["transfer"] = [["world", "trivia_qa"]]
-    data["grid"]["transfer_stages"] = {
-        f"world-{a}-{b}": {"model": "world", "train": a, "test": b}
-        for a, b in [("world", "world"), ("world", "trivia_qa"), ("trivia_qa", "trivia_qa")]
-    }
+    data["grid"]["transfer"] = ["trivia_qa", "world"]
     assert parse_params(data).grid.transfer_pairs() == [
-        ("world", "world"),
-        ("world", "trivia_qa"),
         ("trivia_qa", "trivia_qa"),
+        ("trivia_qa", "world"),
+        ("world", "trivia_qa"),
+        ("world", "world"),
     ]
-
-
-def test_grid_transfer_stages_that_differ_from_grid_transfer_are_written_out():
-    data = base()
-    data["grid"]["transfer"] = "off"
-    with pytest.raises(
-        ParamsError, match=r"grid.transfer_stages does not match grid.transfer \('off'\).*set it to \{\}"
-    ):
-        parse_params(data)
-    data["grid"]["transfer_stages"] = {}
+    data["grid"]["transfer"] = []
     assert parse_params(data).grid.transfer_pairs() == []
 
 
 @pytest.mark.hostile
-def test_transfer_pair_naming_a_dataset_not_in_the_grid():
+@pytest.mark.parametrize("former", ["off", "all", [["world", "world"]]])
+def test_the_former_transfer_forms_say_what_to_write_instead(former):
     data = base()
-    data["grid"]["transfer"] = [["world", "trivia_qa"]]
-    with pytest.raises(ParamsError, match=r"the pair \[world, trivia_qa\] names \['trivia_qa'\], not in grid.datasets"):
+    data["grid"]["transfer"] = former
+    with pytest.raises(ParamsError, match=r"grid.transfer: .* is the former form; write the datasets .*\[\] for none"):
+        parse_params(data)
+    data["grid"]["transfer"] = []
+    data["grid"]["transfer_stages"] = {}
+    with pytest.raises(ParamsError, match=r"grid.transfer_stages is gone: delete it"):
+        parse_params(data)
+
+
+@pytest.mark.hostile
+def test_transfer_naming_a_dataset_not_in_the_grid_or_twice():
+    data = base()
+    data["grid"]["transfer"] = ["world", "trivia_qa"]
+    with pytest.raises(ParamsError, match=r"grid.transfer: \['trivia_qa'\] not in grid.datasets"):
+        parse_params(data)
+    data["grid"]["transfer"] = ["world", "world"]
+    with pytest.raises(ParamsError, match=r"lists a dataset twice"):
         parse_params(data)
 
 
@@ -271,8 +279,7 @@ def test_a_dataset_named_transfer_is_refused():
     data = base()
     data["datasets"]["transfer"] = data["datasets"]["world"]
     data["grid"]["datasets"] = ["transfer"]
-    data["grid"]["transfer"] = "off"
-    data["grid"]["transfer_stages"] = {}
+    data["grid"]["transfer"] = []
     with pytest.raises(
         ParamsError, match="a dataset preset named 'transfer' would share metrics/eval/<model>/transfer/"
     ):

@@ -5,9 +5,9 @@ The bash blocks of docs/sweeps-and-sharing.md ("Sweeps", "Sharing through a remo
 sweep") run as written and in the page's order, one test per section, in a temporary copy of the
 repository (tests/e2e_support.py) whose DAG is the small world's with one method on hidden states
 (`max`, the one the commands use) and `hami_sp`, on layer 2 only (the docs'), without the
-analysis and with `grid.transfer: 'off'` (whose quotes the sweeps' `dvc exp run -S` drop): what the
-commands read, and no more. So the DVC remote is configured (and committed)
-after the sweep ran, which is the order plain `dvc exp push` cannot share. A real S3-compatible
+analysis and without transfer (`grid.transfer: []`): what the commands read, and no more. So the
+DVC remote is configured (and committed) after the sweep ran, which is the order plain `dvc exp
+push` cannot share. A real S3-compatible
 server (moto's) on 127.0.0.1 and a bare git repository stand for the team's remotes.
 
 This DAG samples with `generate.backend: completions` through the fake vLLM engine
@@ -50,9 +50,7 @@ def repo(engine):
     return build_repo(
         path,
         {
-            # transfer 'off', quoted as the docs write it: the queued sweeps' `dvc exp run -S` rewrite
-            # params.yaml without the quotes (YAML 1.2), and every stage must still read the word
-            "grid": {"methods": ["max"], "analyze": [], "layers": [2], "transfer": "off"},
+            "grid": {"methods": ["max"], "analyze": [], "layers": [2], "transfer": []},
             "generate": {"backend": "completions", "endpoint": {"base_url": srv.url, "concurrency": 8}},
         },
     )

@@ -3,8 +3,9 @@
 Why not PyYAML: it reads YAML 1.1, where the plain words `off`, `on`, `yes`, `no`, `y` and `n` are
 booleans and `1:20` is a number. DVC reads and writes params.yaml as YAML 1.2, where they are
 strings, and `dvc exp run -S` rewrites the whole file, dropping the quotes of every value 1.2 does
-not need quoted: `grid.transfer: 'off'` comes back as `grid.transfer: off`. Read with PyYAML, every
-stage of that experiment then saw `False`. Reading params the way DVC writes them (and the way it
+not need quoted: a dataset preset `'no'` (Norwegian's code) comes back as `no`, as the former
+`grid.transfer: 'off'` came back `off`. Read with PyYAML, every stage of such an experiment saw
+`False`. Reading params the way DVC writes them (and the way it
 interpolates `${...}` into dvc.yaml) keeps what the user wrote, quoted or not.
 
 `load` parses text into plain dicts, lists and scalars; a duplicate key is an error (PyYAML kept the

@@ -23,13 +23,13 @@ from halludetect.report.cells import conventions
 from halludetect.report.tables import Cell, Row, Table
 
 
-def load_transfer(directory: str | Path, stages: dict[str, dict]) -> dict[tuple[str, str, str], dict]:
-    """{(model, train, test): the pair's JSON} for every stage of grid.transfer_stages."""
+def load_transfer(directory: str | Path, pairs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], dict]:
+    """{(model, train, test): the pair's JSON} for every transfer stage (each model x grid.transfer's ordered pairs)."""
     out, missing = {}, []
-    for s in stages.values():
-        path = Path(directory) / s["model"] / "transfer" / f"{s['train']}__{s['test']}.json"
+    for model, train, test in pairs:
+        path = Path(directory) / model / "transfer" / f"{train}__{test}.json"
         if path.exists():
-            out[(s["model"], s["train"], s["test"])] = json.loads(path.read_text())
+            out[(model, train, test)] = json.loads(path.read_text())
         else:
             missing.append(str(path))
     if missing:

@@ -24,13 +24,13 @@ def cell(auroc: float) -> dict:
 
 
 def write(tmp_path):
-    stages = {}
+    pairs = []
     for (a, b), v in AUROC.items():
         path = tmp_path / "m" / "transfer" / f"{a}__{b}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"methods": {"max": cell(v)}}))
-        stages[f"m-{a}-{b}"] = {"model": "m", "train": a, "test": b}
-    return stages
+        pairs.append(("m", a, b))
+    return pairs
 
 
 def test_matrix_and_mean_off_diagonal_drop(tmp_path):
@@ -67,13 +67,13 @@ def test_no_transfer_no_table():
 def test_the_captions_name_the_seeds_and_the_hami_sp_variant(tmp_path):
     """As the other tables: the seeds behind the cells, and HaMI (SP)'s P_sem variant and λ, those of
     the training dataset's detectors (its evaluation records their params)."""
-    stages = {}
+    stages = []
     for a, b in AUROC:
         path = tmp_path / "m" / "transfer" / f"{a}__{b}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         methods = {m: cell(AUROC[(a, b)]) | {"method": m, "seeds": [0, 1]} for m in ("max", "hami_sp")}
         path.write_text(json.dumps({"methods": methods}))
-        stages[f"m-{a}-{b}"] = {"model": "m", "train": a, "test": b}
+        stages.append(("m", a, b))
     metrics = {("m", d, "hami_sp"): {"method": "hami_sp", "params": {"p_sem": "mean", "lam": 2.0}} for d in "ab"}
     by_name = {
         t.name: t
