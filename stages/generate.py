@@ -1,9 +1,10 @@
 """Sample K answers per question with prompt 1, recording token ids and log-probabilities.
 
-Two backends (`generate.backend`): `hf` samples with transformers in this process (data-parallel:
-`HALLUDETECT_PROCESSES=N`, or `accelerate launch --multi_gpu --num_processes N -m stages.generate ...`,
-shares the units over N processes, one per GPU); `completions` asks a running vLLM or SGLang
-server (`generate.endpoint`) and loads only the tokenizer. Both write the same table.
+The sampler is `generate.backend`'s (halludetect/lm/samplers.py): `hf` samples with transformers in
+this process (data-parallel: `HALLUDETECT_PROCESSES=N`, or `accelerate launch --multi_gpu
+--num_processes N -m stages.generate ...`, shares the units over N processes, one per GPU);
+`completions` asks a running vLLM or SGLang server (`generate.endpoint`) and loads only the
+tokenizer and the model's config. Both write the same table (halludetect/lm/sampling.py).
 
 Resumable: finished units go to --progress as they complete (with `completions`, every reply
 too); a killed run re-started (by `dvc repro`) skips them and gives the same output as an
@@ -14,10 +15,10 @@ from halludetect.config import CompletionsParams
 from halludetect.core.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.core.code_deps import code_digest
 from halludetect.core.unit_store import UnitStore
-from halludetect.lm.completions import generate_completions
-from halludetect.lm.generation import GENERATIONS_SCHEMA, generate
-from halludetect.lm.hf_models import load_config, load_generation_eos, load_model, load_tokenizer
+from halludetect.lm.hf_models import load_tokenizer
 from halludetect.lm.parallel import relaunch, workers
+from halludetect.lm.samplers import open_sampler
+from halludetect.lm.sampling import GENERATIONS_SCHEMA, sample
 from halludetect.prompts import GENERATION, template_hash
 from halludetect.qa.datasets import read_questions
 from stages import common
@@ -56,36 +57,16 @@ def run(args, params):
             common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
         me.barrier()
         tokenizer = load_tokenizer(preset)
-        if params.generate.backend == "completions":
-            config = load_config(preset)
-            served = params.generate.endpoint.model or preset.path
-            df, served_stats = generate_completions(
-                tokenizer,
-                config,
-                questions,
-                params.generate,
-                model=served,
-                eos=load_generation_eos(preset, config),
-                chat_template=preset.chat_template,
-                store=store,
-                workers=me,
-                log=common.log.info,
-            )
-            device = f"completions endpoint serving '{served}' ({served_stats['replicas']} replica(s))"
-        else:
-            model = load_model(preset, me.device or params.generate.device)
-            df = generate(
-                model,
-                tokenizer,
-                questions,
-                params.generate,
-                chat_template=preset.chat_template,
-                store=store,
-                workers=me,
-                log=common.log.info,
-            )
-            device = str(model.device) if not preset.device_map else f"device_map={preset.device_map}"
-            served_stats = None
+        sampler = open_sampler(preset, params.generate, tokenizer, device=me.device or params.generate.device)
+        df = sample(
+            sampler,
+            questions,
+            params.generate,
+            chat_template=preset.chat_template,
+            store=store,
+            workers=me,
+            log=common.log.info,
+        )
     except BaseException:
         store.release()  # an error or an interrupt leaves the units to the next run, unclaimed
         raise
@@ -100,7 +81,7 @@ def run(args, params):
         "samples": df.height,
         "processes": me.size,
         "backend": params.generate.backend,
-        "device": device,
+        "device": sampler.device,
         "seconds_total": round(float(df["seconds"].sum()), 3),
         "seconds_per_sample": float(df["seconds"].mean()) if df.height else 0.0,
         "resampled_after_empty": int((df["attempts"] > 1).sum()),
@@ -108,8 +89,8 @@ def run(args, params):
         "finish_reason": dict(df["finish_reason"].value_counts().iter_rows()),
         "mean_answer_tokens": float(df["n_tokens"].mean()) if df.height else 0.0,
     }
-    if served_stats:  # requests sent, replies kept from an interrupted run, tokens, wall time
-        metrics["endpoint"] = served_stats
+    if sampler.stats:  # an engine's requests sent, replies kept from an interrupted run, tokens, wall time
+        metrics["endpoint"] = sampler.stats
     write_json(args.metrics, metrics)
     common.log.info(
         "generated %d answers for %d questions in %.1f s of model time "

@@ -74,10 +74,10 @@ from halludetect.config import GenerateParams
 from halludetect.core.call_cache import CallCache
 from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count
 from halludetect.core.unit_store import UnitStore
-from halludetect.lm.generation import GENERATIONS_SCHEMA, in_question_order, make_units, row_seed, trim_answer
+from halludetect.lm.generation import row_seed, trim_answer
 from halludetect.lm.hf_models import ModelError
-from halludetect.lm.model_inputs import check_context
 from halludetect.lm.parallel import Workers
+from halludetect.lm.sampling import GENERATIONS_SCHEMA, sample
 
 logger = logging.getLogger("halludetect")
 WHERE = "generate.endpoint"
@@ -379,6 +379,39 @@ def open_request_store(path: Path) -> CallCache:
         return CallCache(path)
 
 
+class EngineSampler:
+    """The `completions` sampler (lm/sampling.py's interface): the units through the endpoint of
+    `generate.endpoint`, serving `model` (the served name); `config` is the model's (its context),
+    `eos` its EOS ids. The replies of an interrupted run are in the store's directory
+    (`requests.sqlite`), so a resumed run sends only what it has no reply for."""
+
+    def __init__(self, tokenizer, config, *, model: str, eos: list[int], replicas: int = 1):
+        self.tokenizer, self.context, self.model = tokenizer, config, model
+        self.eos = sorted(set(eos) | ({tokenizer.eos_token_id} - {None}))
+        self.device = f"completions endpoint serving '{model}' ({replicas} replica(s))"
+        self.stats: dict | None = None
+
+    def sample_units(
+        self, units, todo, params: GenerateParams, store, workers: Workers, log
+    ) -> dict[int, pl.DataFrame]:
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            where = store.dir if store else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            cache = open_request_store(where / REQUESTS_FILE)
+            stack.callback(cache.close)
+            if log and len(cache) and workers.main:
+                log(f"{len(cache)} replies kept from an interrupted run: their requests are not sent again")
+            sampler = CompletionsSampler(self.tokenizer, params, self.model, self.eos, cache)
+            try:
+                return asyncio.run(sampler.run(units, todo, store, show=workers.main))
+            finally:
+                self.stats = {
+                    "replicas": len(params.endpoint.urls),
+                    "wall_seconds": round(time.perf_counter() - t0, 3),
+                    **sampler.stats,
+                }
+
+
 def generate_completions(
     tokenizer,
     config,
@@ -392,45 +425,11 @@ def generate_completions(
     workers: Workers | None = None,
     log=None,
 ) -> tuple[pl.DataFrame | None, dict]:
-    """`generation.generate`'s contract through the endpoint of `params.endpoint`: one row per
-    (question, sample) in the questions' order, the same schema; `model` is the served name,
-    `config` the model's config (for its context), `eos` its EOS ids. Also returns the run's
-    request counts. With several `workers`, process 0 returns the merged frame, the others None."""
-    workers = workers or Workers()
-    if workers.size > 1 and store is None:
-        raise ValueError("several processes share their work through a UnitStore: pass store=")
-    units = make_units(tokenizer, questions, params.batch_size, chat_template)
-    check_context(
-        config,
-        {q["id"]: len(q["prompt"]) for u in units for q in u},
-        params.max_new_tokens,
-        f"generate.max_new_tokens = {params.max_new_tokens}",
-    )
-    eos = sorted(set(eos) | ({tokenizer.eos_token_id} - {None}))
-    done = store.finished() if store else set()
-    todo = [u for u in workers.share(len(units)) if u not in done]
-    if log and done and workers.main:
-        log(f"resuming: {len(done)} of {len(units)} units already done")
-    t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        where = store.dir if store else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        cache = open_request_store(where / REQUESTS_FILE)
-        stack.callback(cache.close)
-        kept = len(cache)
-        if log and kept and workers.main:
-            log(f"{kept} replies kept from an interrupted run: their requests are not sent again")
-        sampler = CompletionsSampler(tokenizer, params, model, eos, cache)
-        results = asyncio.run(sampler.run(units, todo, store, show=workers.main))
-    stats = {
-        "replicas": len(params.endpoint.urls),
-        "wall_seconds": round(time.perf_counter() - t0, 3),
-        **sampler.stats,
-    }
-    if store:
-        workers.barrier()
-        if not workers.main:
-            return None, stats
-        merged = store.merge(len(units))
-    else:
-        merged = pl.concat([results[u] for u in range(len(units))], how="vertical")
-    return in_question_order(merged, units), stats
+    """`generation.generate`'s contract through the endpoint of `params.endpoint` (`sampling.sample`
+    with the `completions` sampler): one row per (question, sample) in the questions' order, the
+    same schema; `model` is the served name, `config` the model's config (for its context), `eos`
+    its EOS ids. Also returns the run's request counts. With several `workers`, process 0 returns
+    the merged frame, the others None."""
+    sampler = EngineSampler(tokenizer, config, model=model, eos=eos, replicas=len(params.endpoint.urls))
+    df = sample(sampler, questions, params, chat_template=chat_template, store=store, workers=workers, log=log)
+    return df, sampler.stats

@@ -1,10 +1,9 @@
-"""Sampling K answers per question, batched, with one random stream per answer.
+"""The `hf` sampler: K answers per question with transformers, batched, one random stream per answer.
 
-Batching. Questions are sorted by prompt length and cut into work units of `batch_size`
-questions; one unit is one `model.generate` call over batch_size x K left-padded rows. The
-unit is also what a killed run keeps (`progress.UnitStore`) and what parallel processes
-share out (`parallel.Workers`). Because a unit's rows and padding never depend on how many
-processes ran or where a run was interrupted, every way of running gives the same bytes.
+Batching. A work unit of `batch_size` questions (sampling.py: the units, resume, parallel
+processes, the questions' order) is one `model.generate` call over batch_size x K left-padded
+rows. Because a unit's rows and padding never depend on how many processes ran or where a run
+was interrupted, every way of running gives the same bytes.
 
 Randomness. Each row, (question, sample, attempt), draws from its own stream, seeded from a
 hash of (generate.seed, question id, sample index, attempt), and only from it: its answer
@@ -49,22 +48,9 @@ from transformers.generation.logits_process import (
 from halludetect.config import GenerateParams
 from halludetect.core.unit_store import UnitStore
 from halludetect.lm.hf_models import cache_kwarg, eos_ids, input_device
-from halludetect.lm.model_inputs import check_context, encode_prompt, pad_ids
+from halludetect.lm.model_inputs import pad_ids
 from halludetect.lm.parallel import Workers
-
-GENERATIONS_SCHEMA = {
-    "question_id": pl.String,
-    "split": pl.String,
-    "sample_index": pl.Int32,
-    "text": pl.String,
-    "token_ids": pl.List(pl.Int64),
-    "token_logprobs": pl.List(pl.Float64),
-    "n_tokens": pl.Int32,
-    "prompt_tokens": pl.Int32,
-    "finish_reason": pl.String,
-    "attempts": pl.Int32,
-    "seconds": pl.Float64,
-}
+from halludetect.lm.sampling import GENERATIONS_SCHEMA, sample
 
 
 # ------------------------------------------------------------------------ sampling
@@ -313,14 +299,27 @@ def generate_unit(
     )
 
 
-def make_units(tokenizer, questions: pl.DataFrame, batch_size: int, chat_template: bool) -> list[list[dict]]:
-    """Questions with their prompt ids, sorted by prompt length (less padding), cut into units."""
-    records = questions.select("id", "question", "split").to_dicts()
-    for position, r in enumerate(records):
-        r["prompt"] = encode_prompt(tokenizer, r["question"], chat_template)
-        r["position"] = position
-    records.sort(key=lambda r: (len(r["prompt"]), r["position"]))
-    return [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
+class HFSampler:
+    """The `hf` sampler (lm/sampling.py's interface): `model` samples every unit in this process,
+    `greedy` decodes the single most likely answer instead (the world's own metrics use it)."""
+
+    def __init__(self, model, tokenizer, greedy: bool = False, device: str | None = None):
+        self.model, self.tokenizer, self.greedy = model, tokenizer, greedy
+        self.context = model
+        self.eos = eos_ids(model, tokenizer)
+        self.device = device or str(model.device)
+        self.stats = None
+
+    def sample_units(
+        self, units, todo, params: GenerateParams, store, workers: Workers, log
+    ) -> dict[int, pl.DataFrame]:
+        results: dict[int, pl.DataFrame] = {}
+        for u in tqdm(todo, desc=f"generate[{workers.rank}]", unit="unit", disable=not workers.main):
+            df = generate_unit(self.model, self.tokenizer, units[u], params, self.eos, self.greedy)
+            if store:
+                store.put(u, df)
+            results[u] = df
+        return results
 
 
 def generate(
@@ -335,50 +334,9 @@ def generate(
     workers: Workers | None = None,
     log=None,
 ) -> pl.DataFrame | None:
-    """Sample `params.n_samples` answers for every question; one row per (question, sample).
-
-    `greedy` decodes the single most likely answer instead (the world's own metrics use it).
-    With a `store`, finished units are kept on disk and skipped on a re-run. With several
-    `workers`, each process does its share; process 0 returns the merged frame, the others None.
-    Rows come back in the questions' order, then by sample index.
-    """
-    workers = workers or Workers()
-    if workers.size > 1 and store is None:
-        raise ValueError("several processes share their work through a UnitStore: pass store=")
-    units = make_units(tokenizer, questions, params.batch_size, chat_template)
-    check_context(
-        model,
-        {q["id"]: len(q["prompt"]) for u in units for q in u},
-        params.max_new_tokens,
-        f"generate.max_new_tokens = {params.max_new_tokens}",
-    )
-    eos = eos_ids(model, tokenizer)
-    done = store.finished() if store else set()
-    todo = [u for u in workers.share(len(units)) if u not in done]
-    if log and done and workers.main:
-        log(f"resuming: {len(done)} of {len(units)} units already done")
-    results: dict[int, pl.DataFrame] = {}
-    for u in tqdm(todo, desc=f"generate[{workers.rank}]", unit="unit", disable=not workers.main):
-        df = generate_unit(model, tokenizer, units[u], params, eos, greedy)
-        if store:
-            store.put(u, df)
-        else:
-            results[u] = df
-    if store:
-        workers.barrier()
-        if not workers.main:
-            return None
-        merged = store.merge(len(units))
-    else:
-        merged = pl.concat([results[u] for u in range(len(units))], how="vertical")
-    return in_question_order(merged, units)
-
-
-def in_question_order(rows: pl.DataFrame, units: list[list[dict]]) -> pl.DataFrame:
-    """Rows of every unit back in the questions' order, then by sample index."""
-    position = {q["id"]: q["position"] for unit in units for q in unit}
-    return (
-        rows.with_columns(pl.col("question_id").replace_strict(position, return_dtype=pl.Int64).alias("_pos"))
-        .sort("_pos", "sample_index")
-        .drop("_pos")
-    )
+    """Sample `params.n_samples` answers for every question with `model`; one row per (question,
+    sample), in the questions' order (`sampling.sample` with the `hf` sampler). `greedy` decodes the
+    single most likely answer instead. With a `store`, finished units are kept on disk and skipped on
+    a re-run; with several `workers`, process 0 returns the merged frame, the others None."""
+    sampler = HFSampler(model, tokenizer, greedy)
+    return sample(sampler, questions, params, chat_template=chat_template, store=store, workers=workers, log=log)

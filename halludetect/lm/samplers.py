@@ -1,0 +1,41 @@
+"""The samplers `generate.backend` names, one registry (did-you-mean errors: core/lookup.py).
+
+    hf           transformers in the stage's process (generation.py); the model loads here
+    completions  a running vLLM or SGLang server (completions.py); only the tokenizer and the
+                 model's config load here
+
+Each entry opens a sampler of lm/sampling.py's interface for a model preset; `sampling.sample`
+runs it. config.py's `generate.backend` choices are these names (a test holds them together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from halludetect.config import GenerateParams, ModelPreset
+from halludetect.core.lookup import lookup
+from halludetect.lm.completions import EngineSampler
+from halludetect.lm.generation import HFSampler
+from halludetect.lm.hf_models import load_config, load_generation_eos, load_model
+from halludetect.lm.sampling import Sampler
+
+
+def open_hf(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> HFSampler:
+    model = load_model(preset, device)
+    where = str(model.device) if not preset.device_map else f"device_map={preset.device_map}"
+    return HFSampler(model, tokenizer, device=where)
+
+
+def open_completions(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> EngineSampler:
+    config = load_config(preset)
+    served = params.endpoint.model or preset.path  # what `vllm serve <path>` calls it
+    eos = load_generation_eos(preset, config)
+    return EngineSampler(tokenizer, config, model=served, eos=eos, replicas=len(params.endpoint.urls))
+
+
+SAMPLERS: dict[str, Callable[..., Sampler]] = {"hf": open_hf, "completions": open_completions}
+
+
+def open_sampler(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> Sampler:
+    """The sampler of `params.backend` for `preset`; `device` is where `hf` loads the model."""
+    return lookup("generate backend", params.backend, SAMPLERS)(preset, params, tokenizer, device=device)
