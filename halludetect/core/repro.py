@@ -67,6 +67,20 @@ def plan(args: list[str]) -> list[tuple[str, bool]] | None:
         return None
 
 
+def params_problem(path: Path = Path("params.yaml")) -> str | None:
+    """What the stages' own check finds wrong with params.yaml (every problem, naming its key), or
+    None when it is fine or is not this project's."""
+    if not path.is_file():
+        return None
+    from halludetect.config import ParamsError, load_params
+
+    try:
+        load_params(path)
+    except ParamsError as e:
+        return str(e)
+    return None
+
+
 def hms(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -152,6 +166,11 @@ def main(args: list[str]) -> int:
         return subprocess.run(dvc("repro", "--help")).returncode
     start = time.monotonic()
     planned = plan(args)
+    if planned is None and (problem := params_problem()):
+        # DVC could not even expand the stages (a matrix over a value that is no list, say): its own
+        # error would be "'Value' object is not iterable"; the params check says which key and why
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     history = read_history(HISTORY)
     progress = Progress(planned, history, start)
     if planned is not None:

@@ -79,6 +79,23 @@ def test_repro_of_a_broken_dvc_yaml_is_dvcs_message_without_running(repo):
     assert res.returncode != 0 and "dvc.yaml" in res.stdout + res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.hostile
+def test_repro_that_dvc_cannot_expand_names_the_params_key_instead(tmp_path):
+    """params.yaml of the former form (`grid.transfer: all`, before it listed datasets): DVC cannot
+    expand dvc.yaml's transfer matrix over a word and says only "'Value' object is not iterable";
+    `halludetect repro` prints the params check's message, naming the key and what to write."""
+    from support import ROOT
+
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    params = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(params.replace("  transfer: [world, world_lookalike]", "  transfer: all", 1))
+    res = repro(tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "grid.transfer: 'all' is the former form; write the datasets" in res.stderr
+    assert "not iterable" not in res.stdout + res.stderr and "Running stage" not in res.stdout
+
+
 def test_the_estimate_uses_the_last_run_then_the_family_then_all():
     planned = [("world", True), ("train@a", True), ("train@b", True), ("report", True)]
     p = Progress(planned, {"report": 5.0}, start=0.0)
