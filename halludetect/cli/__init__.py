@@ -68,13 +68,29 @@ def _inherit_numerics() -> None:
         ctypes.CDLL(str(shim), mode=os.RTLD_GLOBAL)
 
 
+def _params_problem() -> str | None:
+    """What the stages' own check finds wrong with ./params.yaml (every problem, naming its key), or
+    None when it is fine or absent: why DVC could not expand dvc.yaml, when that is the cause."""
+    from pathlib import Path
+
+    from halludetect.config import ParamsError, load_params
+
+    if not Path("params.yaml").is_file():
+        return None
+    try:
+        load_params("params.yaml")
+    except ParamsError as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     _inherit_numerics()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["repro"]:
         from halludetect.core import repro
 
-        sys.exit(repro.main(argv[1:]))
+        sys.exit(repro.main(argv[1:], why_unplannable=_params_problem))
     args = parser().parse_args(argv)
     try:
         args.run(args)

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # DVC's own lines as a stage starts, or is skipped (unchanged, or restored from its run cache)
@@ -65,20 +66,6 @@ def plan(args: list[str]) -> list[tuple[str, bool]] | None:
             return [(stage.addressing, r) for stage, r in runs.items()]
     except (Exception, SystemExit):  # noqa: BLE001 - a broken dvc.yaml, an unknown target: DVC's run says so
         return None
-
-
-def params_problem(path: Path = Path("params.yaml")) -> str | None:
-    """What the stages' own check finds wrong with params.yaml (every problem, naming its key), or
-    None when it is fine or is not this project's."""
-    if not path.is_file():
-        return None
-    from halludetect.config import ParamsError, load_params
-
-    try:
-        load_params(path)
-    except ParamsError as e:
-        return str(e)
-    return None
 
 
 def hms(seconds: float) -> str:
@@ -159,14 +146,16 @@ def write_history(path: Path, history: dict[str, float]) -> None:
     os.replace(tmp, path)
 
 
-def main(args: list[str]) -> int:
-    """Run `dvc repro args` with the progress lines; returns DVC's exit status."""
+def main(args: list[str], why_unplannable: Callable[[], str | None] | None = None) -> int:
+    """Run `dvc repro args` with the progress lines; returns DVC's exit status. `why_unplannable`:
+    asked when DVC cannot plan the run, it may name the cause (the CLI passes the params check);
+    then that is printed and nothing runs (exit status 2)."""
     if {"-h", "--help"} & set(args):
         print(__doc__.split("\n\n")[0] + " Every argument is dvc repro's:\n", flush=True)
         return subprocess.run(dvc("repro", "--help")).returncode
     start = time.monotonic()
     planned = plan(args)
-    if planned is None and (problem := params_problem()):
+    if planned is None and why_unplannable is not None and (problem := why_unplannable()):
         # DVC could not even expand the stages (a matrix over a value that is no list, say): its own
         # error would be "'Value' object is not iterable"; the params check says which key and why
         print(f"error: {problem}", file=sys.stderr)
