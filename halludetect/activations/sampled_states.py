@@ -42,11 +42,14 @@ def _sample_once(
     keys: list[tuple],
     params: GenerateParams,
     eos: list[int],
-    layer: int,
+    layer: int | None,
     positions: str,
     states_dtype: torch.dtype,
     greedy: bool,
 ) -> list[SampledAnswer]:
+    if layer is None:  # the answers alone: sampling as the DAG samples, no hook (a benchmark's baseline)
+        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
+        return [SampledAnswer(a, None, lp) for a, lp in zip(answers, logprobs)]
     steps: list[torch.Tensor] = []  # each forward's states at `layer`: [R, W, d], then [R, 1, d] per step
     last_call: dict = {}
 
@@ -100,12 +103,13 @@ def sample_with_states(
     params: GenerateParams,
     eos: list[int],
     *,
-    layer: int,
+    layer: int | None,
     positions: str,
     states_dtype: torch.dtype,
     greedy: bool = False,
 ) -> list[SampledAnswer]:
-    """One answer per prompt with its bag of `layer` states. `keys` are the rows' random-stream
+    """One answer per prompt with its bag of `layer` states (`layer` None: no states, the answers
+    only, sampled exactly as with a layer). `keys` are the rows' random-stream
     keys (seed, id, sample index, attempt); an empty answer is sampled again with the next
     attempt, at most `params.empty_retries` times, as the generate stage does."""
     out = _sample_once(model, tokenizer, prompts, keys, params, eos, layer, positions, states_dtype, greedy)

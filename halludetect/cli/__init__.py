@@ -3,6 +3,7 @@
     halludetect score --bundle B.safetensors --input answers.jsonl --out scores.parquet
     halludetect score --bundle B.safetensors --input questions.jsonl --generate --out answers.jsonl
     halludetect score --bundle B.safetensors --input answers.jsonl --explain --out explained.parquet
+    halludetect serve --bundle B.safetensors [--port 8000]      # OpenAI-compatible, a score with every answer
     halludetect explain explained.parquet [--html explained.html]          # token evidence, for a person
     halludetect show B.safetensors [--json]
     halludetect train-layer --model M --dataset D --method max --layer 16    # from the DVC remote
@@ -24,10 +25,10 @@ import argparse
 import os
 import sys
 
-from halludetect.cli import dag, exp_push, explain, score, show, sweep, train_layer
+from halludetect.cli import dag, exp_push, explain, score, serve, show, sweep, train_layer
 from halludetect.core.errors import UserError
 
-COMMANDS = (score, explain, show, train_layer, sweep, exp_push, dag)  # one module each: its parser and its run
+COMMANDS = (score, serve, explain, show, train_layer, sweep, exp_push, dag)  # one module each: its parser and its run
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -452,26 +452,11 @@ class Scorer:
         """One result per row, in order (columns: answer_files.output_schema)."""
         if self.model is None:
             self.load()
-        out = [
-            {
-                "row": r.row,
-                "id": r.id,
-                "n_tokens": 0,
-                "score": None,
-                "probability": None,
-                "flag": None,
-                "reason": None,
-                "in_distribution": None,
-                "ood_reason": None,
-                "mean_logprob": None,
-                "min_logprob": None,
-                "seed_scores": None,
-                **({"question": r.question, "answer": r.answer} if self.explain else {}),
-            }
-            for r in rows
-        ]
+        out = [self._blank(r, self.explain) for r in rows]
         if self.generate is not None:
-            self._score_sampled(rows, out)
+            p = self.generate
+            keys = [(p.seed, str(r.row if r.id is None else r.id), 0, 0) for r in rows]
+            self._score_sampled(rows, out, keys, p, self.greedy, self.explain)
         else:
             todo = []  # (index, prompt ids, answer ids)
             for i, r in enumerate(rows):
@@ -498,6 +483,37 @@ class Scorer:
         if not self.per_seed:
             for o in out:
                 del o["seed_scores"]
+        return out
+
+    @staticmethod
+    def _blank(r: AnswerRow, explain: bool) -> dict:
+        return {
+            "row": r.row,
+            "id": r.id,
+            "n_tokens": 0,
+            "score": None,
+            "probability": None,
+            "flag": None,
+            "reason": None,
+            "in_distribution": None,
+            "ood_reason": None,
+            "mean_logprob": None,
+            "min_logprob": None,
+            "seed_scores": None,
+            **({"question": r.question, "answer": r.answer} if explain else {}),
+        }
+
+    def sample_and_score(
+        self, rows: list[AnswerRow], keys: list[tuple], params: GenerateParams, greedy: bool, explain: bool = False
+    ) -> list[dict]:
+        """One sampled answer per row (its question), scored from the sampling pass's own states:
+        what `halludetect serve` runs for a batch of requests. `keys` are the rows' random-stream
+        keys (seed, id, sample index, attempt), `params` the batch's sampling settings (checked by
+        the caller), `explain` adds each token's contribution (the bundle must have evidence)."""
+        if self.model is None:
+            self.load()
+        out = [self._blank(r, explain) for r in rows]
+        self._score_sampled(rows, out, keys, params, greedy, explain)
         return out
 
     def _score_forced(self, batch: list[tuple], rows: list[AnswerRow], out: list[dict]) -> None:
@@ -527,11 +543,13 @@ class Scorer:
         tokens = h[row, col].to(self.states_dtype).float()  # [N, d]
         self._finish([i for i, _, _ in batch], tokens, lengths, rows, out, [a for _, _, a in batch], logprobs)
 
-    def _score_sampled(self, rows: list[AnswerRow], out: list[dict]) -> None:
+    def _score_sampled(
+        self, rows: list[AnswerRow], out: list[dict], keys: list[tuple], p: GenerateParams, greedy: bool, explain: bool
+    ) -> None:
         """Sample one answer per question; its bag comes from the sampling pass itself."""
         from halludetect.activations.sampled_states import sample_with_states
 
-        p, b = self.generate, self.bundle
+        b = self.bundle
         eos = eos_ids(self.model, self.tokenizer)
         todo = []
         for i, r in enumerate(rows):
@@ -549,18 +567,17 @@ class Scorer:
                 todo.append((i, prompt))
         for a in range(0, len(todo), self.batch_size):
             batch = todo[a : a + self.batch_size]
-            keys = [(p.seed, str(rows[i].row if rows[i].id is None else rows[i].id), 0, 0) for i, _ in batch]
             sampled = sample_with_states(
                 self.model,
                 self.tokenizer,
                 [pr for _, pr in batch],
-                keys,
+                [keys[i] for i, _ in batch],
                 p,
                 eos,
                 layer=b.layer,
                 positions=b.positions,
                 states_dtype=self.states_dtype,
-                greedy=self.greedy,
+                greedy=greedy,
             )
             done, bags, ids, logprobs = [], [], [], []
             for (i, _), s in zip(batch, sampled):
@@ -581,7 +598,7 @@ class Scorer:
                     logprobs.append(s.logprobs)
             if done:
                 lps = logprobs if self.answer_range is not None else None  # the sampler's own log-probs
-                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out, ids, lps)
+                self._finish(done, torch.cat(bags), [len(x) for x in bags], rows, out, ids, lps, explain)
 
     def _finish(
         self,
@@ -592,6 +609,7 @@ class Scorer:
         out: list[dict],
         answer_ids: list[list[int]],
         logprobs: list[list[float]] | None = None,
+        explain: bool | None = None,
     ) -> None:
         b = self.bundle
         p_sem = None
@@ -612,7 +630,7 @@ class Scorer:
             }
         if logprobs is not None:
             self._check_range(index, answer_ids, logprobs, out)
-        if self.explain:
+        if self.explain if explain is None else explain:
             self._explain(index, bags, answer_ids, out)
 
     def _check_range(

@@ -1,0 +1,273 @@
+"""`halludetect serve` (halludetect/scoring/serve.py): the openai client's requests get every answer with
+its detector's score, equal to `halludetect score`'s on the same question and answer; concurrent
+requests are sampled together and a seeded answer does not depend on its batch-mates; and the hostile
+cases: malformed JSON, wrong types, unknown and unimplemented fields, streaming, limits, a missing or
+wrong key (never logged), a body over the limit, more requests than the server takes, a failing batch
+(a 500, and the server goes on), a bundle whose method cannot score one answer, and the command itself
+started and stopped as a user would."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from openai import OpenAI
+from support import ROOT
+
+from halludetect.config import GenerateParams
+from halludetect.scoring.scorer import Scorer, score_answers
+from halludetect.scoring.serve import Limits, Server, Service
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+QUESTION = "Where was Tavo Mir born?"
+
+
+@pytest.fixture(scope="module")
+def served(bundle_path, tiny_model_dir):
+    """One server on the miniature DAG's `max` bundle for the module, with a key and small limits."""
+    os.environ["HALLUDETECT_TEST_SERVE_KEY"] = "s3cret-key-for-tests"
+    logged: list[str] = []
+    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=GenerateParams(max_new_tokens=8, stop=[]))
+    limits = Limits(max_tokens=16, max_n=6, max_batch=16, max_concurrency=32, max_request_bytes=4096)
+    service = Service(scorer, name="tiny", limits=limits, log=logged.append)
+    with Server(service, port=0, api_key="s3cret-key-for-tests", log=logged.append) as srv:
+        yield srv, logged
+
+
+def client(srv, key="s3cret-key-for-tests") -> OpenAI:
+    return OpenAI(base_url=srv.url, api_key=key, max_retries=0)
+
+
+def post(srv, path: str, body, key="s3cret-key-for-tests", raw: bytes | None = None) -> tuple[int, dict]:
+    host, port = srv.http.server_address
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request("POST", path, body=data, headers=headers)
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def test_served_scores_equal_the_offline_scorer(served, bundle_path, tiny_model_dir):
+    srv, _ = served
+    r = client(srv).completions.create(model="tiny", prompt=QUESTION, n=4, seed=3, max_tokens=8)
+    assert len(r.choices) == 4 and r.object == "text_completion"
+    assert r.detector["method"] == "max" and r.detector["threshold_name"] == "fpr_0.05"
+    rows, served_scores = [], []
+    for c in r.choices:
+        h = c.hallucination
+        assert set(h) >= {"score", "probability", "flag", "threshold", "in_distribution", "mean_logprob"}
+        if h["score"] is None:
+            assert h["reason"] in ("empty_answer", "too_short")
+            continue
+        assert h["flag"] == (h["score"] >= h["threshold"]) and 0 < h["probability"] < 1
+        rows.append({"question": QUESTION, "answer": c.text, "answer_token_ids": c.token_ids})
+        served_scores.append(h)
+    assert rows, "the tiny model answered nothing scoreable"
+    offline = score_answers(bundle_path, rows, model=str(tiny_model_dir), device="cpu")
+    np.testing.assert_allclose([h["score"] for h in served_scores], offline["score"].to_numpy(), atol=1e-3)
+    np.testing.assert_allclose([h["probability"] for h in served_scores], offline["probability"].to_numpy(), atol=1e-3)
+    assert [h["in_distribution"] for h in served_scores] == offline["in_distribution"].to_list()
+    for stat in ("mean_logprob", "min_logprob"):
+        np.testing.assert_allclose([h[stat] for h in served_scores], offline[stat].to_numpy(), atol=1e-4)
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+
+
+def test_chat_answers_the_same_question_with_evidence(served, bundle_path, tiny_model_dir):
+    srv, _ = served
+    c = client(srv)
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTION}], seed=3, max_tokens=8, extra_body={"explain": True}
+    )
+    plain = c.completions.create(model="tiny", prompt=QUESTION, seed=3, max_tokens=8)
+    # the same question in the same prompt and the same random stream: the same answer and score
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.choices[0].token_ids == plain.choices[0].token_ids
+    h = chat.choices[0].hallucination
+    if h["score"] is not None:
+        assert h["score"] == pytest.approx(plain.choices[0].hallucination["score"], abs=1e-5)
+        # the tokens' contributions and the bias sum to the score, as `score --explain` writes them
+        assert sum(h["contributions"]) + h["bias"] == pytest.approx(h["score"], abs=1e-4)
+        assert len(h["tokens"]) == len(chat.choices[0].token_ids)
+    assert "contributions" not in plain.choices[0].hallucination
+
+
+def test_concurrent_requests_share_passes_and_keep_their_answers(served):
+    srv, _ = served
+    c = client(srv)
+    alone = c.completions.create(model="tiny", prompt=QUESTION, n=2, seed=11, max_tokens=8)
+    before = dict(srv.service.stats)
+    questions = [f"Where was {name} born?" for name in ("Tavo Mir", "Sergi Poboum", "Ana Vel", "Jorn Kas")] * 4
+
+    def ask(k):
+        q = questions[k]
+        return q, c.completions.create(model="tiny", prompt=q, n=2, seed=11, max_tokens=8)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, range(len(questions))))
+    stats = srv.service.stats
+    assert stats["requests"] - before["requests"] == 16 and stats["answers"] - before["answers"] == 32
+    assert stats["batches"] - before["batches"] <= 16
+    for q, r in results:  # each request's answers come from its own streams, whatever shared its pass
+        assert len(r.choices) == 2
+        if q == QUESTION:
+            assert [ch.token_ids for ch in r.choices] == [ch.token_ids for ch in alone.choices]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tiny", "prompt": QUESTION, "stream": True}, 400, "stream"),
+        ({"model": "tiny", "prompt": QUESTION, "n": 7}, 400, "n"),
+        ({"model": "tiny", "prompt": QUESTION, "n": True}, 400, "n"),
+        ({"model": "tiny", "prompt": QUESTION, "n": "2"}, 400, "n"),
+        ({"model": "tiny", "prompt": QUESTION, "max_tokens": 17}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": QUESTION, "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": QUESTION, "top_p": 0}, 400, "top_p"),
+        ({"model": "tiny", "prompt": QUESTION, "seed": 1.5}, 400, "seed"),
+        ({"model": "tiny", "prompt": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "tiny", "prompt": QUESTION, "explain": "yes"}, 400, "explain"),
+        ({"model": "tiny", "prompt": QUESTION, "logprobs": 3}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": QUESTION, "presence_penalty": 1}, 400, "presence_penalty"),
+        ({"model": "tiny", "prompt": QUESTION, "temprature": 1}, 400, "temprature"),
+        ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+        ({"model": "tiny", "prompt": [1, 2, 3]}, 400, "prompt"),
+        ({"model": "tiny", "prompt": ["a?", "b?"]}, 400, "prompt"),
+        ({"model": "tiny"}, 400, "prompt"),
+        ({"model": "other", "prompt": QUESTION}, 404, "model"),
+        ([1, 2], 400, None),
+    ],
+)
+def test_a_malformed_completion_request_is_a_400_naming_the_field(served, body, status, param):
+    srv, logged = served
+    code, out = post(srv, "/v1/completions", body)
+    assert code == status and out["error"]["param"] == param and out["error"]["code"] == status
+    assert out["error"]["message"]
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        [{"role": "assistant", "content": QUESTION}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "Where?",
+    ],
+)
+def test_a_chat_request_that_is_not_one_question_is_refused(served, messages):
+    srv, _ = served
+    code, out = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": messages})
+    assert code == 400 and out["error"]["param"] == "messages"
+
+
+@pytest.mark.hostile
+def test_a_question_too_long_for_the_context_is_refused_before_sampling(served):
+    srv, _ = served
+    before = srv.service.stats["batches"]
+    code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": "Where was " + "Tavo Mir " * 60 + "born?"})
+    assert code == 400 and "context of 128" in out["error"]["message"]
+    assert srv.service.stats["batches"] == before
+
+
+@pytest.mark.hostile
+def test_bad_bodies_keys_and_routes_get_json_errors_and_the_key_is_never_logged(served):
+    srv, logged = served
+    assert post(srv, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert post(srv, "/v1/completions", None, raw=b"\xff\xfe")[0] == 400
+    code, out = post(srv, "/v1/completions", None, raw=json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode())
+    assert code == 413 and "4096" in out["error"]["message"]
+    for key in (None, "wrong"):
+        code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION}, key=key)
+        assert code == 401 and out["error"]["type"] == "authentication_error"
+    assert post(srv, "/v1/embeddings", {"model": "tiny"})[0] == 404
+    models = client(srv).models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].detector["layer"] >= 0
+    assert logged and not any("s3cret" in line for line in logged)
+    assert all(line.split()[0] in ("GET", "POST") for line in logged)  # one line per request, no headers
+
+
+@pytest.mark.hostile
+def test_more_requests_than_the_limit_get_429_and_a_failed_batch_a_500(served, monkeypatch):
+    srv, _ = served
+    service = srv.service
+    release, entered = threading.Event(), threading.Event()
+    original = service._run
+
+    def held(group):
+        entered.set()
+        release.wait(30)
+        return original(group)
+
+    monkeypatch.setattr(service, "_run", held)
+    monkeypatch.setattr(service, "_slots", threading.BoundedSemaphore(1))
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})
+        assert entered.wait(30)
+        code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION})
+        assert code == 429 and out["error"]["type"] == "rate_limit_error"
+        release.set()
+        assert first.result()[0] == 200
+
+    def broken(group):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(service, "_run", broken)
+    code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION})
+    assert code == 500 and "out of memory" in out["error"]["message"]
+    monkeypatch.setattr(service, "_run", original)
+    assert post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.hostile
+def test_a_bundle_whose_method_reads_several_answers_is_refused_at_start(bundle_path, tiny_model_dir, tmp_path):
+    from test_scorer import sp_bundle
+
+    b = sp_bundle(bundle_path, tmp_path / "sp.safetensors")
+    scorer = Scorer(b, str(tiny_model_dir), device="cpu")
+    with pytest.raises(Exception, match="P_sem"):
+        Service(scorer)
+    with pytest.raises(Exception, match="generate=GenerateParams"):
+        Service(Scorer(bundle_path, str(tiny_model_dir), device="cpu"))
+
+
+def test_the_command_serves_until_sigterm_and_needs_its_key_variable(bundle_path, tiny_model_dir, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HALLUDETECT_SERVE_KEY_UNSET", None)
+    cmd = [sys.executable, "-m", "halludetect.cli", "serve", "--bundle", str(bundle_path)]
+    cmd += ["--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-new-tokens", "6"]
+    missing = subprocess.run(
+        [*cmd, "--api-key-env", "HALLUDETECT_SERVE_KEY_UNSET"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert missing.returncode == 2 and "HALLUDETECT_SERVE_KEY_UNSET" in missing.stderr
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        url, deadline = None, time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            if " on http://" in line:
+                url = line.rsplit(" on ", 1)[1].strip()
+        assert url, "the server never said where it listens"
+        r = OpenAI(base_url=url, api_key="-", max_retries=0).completions.create(
+            model=str(tiny_model_dir), prompt=QUESTION, seed=1
+        )
+        assert r.choices[0].hallucination["threshold"] is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
