@@ -86,7 +86,11 @@ def test_chat_answers_the_same_question_with_evidence(served, bundle_path, tiny_
     srv, _ = served
     c = client(srv)
     chat = c.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": QUESTION}], seed=3, max_tokens=8, extra_body={"explain": True}
+        model="tiny",
+        messages=[{"role": "user", "content": QUESTION}],
+        seed=3,
+        max_tokens=8,
+        extra_body={"explain": True},
     )
     plain = c.completions.create(model="tiny", prompt=QUESTION, seed=3, max_tokens=8)
     # the same question in the same prompt and the same random stream: the same answer and score
