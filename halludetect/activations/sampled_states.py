@@ -59,10 +59,9 @@ def _sample_once(
     def watch(_module, _args, kwargs):  # the sampling pass's KV cache, for the step after its last
         last_call["cache"] = passed_cache(kwargs)
 
-    handles = [
-        layer_module(model, layer).register_forward_hook(keep),
-        model.register_forward_pre_hook(watch, with_kwargs=True),
-    ]
+    handles = [layer_module(model, layer).register_forward_hook(keep)]
+    if positions == "generated":  # only that convention takes the extra step (a hook costs every step)
+        handles.append(model.register_forward_pre_hook(watch, with_kwargs=True))
     try:
         answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
         width = max(map(len, prompts))

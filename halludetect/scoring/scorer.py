@@ -353,6 +353,7 @@ class Scorer:
         self.min_tokens = lookup_method(b.method).min_tokens
         self.states_dtype = DTYPES[inputs["states_dtype"]]
         self._named: Counter = Counter()
+        self._loaded = False
         if model is not None and not isinstance(model, str | Path | ModelPreset):  # a loaded model
             if tokenizer is None:
                 raise UserError("a loaded model comes with its tokenizer: pass tokenizer=")
@@ -397,6 +398,9 @@ class Scorer:
 
     # ------------------------------------------------------------------ loading
     def load(self) -> Scorer:
+        """The weights (and tokenizer), once; a model given loaded is only moved beside the detector."""
+        if self._loaded:
+            return self
         if self.model is None:
             from halludetect.activations.early_exit import load_until
 
@@ -408,6 +412,7 @@ class Scorer:
             self.tokenizer = load_tokenizer(self.preset)
         self.bundle.to(input_device(self.model))
         self._prompts: dict[str, list[int]] = {}
+        self._loaded = True
         return self
 
     def _prompt(self, question: str) -> list[int]:
@@ -450,8 +455,7 @@ class Scorer:
     # ------------------------------------------------------------------ scoring
     def score(self, rows: list[AnswerRow]) -> list[dict]:
         """One result per row, in order (columns: answer_files.output_schema)."""
-        if self.model is None:
-            self.load()
+        self.load()
         out = [self._blank(r, self.explain) for r in rows]
         if self.generate is not None:
             p = self.generate
@@ -510,8 +514,7 @@ class Scorer:
         what `halludetect serve` runs for a batch of requests. `keys` are the rows' random-stream
         keys (seed, id, sample index, attempt), `params` the batch's sampling settings (checked by
         the caller), `explain` adds each token's contribution (the bundle must have evidence)."""
-        if self.model is None:
-            self.load()
+        self.load()
         out = [self._blank(r, explain) for r in rows]
         self._score_sampled(rows, out, keys, params, greedy, explain)
         return out
@@ -639,8 +642,9 @@ class Scorer:
         """Each answer's token log-prob statistics, and whether they are within the fit answers' range."""
         for k, i in enumerate(index):
             stats = answer_stats(logprobs[k])
-            token = token_pieces(self.tokenizer, answer_ids[k])[stats["argmin"]]
-            reason = check(stats, self.answer_range, token)
+            reason = check(stats, self.answer_range)
+            if reason is not None:  # name its least likely token (decoding every token costs more than the rest)
+                reason = check(stats, self.answer_range, token_pieces(self.tokenizer, answer_ids[k])[stats["argmin"]])
             out[i] |= {
                 "in_distribution": reason is None,
                 "ood_reason": reason,

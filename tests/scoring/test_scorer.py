@@ -64,6 +64,16 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(contract, bundle_path, tiny
     assert df["n_tokens"].to_list() == [len(r["answer_token_ids"]) for r in dag_rows(contract)]
 
 
+def test_a_model_given_loaded_scores_as_the_one_loaded_from_its_directory(contract, bundle_path, tiny_model_dir, tiny):
+    """score_answers(..., model=<a loaded model>, tokenizer=...) (what bench.serve's check does) loads
+    nothing more and gives the same rows (it failed before its first row: the prompt cache was set in load)."""
+    model, tok = tiny
+    rows = dag_rows(contract)[:6]
+    given = score_answers(bundle_path, rows, model, tokenizer=tok, device="cpu")
+    loaded = score_answers(bundle_path, rows, model=str(tiny_model_dir), device="cpu")
+    assert given.equals(loaded)
+
+
 def test_text_answers_are_tokenized_as_the_model_writes_them(contract, bundle_path, tiny_model_dir, tiny):
     """Without token ids the answer text is tokenized after a space (prompt 1 ends with
     "Answer:"): where that gives the sampled tokens, the score is the same."""

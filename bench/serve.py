@@ -1,0 +1,252 @@
+"""`halludetect serve` under load: what scoring adds to serving, and a check of every served score.
+
+One server process (halludetect/scoring/serve.py) on loopback, one model, one bundle. For each number
+of concurrent clients (1, 8, 64) runs alternate between the server *with* scoring (the hook on the
+bundle's layer, the bags, the detector, the distribution check) and *without* (the same sampling,
+batching and HTTP, no hook, no detector), `--repeats` times each, so a slow patch of a noisy machine
+hits both. Every request i of a run asks for one answer with seed i: both sides sample the same
+answers, so they do the same generation work and differ only by scoring. Each side reports its
+median over repeats of the per-answer latency (median and p90 over requests) and of the throughput;
+`latency_ratio` is with / without (the issue's goal: at most 1.05).
+
+The load test: every scored response of every run (question, answer token ids, served score) is
+scored again offline, teacher-forced (`score_answers`, as `halludetect score` does), and the largest
+difference is reported; in float32 (the world) a difference over `--atol` fails the run.
+
+Presets:
+  world            the demo world's model and its `max` bundle (data/bundles/world/world/max.safetensors),
+                   the world's test questions; run from a built world
+  llama3-8b-shape  a randomly initialised Llama-3.1-8B-shaped model (32 blocks, d 4096, GQA 8, vocab
+                   128,256) in bfloat16 with a word-level tokenizer of that vocabulary, and a `max`
+                   detector of random weights at layer 16 (three seeds): run it on a GPU, `--device cuda`.
+                   Random weights sample random tokens, so every answer runs to --max-tokens.
+
+    python -m bench.serve                                   # the world on the CPU, about a minute
+    python -m bench.serve --preset llama3-8b-shape --device cuda
+
+Clients are threads of a second process (started once) speaking HTTP/1.1 with keep-alive
+(http.client): in the server's process, 64 client threads would contend for its interpreter lock with
+the model thread, which waits for it after every torch call it makes (the hook's too). On a machine
+with few cores clients and server still share the CPU, on both sides alike, and torch's threads then
+stall on every core the HTTP work takes: on 2 cores run it with `HALLUDETECT_THREADS=1`, which leaves
+one core to the clients and the server's HTTP threads (docs/benchmarks.md has both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import WORLD_QUESTIONS, emit, need, setup_threads
+from halludetect.config import GenerateParams
+from halludetect.scoring.scorer import Scorer, score_answers
+from halludetect.scoring.serve import Limits, Server, Service
+
+WORLD_BUNDLE = Path("data/bundles/world/world/max.safetensors")
+SYNTHETIC_REVISION = "random-init-seed-0"  # what the random model's config and its bundle both say
+
+
+# ------------------------------------------------------------------ a Llama-3.1-8B-shaped model and detector
+def word_tokenizer(vocab_size: int, words: list[str]):
+    """A word-level tokenizer of `vocab_size` ids: specials, the prompt's and questions' words, fillers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"])}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def synthetic(device: str, layer: int, out: Path):
+    """(model, tokenizer, bundle path, questions): random weights of Llama-3.1-8B's shape and a `max`
+    detector of random weights for its layer `layer`, in a bundle that names that model."""
+    from bench.score import random_llama
+    from halludetect.detectors.build import build_detector
+    from halludetect.methods.pooling import PoolingParams
+    from halludetect.prompts import GENERATION, template_hash
+    from halludetect.scoring.bundle import save_bundle
+
+    questions = [f"Where was person {i} born ?" for i in range(64)]
+    words = sorted({w for text in [GENERATION, *questions] for w in text.split()})
+    model = random_llama("llama3-8b-shape", torch.bfloat16, device)
+    model.config._commit_hash = SYNTHETIC_REVISION
+    tokenizer = word_tokenizer(model.config.vocab_size, words)
+    d, n = model.config.hidden_size, model.config.num_hidden_layers
+    params = PoolingParams()
+    torch.manual_seed(0)
+    detectors = {s: build_detector("max", d, params).state_dict() for s in (0, 1, 2)}
+    rates = {"val_fpr": 0.05, "val_tpr": 0.5, "test_fpr": 0.05, "test_tpr": 0.5}
+    preset = {"path": "random/llama3-8b-shape", "revision": None, "dtype": "bfloat16", "chat_template": False}
+    meta = {
+        "method": "max",
+        "params": params.model_dump(),
+        "d": d,
+        "layer": layer,
+        "n_layers": n,
+        "base_model": {
+            "path": preset["path"],
+            "revision": None,
+            "resolved_revision": SYNTHETIC_REVISION,
+            "files": None,
+            "hidden_size": d,
+            "num_hidden_layers": n,
+            "preset": preset,
+        },
+        "inputs": {
+            "positions": "predicting",
+            "prompt_template": GENERATION,
+            "prompt_hash": template_hash(GENERATION),
+            "chat_template": False,
+            "states_dtype": "bfloat16",
+        },
+        "seeds": [0, 1, 2],
+        "combine": "mean_logit",
+        "thresholds": {"fpr_0.05": {"threshold": 0.0, "target_fpr": 0.05, **rates}},
+        "default_threshold": "fpr_0.05",
+        "calibration": {"method": "platt", "a": 1.0, "b": 0.0},
+        "evaluation": {"n_val": 2, "n_test": 2, "n_val_hallucinated": 1, "n_test_hallucinated": 1},
+    }
+    path = out / "max.safetensors"
+    save_bundle(path, detectors, meta)
+    return model, tokenizer, path, questions
+
+
+# ------------------------------------------------------------------ the load
+def client_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
+    """`requests` requests from `clients` threads, request i asking question i (mod) with seed i:
+    (wall seconds, [(latency, question, response)])."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+
+    def worker(share: list[int]):
+        conn, out = http.client.HTTPConnection(host, int(port), timeout=600), []
+        for i in share:
+            body = {"model": name, "prompt": questions[i % len(questions)], "seed": i, "max_tokens": max_tokens}
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            data = json.loads(response.read())
+            if response.status != 200:
+                raise RuntimeError(f"request {i}: {response.status} {data}")
+            out.append((time.perf_counter() - t0, body["prompt"], data))
+        conn.close()
+        return out
+
+    shares = [list(range(c, requests, clients)) for c in range(clients)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for part in pool.map(worker, shares) for r in part]
+    return time.perf_counter() - t0, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["world", "llama3-8b-shape"], default="world")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--rounds", type=int, default=3, help="requests per client in one run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--layer", type=int, default=16, help="llama3-8b-shape: the detector's layer")
+    ap.add_argument("--atol", type=float, default=1e-3, help="float32: the largest served-vs-offline difference")
+    args = ap.parse_args()
+    threads = setup_threads()
+    generate = GenerateParams(max_new_tokens=args.max_tokens)
+    tmp = tempfile.TemporaryDirectory()
+    if args.preset == "world":
+        need(WORLD_BUNDLE, WORLD_QUESTIONS)
+        from halludetect.qa.datasets import read_questions
+
+        qs = read_questions(str(WORLD_QUESTIONS))
+        questions = qs.filter(qs["split"] == "test")["question"].to_list()
+        scorer = Scorer(WORLD_BUNDLE, device=args.device, generate=generate, log=lambda *_: None)
+    else:
+        model, tokenizer, bundle, questions = synthetic(args.device, args.layer, Path(tmp.name))
+        scorer = Scorer(bundle, model, tokenizer=tokenizer, generate=generate, log=lambda *_: None)
+    limits = Limits(max_tokens=args.max_tokens, max_batch=max(args.clients), max_concurrency=max(args.clients))
+    service = Service(scorer, name="bench", limits=limits, log=lambda *_: None)
+    checked: list[tuple[str, dict]] = []
+    clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def load(*a):
+        return clients_process.submit(client_run, *a).result()
+
+    with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
+        load(srv.url, "bench", questions, 4, 8, args.max_tokens)  # warm-up: first calls, allocator
+        for clients in args.clients:
+            requests = clients * args.rounds
+            sides: dict[str, dict[str, list]] = {s: {"p50": [], "p90": [], "tput": []} for s in ("score", "plain")}
+            batches = {"score": 0, "plain": 0}
+            for _ in range(args.repeats):
+                for side in ("score", "plain"):
+                    service.scoring = side == "score"
+                    before = service.stats["batches"]
+                    wall, results = load(srv.url, "bench", questions, clients, requests, args.max_tokens)
+                    batches[side] += service.stats["batches"] - before
+                    latency = sorted(r[0] for r in results)
+                    sides[side]["p50"].append(statistics.median(latency))
+                    sides[side]["p90"].append(latency[int(0.9 * (len(latency) - 1))])
+                    sides[side]["tput"].append(len(results) / wall)
+                    if side == "score":
+                        checked += [(q, data["choices"][0]) for _, q, data in results]
+            med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in sides.items()}
+            emit(
+                {
+                    "bench": "serve",
+                    "preset": args.preset,
+                    "device": args.device,
+                    "threads": threads,
+                    "clients": clients,
+                    "requests_per_run": requests,
+                    "max_tokens": args.max_tokens,
+                    "latency_s_p50": {s: round(m["p50"], 4) for s, m in med.items()},
+                    "latency_s_p90": {s: round(m["p90"], 4) for s, m in med.items()},
+                    "answers_per_s": {s: round(m["tput"], 2) for s, m in med.items()},
+                    "answers_per_pass": {s: round(requests * args.repeats / max(b, 1), 1) for s, b in batches.items()},
+                    "latency_ratio": round(med["score"]["p50"] / med["plain"]["p50"], 3),
+                    "throughput_ratio": round(med["score"]["tput"] / med["plain"]["tput"], 3),
+                }
+            )
+    # every served score against the offline scorer, teacher-forced on the served tokens
+    scoreable = [(q, c) for q, c in checked if c["hallucination"]["score"] is not None]
+    rows = [{"question": q, "answer": c["text"], "answer_token_ids": c["token_ids"]} for q, c in scoreable]
+    offline = score_answers(scorer.bundle, rows, scorer.model, tokenizer=scorer.tokenizer, log=lambda *_: None)
+    served = np.array([c["hallucination"]["score"] for _, c in scoreable])
+    diff = np.abs(served - offline["score"].to_numpy())
+    flips = int((np.array([c["hallucination"]["flag"] for _, c in scoreable]) != offline["flag"].to_numpy()).sum())
+    float32 = next(scorer.model.parameters()).dtype == torch.float32  # bf16's noise is reported, not held to atol
+    emit(
+        {
+            "bench": "serve-check",
+            "preset": args.preset,
+            "responses": len(checked),
+            "scored": len(scoreable),
+            "max_abs_diff": float(diff.max()) if len(diff) else None,
+            "p99_abs_diff": float(np.quantile(diff, 0.99)) if len(diff) else None,
+            "flag_disagreements": flips,
+            "atol": args.atol if float32 else None,
+        }
+    )
+    tmp.cleanup()
+    if float32 and len(diff) and diff.max() > args.atol:
+        raise SystemExit(f"served scores differ from the offline scorer's by up to {diff.max():.3g} > {args.atol}")
+
+
+if __name__ == "__main__":
+    main()
