@@ -16,6 +16,7 @@ difference is reported; in float32 (the world) a difference over `--atol` fails 
 Presets:
   world            the demo world's model and its `max` bundle (data/bundles/world/world/max.safetensors),
                    the world's test questions; run from a built world
+  deep             a randomly initialised Llama of 32 blocks, d 256 (bench.score's), to try the next on a CPU
   llama3-8b-shape  a randomly initialised Llama-3.1-8B-shaped model (32 blocks, d 4096, GQA 8, vocab
                    128,256) in bfloat16 with a word-level tokenizer of that vocabulary, and a `max`
                    detector of random weights at layer 16 (three seeds): run it on a GPU, `--device cuda`.
@@ -74,9 +75,10 @@ def word_tokenizer(vocab_size: int, words: list[str]):
     )
 
 
-def synthetic(device: str, layer: int, out: Path):
-    """(model, tokenizer, bundle path, questions): random weights of Llama-3.1-8B's shape and a `max`
-    detector of random weights for its layer `layer`, in a bundle that names that model."""
+def synthetic(shape: str, device: str, layer: int, out: Path):
+    """(model, tokenizer, bundle path, questions): random weights of a shape of bench.score's (in
+    bfloat16 on a GPU, float32 on the CPU) and a `max` detector of random weights for its layer
+    `layer`, in a bundle that names that model."""
     from bench.score import random_llama
     from halludetect.detectors.build import build_detector
     from halludetect.methods.pooling import PoolingParams
@@ -85,7 +87,8 @@ def synthetic(device: str, layer: int, out: Path):
 
     questions = [f"Where was person {i} born ?" for i in range(64)]
     words = sorted({w for text in [GENERATION, *questions] for w in text.split()})
-    model = random_llama("llama3-8b-shape", torch.bfloat16, device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = random_llama(shape, dtype, device)
     model.config._commit_hash = SYNTHETIC_REVISION
     tokenizer = word_tokenizer(model.config.vocab_size, words)
     d, n = model.config.hidden_size, model.config.num_hidden_layers
@@ -93,7 +96,8 @@ def synthetic(device: str, layer: int, out: Path):
     torch.manual_seed(0)
     detectors = {s: build_detector("max", d, params).state_dict() for s in (0, 1, 2)}
     rates = {"val_fpr": 0.05, "val_tpr": 0.5, "test_fpr": 0.05, "test_tpr": 0.5}
-    preset = {"path": "random/llama3-8b-shape", "revision": None, "dtype": "bfloat16", "chat_template": False}
+    dtype_name = str(dtype).removeprefix("torch.")
+    preset = {"path": f"random/{shape}", "revision": None, "dtype": dtype_name, "chat_template": False}
     meta = {
         "method": "max",
         "params": params.model_dump(),
@@ -114,7 +118,7 @@ def synthetic(device: str, layer: int, out: Path):
             "prompt_template": GENERATION,
             "prompt_hash": template_hash(GENERATION),
             "chat_template": False,
-            "states_dtype": "bfloat16",
+            "states_dtype": dtype_name,
         },
         "seeds": [0, 1, 2],
         "combine": "mean_logit",
@@ -157,7 +161,7 @@ def client_run(url: str, name: str, questions: list[str], clients: int, requests
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["world", "llama3-8b-shape"], default="world")
+    ap.add_argument("--preset", choices=["world", "deep", "llama3-8b-shape"], default="world")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--rounds", type=int, default=3, help="requests per client in one run")
@@ -167,7 +171,9 @@ def main() -> None:
     ap.add_argument("--atol", type=float, default=1e-3, help="float32: the largest served-vs-offline difference")
     args = ap.parse_args()
     threads = setup_threads()
-    generate = GenerateParams(max_new_tokens=args.max_tokens)
+    # random weights never write a stop string, and transformers' stop-string matcher cannot read a
+    # word-level vocabulary: the synthetic presets sample to --max-tokens without one
+    generate = GenerateParams(max_new_tokens=args.max_tokens, **({} if args.preset == "world" else {"stop": []}))
     tmp = tempfile.TemporaryDirectory()
     if args.preset == "world":
         need(WORLD_BUNDLE, WORLD_QUESTIONS)
@@ -177,7 +183,7 @@ def main() -> None:
         questions = qs.filter(qs["split"] == "test")["question"].to_list()
         scorer = Scorer(WORLD_BUNDLE, device=args.device, generate=generate, log=lambda *_: None)
     else:
-        model, tokenizer, bundle, questions = synthetic(args.device, args.layer, Path(tmp.name))
+        model, tokenizer, bundle, questions = synthetic(args.preset, args.device, args.layer, Path(tmp.name))
         scorer = Scorer(bundle, model, tokenizer=tokenizer, generate=generate, log=lambda *_: None)
     limits = Limits(max_tokens=args.max_tokens, max_batch=max(args.clients), max_concurrency=max(args.clients))
     service = Service(scorer, name="bench", limits=limits, log=lambda *_: None)
