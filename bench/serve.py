@@ -194,7 +194,9 @@ def main() -> None:
         return clients_process.submit(client_run, *a).result()
 
     with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
-        load(srv.url, "bench", questions, 4, 8, args.max_tokens)  # warm-up: first calls, allocator
+        for side in ("score", "plain"):  # warm-up, both sides at the most clients: first calls, allocator, kernels
+            service.scoring = side == "score"
+            load(srv.url, "bench", questions, max(args.clients), max(args.clients), args.max_tokens)
         for clients in args.clients:
             requests = clients * args.rounds
             sides: dict[str, dict[str, list]] = {s: {"p50": [], "p90": [], "tput": []} for s in ("score", "plain")}

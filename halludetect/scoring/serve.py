@@ -220,6 +220,7 @@ class Service:
         if scorer.generate is None:
             raise OptionError("a served scorer samples: build it with generate=GenerateParams(...)")
         self.scorer, self.limits, self.scoring, self.log = scorer, limits, scoring, log
+        scorer.batch_size = limits.max_batch  # a round's answers in one pass (the scorer cuts at its batch size)
         self.name = name or str(b.meta["base_model"]["preset"]["path"])
         self.defaults = scorer.generate
         self._jobs: queue.Queue[Job | None] = queue.Queue()

@@ -34,7 +34,8 @@ def served(bundle_path, tiny_model_dir):
     """One server on the miniature DAG's `max` bundle for the module, with a key and small limits."""
     os.environ["HALLUDETECT_TEST_SERVE_KEY"] = "s3cret-key-for-tests"
     logged: list[str] = []
-    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=GenerateParams(max_new_tokens=8, stop=[]))
+    generate = GenerateParams(max_new_tokens=8, stop=[])
+    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=generate, batch_size=4)
     limits = Limits(max_tokens=16, max_n=6, max_batch=16, max_concurrency=32, max_request_bytes=4096)
     service = Service(scorer, name="tiny", limits=limits, log=logged.append)
     with Server(service, port=0, api_key="s3cret-key-for-tests", log=logged.append) as srv:
@@ -126,6 +127,40 @@ def test_concurrent_requests_share_passes_and_keep_their_answers(served):
         assert len(r.choices) == 2
         if q == QUESTION:
             assert [ch.token_ids for ch in r.choices] == [ch.token_ids for ch in alone.choices]
+
+
+def test_a_round_of_queued_requests_is_one_sampling_pass(served, monkeypatch):
+    """Requests waiting while the model is busy are sampled together in the next round, in one pass
+    (the scorer's own batch size, 4 here, does not cut a round of 15 answers)."""
+    import halludetect.activations.sampled_states as sampled_states
+
+    srv, _ = served
+    service, passes = srv.service, []
+    release, entered = threading.Event(), threading.Event()
+    original, sample = service._run, sampled_states.sample_with_states
+
+    def held(group):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return original(group)
+
+    def counted(model, tokenizer, prompts, *a, **kw):
+        passes.append(len(prompts))
+        return sample(model, tokenizer, prompts, *a, **kw)
+
+    monkeypatch.setattr(service, "_run", held)
+    monkeypatch.setattr(sampled_states, "sample_with_states", counted)
+    body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 4, "n": 5}
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(post, srv, "/v1/completions", {**body, "n": 1})
+        assert entered.wait(30)
+        rest = [pool.submit(post, srv, "/v1/completions", {**body, "seed": k}) for k in range(3)]
+        while service._jobs.qsize() < 3:  # all three wait behind the first
+            time.sleep(0.01)
+        release.set()
+        assert first.result()[0] == 200 and all(r.result()[0] == 200 for r in rest)
+    assert passes == [1, 15]
 
 
 @pytest.mark.hostile
