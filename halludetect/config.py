@@ -228,9 +228,18 @@ class CompletionsParams(Section):
     """An OpenAI-compatible *completions* endpoint that samples for `generate` (`backend: completions`):
     vLLM or SGLang serving the preset's model. See lm/completions.py and docs/models-and-generation.md."""
 
-    # How requests reach the engine; none of these changes a sample, so dvc.yaml does not declare
-    # them for `generate` and the resume fingerprint leaves them out.
-    TRANSPORT: ClassVar[tuple[str, ...]] = ("base_url", "api_key_env", "concurrency", "max_retries", "timeout")
+    # How requests reach the engine, and what else they bring back (hidden_states): none of these
+    # changes a sample, so dvc.yaml does not declare them for `generate` and the resume fingerprint
+    # leaves them out (a request for states differs from one without in its body, so their replies
+    # are never mixed up).
+    TRANSPORT: ClassVar[tuple[str, ...]] = (
+        "base_url",
+        "api_key_env",
+        "concurrency",
+        "max_retries",
+        "timeout",
+        "hidden_states",
+    )
 
     base_url: Annotated[str | list[str] | None, AfterValidator(_no_credentials)] = Field(
         None, description="e.g. http://gpu-node:8000/v1, or a list of replicas of one model; required by completions"
@@ -243,6 +252,11 @@ class CompletionsParams(Section):
     # question: one request per question with n = K and one seed (vLLM seeds answer i with seed + i);
     # answer: K requests with n = 1, each seeded by its answer's own stream (engines whose n ignores seeds)
     per_request: Literal["question", "answer"] = "question"
+    # The layer ids a vLLM server extracts (`vllm serve ... eagle_aux_hidden_state_layer_ids`, in that
+    # order; 0 = embeddings, num_hidden_layers = the top, before the final norm): each request then
+    # asks for its answer's states (`include_output_tokens`) and generate keeps them for
+    # `dump.source: engine` (activations/engine_states.py). None: no states are asked for.
+    hidden_states: list[Annotated[int, Field(ge=0)]] | None = None
 
     @model_validator(mode="after")
     def _urls(self) -> CompletionsParams:
@@ -254,6 +268,12 @@ class CompletionsParams(Section):
             raise ValueError(f"base_url lists a replica twice: {urls}")
         if isinstance(self.base_url, list) and not urls:
             raise ValueError("base_url is an empty list: give one URL or a list of replicas")
+        if self.hidden_states is not None and (
+            not self.hidden_states or len(set(self.hidden_states)) != len(self.hidden_states)
+        ):
+            raise ValueError(
+                f"hidden_states {self.hidden_states}: the engine's eagle_aux_hidden_state_layer_ids, each once"
+            )
         return self
 
     @property
@@ -302,6 +322,9 @@ class DumpParams(Section):
     batch_size: PositiveInt = 64
     device: Device = "auto"
     logprob_check: LogprobCheckParams = LogprobCheckParams()
+    # hf: a teacher-forced pass of the local model; engine: the states the serving engine kept while it
+    # sampled (generate.endpoint.hidden_states; activations/engine_dump.py), no second model.
+    source: Literal["hf", "engine"] = "hf"
 
 
 class MatchJudgeParams(Section):
@@ -616,6 +639,15 @@ class Params(Section):
                 problems.append(
                     f"grid: '{name}' reads a state that a '{self.dump.positions}' bag does not hold: set "
                     f"dump.positions: {m.positions[0]} or drop it from the grid"
+                )
+        if self.dump.source == "engine":
+            ep = self.generate.endpoint
+            if self.generate.backend != "completions" or ep.hidden_states is None or ep.per_request != "answer":
+                problems.append(
+                    "dump.source: engine writes the states a vLLM server kept while it sampled: set "
+                    "generate.backend: completions, generate.endpoint.per_request: answer (one states file per "
+                    "answer) and generate.endpoint.hidden_states to the layer ids the server extracts "
+                    '(docs/models-and-generation.md, "States from the engine"); or dump.source: hf'
                 )
         if "transfer" in self.grid.datasets:
             problems.append(

@@ -18,6 +18,7 @@ from halludetect.activations.layer_writer import merge_parts
 from halludetect.activations.logprob_check import LogprobCheck
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import atomic_path
+from halludetect.core.errors import UserError
 from halludetect.lm.hf_models import check_layers, load_config, load_model, load_tokenizer
 from halludetect.lm.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
@@ -35,16 +36,11 @@ def run(args, params):
     selected, excluded = select_answers(read_parquet(args.generations, "generate", "generations table"))
     if excluded["empty_answer"] and me.main:
         common.log.warning("excluded %d empty answers (no tokens, no bag)", excluded["empty_answer"])
+    if params.dump.source == "engine":  # the states the server kept while it sampled: no model here
+        return run_engine(args, params, preset, layers, selected, excluded)
     tokenizer = load_tokenizer(preset)
     model = load_model(preset, me.device or params.dump.device)
-    attrs = {
-        "model": preset.path,
-        "revision": preset.revision or "",
-        "positions": params.dump.positions,
-        "dtype": params.dump.dtype,
-        "prompt_hash": template_hash(GENERATION),
-        "excluded_empty_answers": excluded["empty_answer"],
-    }
+    attrs = attributes(params, preset, excluded)
     tolerances = params.dump.logprob_check
     check = LogprobCheck(
         f"models.{args.model} ({preset.path}{f' at revision {preset.revision}' if preset.revision else ''})",
@@ -80,6 +76,59 @@ def run(args, params):
         with atomic_path(out, is_dir=True) as tmp:
             merge_parts([parts / f"rank_{r:03d}" for r in range(me.size)], tmp, layers)
         shutil.rmtree(parts)
+
+
+def attributes(params, preset, excluded: dict) -> dict:
+    return {
+        "model": preset.path,
+        "revision": preset.revision or "",
+        "positions": params.dump.positions,
+        "dtype": params.dump.dtype,
+        "prompt_hash": template_hash(GENERATION),
+        "excluded_empty_answers": excluded["empty_answer"],
+    }
+
+
+def run_engine(args, params, preset, layers, selected, excluded):
+    """dump.source engine (halludetect/activations/engine_dump.py): one process reads the kept states."""
+    from halludetect.activations.engine_dump import FinalHead, check_engine_layers, dump_engine
+    from halludetect.lm.engine_states import AnswerStates, states_dir
+
+    me = workers()
+    if me.size > 1:
+        raise UserError("dump.source engine reads files in one process: unset HALLUDETECT_PROCESSES")
+    config = load_config(preset).get_text_config()
+    top, tolerances = int(config.num_hidden_layers), params.dump.logprob_check
+    checked = tolerances.mean_tolerance is not None or tolerances.answer_tolerance is not None
+    states = AnswerStates(states_dir(args.generations))
+    first = selected.row(0, named=True) if selected.height else None
+    engine_layers = states.load(first["question_id"], first["sample_index"])[1] if first else []
+    check_engine_layers(layers, engine_layers, top, checked)  # the server's layers, as its files say
+    head = FinalHead(preset) if checked or top in layers else None
+    check = None
+    if checked:
+        check = LogprobCheck(
+            f"models.{args.model} ({preset.path}{f' at revision {preset.revision}' if preset.revision else ''})",
+            tolerances.mean_tolerance,
+            tolerances.answer_tolerance,
+            tolerances.answer_share,
+        )
+    with atomic_path(Path(args.out), is_dir=True) as tmp:
+        dump_engine(
+            selected,
+            states,
+            tmp,
+            layers,
+            top=top,
+            hidden=int(config.hidden_size),
+            positions=params.dump.positions,
+            dtype=params.dump.dtype,
+            batch_size=params.dump.batch_size,
+            attrs={**attributes(params, preset, excluded), "source": "engine"},
+            head=head,
+            check=check,
+            log=common.log.info,
+        )
 
 
 if __name__ == "__main__":

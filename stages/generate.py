@@ -15,6 +15,7 @@ from halludetect.config import CompletionsParams
 from halludetect.core.atomic_io import file_sha256, write_json, write_parquet
 from halludetect.core.code_deps import code_digest
 from halludetect.core.unit_store import UnitStore
+from halludetect.lm.engine_states import states_dir
 from halludetect.lm.hf_models import load_tokenizer
 from halludetect.lm.parallel import relaunch, workers
 from halludetect.lm.samplers import open_sampler
@@ -57,7 +58,13 @@ def run(args, params):
             common.log.info("progress in %s (%d units kept from an earlier run)", args.progress, kept)
         me.barrier()
         tokenizer = load_tokenizer(preset)
-        sampler = open_sampler(preset, params.generate, tokenizer, device=me.device or params.generate.device)
+        sampler = open_sampler(
+            preset,
+            params.generate,
+            tokenizer,
+            device=me.device or params.generate.device,
+            states_dir=states_dir(args.out),  # an engine's hidden states, when generate.endpoint.hidden_states asks
+        )
         df = sample(
             sampler,
             questions,

@@ -12,8 +12,10 @@ server (moto's) on 127.0.0.1 and a bare git repository stand for the team's remo
 
 This DAG samples with `generate.backend: completions` through the fake vLLM engine
 (halludetect/testing/fake_vllm.py) on 127.0.0.1, serving the world model the DAG's own world
-stage trains: the whole DAG runs on the engine's answers (the dump's log-prob check passing on
-them), a re-run of generate against the engine gives the same bytes, and the dump fails on an
+stage trains, with hidden-state extraction of its every layer, and dumps the states the engine kept
+(`dump.source: engine`, one answer per request): the whole DAG runs on the engine's answers and
+states (the dump's log-prob check passing on them), its layer files equal the hf dump's of the same
+answers, a re-run of generate against the engine gives the same bytes, and the hf dump fails on an
 engine that serves another revision of the model or processed log-probs (the last tests).
 (test_e2e.py's DAG samples with `hf`.)
 """
@@ -27,12 +29,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from e2e_support import build_repo, ran, run
+from e2e_support import build_repo, ran, run, set_params
 from support import doc_blocks
 
 from halludetect.testing.fake_vllm import FakeVLLM
 
 pytestmark = pytest.mark.e2e
+WORLD_LAYERS = [0, 1, 2]  # the small world model's every layer (2 blocks), as `vllm serve` is told to extract
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,10 @@ def engine(tmp_path_factory):
     """The repository's directory and the engine serving its world model under the preset's path (the
     model loads on the first request, after the world stage has trained it)."""
     path = tmp_path_factory.mktemp("repo")
-    with FakeVLLM(path / "data/world/model", "data/world/model") as srv:
+    engine = FakeVLLM(
+        path / "data/world/model", "data/world/model", hidden_states=WORLD_LAYERS, states_dir=path.parent / "shm"
+    )
+    with engine as srv:
         yield path, srv
 
 
@@ -51,7 +57,16 @@ def repo(engine):
         path,
         {
             "grid": {"methods": ["max"], "analyze": [], "layers": [2], "transfer": []},
-            "generate": {"backend": "completions", "endpoint": {"base_url": srv.url, "concurrency": 8}},
+            "generate": {
+                "backend": "completions",
+                "endpoint": {
+                    "base_url": srv.url,
+                    "concurrency": 8,
+                    "per_request": "answer",
+                    "hidden_states": WORLD_LAYERS,
+                },
+            },
+            "dump": {"source": "engine"},
         },
     )
 
@@ -273,8 +288,12 @@ def test_a_colleague_gets_the_sweep_table_from_the_remotes_as_the_readme_says(re
 
 
 # ------------------------------------------------------------------ sampling through the engine
-def generate_and_dump(repo: Path, out: Path) -> tuple[str, str]:
-    """The generate stage into `out` (its own progress directory), then the dump of what it wrote."""
+def generate_and_dump(repo: Path, out: Path, source: str = "hf") -> tuple[str, str]:
+    """The generate stage into `out` (its own progress directory), then the dump of what it wrote
+    (`dump.source`: the teacher-forced pass, or the states the engine kept)."""
+    params = out / "params.yaml"
+    params.write_text((repo / "params.yaml").read_text())
+    set_params(out, {"dump": {"source": source}})
     gen = run(
         [
             sys.executable,
@@ -310,6 +329,8 @@ def generate_and_dump(repo: Path, out: Path) -> tuple[str, str]:
             "data/models/world.json",
             "--out",
             str(out / "acts"),
+            "--params",
+            str(params),
         ],
         repo,
         check=False,
@@ -322,12 +343,43 @@ def test_the_dag_sampled_through_the_engine_and_sampling_again_gives_the_same_by
     metrics = json.loads((repo / "metrics/generate/world/world.json").read_text())
     questions = pl.read_parquet(repo / "data/questions/world.parquet").height
     assert metrics["backend"] == "completions" and metrics["endpoint"]["requests_sent"] >= questions
-    assert all(b["n"] == 3 and b["model"] == "data/world/model" for b in srv.requests[:questions])
+    asked = srv.requests[: 3 * questions]  # one answer per request, each asking for its states
+    assert all(b["n"] == 1 and b["model"] == "data/world/model" for b in asked)
+    assert all(b["kv_transfer_params"] == {"include_output_tokens": True} for b in asked)
     before = srv.count
     _, dump = generate_and_dump(repo, tmp_path)
     assert (tmp_path / "gen.parquet").read_bytes() == (repo / "data/generations/world/world.parquet").read_bytes()
     assert srv.count - before == metrics["endpoint"]["requests_sent"]  # a new run asks again: nothing is cached
     assert "log-prob check passed" in dump and (tmp_path / "acts").is_dir()
+
+
+def test_the_dags_engine_dump_equals_the_hf_dump_of_its_answers(repo, tmp_path):
+    """dump.source engine wrote the DAG's layer files from the engine's kept states (no second model);
+    the teacher-forced pass over the same answers gives the same files, up to float16 rounding."""
+    import h5py
+    import numpy as np
+
+    from halludetect.activations.layer_format import decode_ids
+
+    acts = repo / "data/activations/world/world"
+    dag_lock = (repo / "dvc.lock").read_text()
+    assert "source: engine" in dag_lock
+    params = tmp_path / "params.yaml"
+    params.write_text((repo / "params.yaml").read_text())
+    set_params(tmp_path, {"dump": {"source": "hf"}})
+    run(
+        [sys.executable, "-m", "stages.dump", "--model", "world", "--questions", "data/questions/world.parquet",
+         "--generations", "data/generations/world/world.parquet", "--manifest", "data/models/world.json",
+         "--out", str(tmp_path / "hf"), "--params", str(params)],
+        repo,
+    )  # fmt: skip
+    for layer in WORLD_LAYERS:
+        with h5py.File(acts / f"layer_{layer}.h5") as e, h5py.File(tmp_path / "hf" / f"layer_{layer}.h5") as h:
+            assert e.attrs["source"] == "engine" and "source" not in h.attrs
+            assert decode_ids(e["response_id"][:]) == decode_ids(h["response_id"][:])
+            assert (e["offsets"][:] == h["offsets"][:]).all()
+            np.testing.assert_allclose(e["states"][:].astype(np.float32), h["states"][:].astype(np.float32),
+                                       rtol=2e-3, atol=2e-3)  # fmt: skip
 
 
 @pytest.mark.parametrize(

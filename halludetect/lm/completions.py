@@ -74,6 +74,7 @@ from halludetect.config import GenerateParams
 from halludetect.core.call_cache import CallCache
 from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count
 from halludetect.core.unit_store import UnitStore
+from halludetect.lm.engine_states import AnswerStates, StatesProblem
 from halludetect.lm.generation import row_seed, trim_answer
 from halludetect.lm.hf_models import ModelError
 from halludetect.lm.parallel import Workers
@@ -98,9 +99,17 @@ def _norm(text: str) -> str:
 class CompletionsSampler:
     """Samples the units of one run through the endpoint of `params.endpoint`, serving `model`."""
 
-    def __init__(self, tokenizer, params: GenerateParams, model: str, eos: list[int], cache: CallCache):
+    def __init__(
+        self,
+        tokenizer,
+        params: GenerateParams,
+        model: str,
+        eos: list[int],
+        cache: CallCache,
+        states: AnswerStates | None = None,
+    ):
         ep = params.endpoint
-        self.tokenizer, self.params, self.eos = tokenizer, params, eos
+        self.tokenizer, self.params, self.eos, self.states = tokenizer, params, eos, states
         self.vocab = len(tokenizer)
         self.endpoint = Endpoint(
             ep.urls,
@@ -164,8 +173,9 @@ class CompletionsSampler:
                 )
 
     # ------------------------------------------------------------------ one request
-    def _read(self, what: str, prompt: list[int], n: int):
-        """The reader of one request's reply: checked choices, or Malformed (asked again) or ApiError."""
+    def _read(self, what: str, prompt: list[int], n: int, key: str):
+        """The reader of one request's reply: checked choices, or Malformed (asked again) or ApiError;
+        with `states`, the answer's hidden states are kept (lm/engine_states.py) before the reply is."""
         ep = self.endpoint
 
         def read(data: dict, url: str) -> dict:
@@ -179,6 +189,12 @@ class CompletionsSampler:
                 raise Malformed(f"the reply to {what} has {len(choices)} choices for n = {n}")
             order = sorted(range(n), key=lambda i: choices[i].get("index", i) if isinstance(choices[i], dict) else i)
             out = [self._choice(choices[i], k, what, prompt, bad) for k, i in enumerate(order)]
+            if self.states is not None:  # one answer per request (config checks per_request: answer)
+                try:
+                    self.states.take(data.get("kv_transfer_params"), prompt, out[0]["ids"], key)
+                except StatesProblem as e:
+                    raise bad(str(e)) from None
+                out[0]["states_key"] = key
             usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
             return {
                 "reply": json.dumps(out),
@@ -258,8 +274,10 @@ class CompletionsSampler:
     async def ask(self, question: dict, n: int, seed: int, what: str) -> tuple[list[dict], float]:
         """The checked choices of one request, and its endpoint seconds (0 for a kept reply)."""
         body = {**self.sampling, "prompt": question["prompt"], "n": n, "seed": seed}
+        if self.states is not None:  # vLLM's per-request option: the output tokens' states too
+            body["kv_transfer_params"] = {"include_output_tokens": True}
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        read = self._read(f"{what} (question '{question['id']}', n = {n}, seed {seed})", question["prompt"], n)
+        read = self._read(f"{what} (question '{question['id']}', n = {n}, seed {seed})", question["prompt"], n, key)
         reply, cached, waited = await self.endpoint.reply(key, {"body": body}, "/completions", body, read)
         if cached:
             self.stats["replies_kept_from_before" if not waited else "replies_waited_for"] += 1
@@ -285,6 +303,7 @@ class CompletionsSampler:
             )
             choices, seconds = [c for cs, _ in asked for c in cs], [secs for _, secs in asked]
         rows = [self._trim(c) for c in choices]
+        kept = list(choices)  # each answer's final choice (its states, with `states`)
         attempts = [1] * k
         for attempt in range(1, p.empty_retries + 1):
             empty = [s for s in range(k) if not rows[s][0].token_ids]
@@ -297,9 +316,12 @@ class CompletionsSampler:
                 )
             )
             for s, (cs, secs) in zip(empty, again):
-                rows[s] = self._trim(cs[0])
+                rows[s], kept[s] = self._trim(cs[0]), cs[0]
                 attempts[s] += 1
                 seconds[s] += secs
+        if self.states is not None:
+            for s, c in enumerate(kept):
+                self.states.keep(q["id"], s, c["states_key"])
         return [
             {
                 "question_id": q["id"],
@@ -385,8 +407,19 @@ class EngineSampler:
     `eos` its EOS ids. The replies of an interrupted run are in the store's directory
     (`requests.sqlite`), so a resumed run sends only what it has no reply for."""
 
-    def __init__(self, tokenizer, config, *, model: str, eos: list[int], replicas: int = 1):
+    def __init__(
+        self,
+        tokenizer,
+        config,
+        *,
+        model: str,
+        eos: list[int],
+        replicas: int = 1,
+        states_dir: str | Path | None = None,
+        states_layers: list[int] | None = None,
+    ):
         self.tokenizer, self.context, self.model = tokenizer, config, model
+        self.states = None if states_layers is None else AnswerStates(states_dir, states_layers)
         self.eos = sorted(set(eos) | ({tokenizer.eos_token_id} - {None}))
         self.device = f"completions endpoint serving '{model}' ({replicas} replica(s))"
         self.stats: dict | None = None
@@ -401,7 +434,11 @@ class EngineSampler:
             stack.callback(cache.close)
             if log and len(cache) and workers.main:
                 log(f"{len(cache)} replies kept from an interrupted run: their requests are not sent again")
-            sampler = CompletionsSampler(self.tokenizer, params, self.model, self.eos, cache)
+            if self.states is not None:
+                if not len(cache) and len(todo) == len(units) and workers.main:
+                    self.states.reset()  # a fresh run keeps no states of an earlier one
+                self.states.dir.mkdir(parents=True, exist_ok=True)
+            sampler = CompletionsSampler(self.tokenizer, params, self.model, self.eos, cache, self.states)
             try:
                 return asyncio.run(sampler.run(units, todo, store, show=workers.main))
             finally:
@@ -424,12 +461,22 @@ def generate_completions(
     store: UnitStore | None = None,
     workers: Workers | None = None,
     log=None,
+    states_dir: str | Path | None = None,
 ) -> tuple[pl.DataFrame | None, dict]:
     """`generation.generate`'s contract through the endpoint of `params.endpoint` (`sampling.sample`
     with the `completions` sampler): one row per (question, sample) in the questions' order, the
     same schema; `model` is the served name, `config` the model's config (for its context), `eos`
-    its EOS ids. Also returns the run's request counts. With several `workers`, process 0 returns
+    its EOS ids; with `params.endpoint.hidden_states`, each answer's engine states are kept in
+    `states_dir` (lm/engine_states.py). Also returns the run's request counts. With several `workers`, process 0 returns
     the merged frame, the others None."""
-    sampler = EngineSampler(tokenizer, config, model=model, eos=eos, replicas=len(params.endpoint.urls))
+    sampler = EngineSampler(
+        tokenizer,
+        config,
+        model=model,
+        eos=eos,
+        replicas=len(params.endpoint.urls),
+        states_dir=states_dir,
+        states_layers=params.endpoint.hidden_states,
+    )
     df = sample(sampler, questions, params, chat_template=chat_template, store=store, workers=workers, log=log)
     return df, sampler.stats

@@ -20,22 +20,34 @@ from halludetect.lm.hf_models import load_config, load_generation_eos, load_mode
 from halludetect.lm.sampling import Sampler
 
 
-def open_hf(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> HFSampler:
+def open_hf(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str, states_dir=None) -> HFSampler:
     model = load_model(preset, device)
     where = str(model.device) if not preset.device_map else f"device_map={preset.device_map}"
     return HFSampler(model, tokenizer, device=where)
 
 
-def open_completions(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> EngineSampler:
+def open_completions(
+    preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str, states_dir=None
+) -> EngineSampler:
     config = load_config(preset)
     served = params.endpoint.model or preset.path  # what `vllm serve <path>` calls it
     eos = load_generation_eos(preset, config)
-    return EngineSampler(tokenizer, config, model=served, eos=eos, replicas=len(params.endpoint.urls))
+    return EngineSampler(
+        tokenizer,
+        config,
+        model=served,
+        eos=eos,
+        replicas=len(params.endpoint.urls),
+        states_dir=states_dir,
+        states_layers=params.endpoint.hidden_states,
+    )
 
 
 SAMPLERS: dict[str, Callable[..., Sampler]] = {"hf": open_hf, "completions": open_completions}
 
 
-def open_sampler(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str) -> Sampler:
-    """The sampler of `params.backend` for `preset`; `device` is where `hf` loads the model."""
-    return lookup("generate backend", params.backend, SAMPLERS)(preset, params, tokenizer, device=device)
+def open_sampler(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str, states_dir=None) -> Sampler:
+    """The sampler of `params.backend` for `preset`; `device` is where `hf` loads the model; `states_dir`
+    where an engine's hidden states are kept (generate.endpoint.hidden_states)."""
+    opener = lookup("generate backend", params.backend, SAMPLERS)
+    return opener(preset, params, tokenizer, device=device, states_dir=states_dir)

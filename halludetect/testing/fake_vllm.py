@@ -23,10 +23,20 @@ Retry-After, a raw or cut body, a delay, a trickle) or None, and may block to ho
 the vocabulary, NaN log-probs, another text); `dtype="bfloat16"` serves like a bf16 engine;
 `models_latency` delays `GET /v1/models` (an engine still loading its model);
 `logprobs_mode="processed_logprobs"` returns the warped distribution's log-probs, as vLLM's
-`--logprobs-mode processed_logprobs` does; `weight_noise` perturbs the weights (another revision
-of the model); `tokenizer_dir` serves with another tokenizer; `token_ids` says which of vLLM's
-token-id options it implements ("both", "return_token_ids", "tokens_as_ids", "none": an engine
-that ignores both, as an old vLLM does).
+`--logprobs-mode processed_logprobs` does;
+`hidden_states=[ids]` extracts hidden states as vLLM started with the `extract_hidden_states`
+speculative method and the `ExampleHiddenStatesConnector` does: a request with
+`kv_transfer_params: {"include_output_tokens": true}` gets a safetensors file in `states_dir`
+(`hidden_states` [tokens, layers, hidden] in the engine's dtype, `token_ids` [tokens]: the prompt and
+every output token but the last, which no forward pass saw), named in the response's
+`kv_transfer_params.hidden_states_path`, written under an exclusive flock on `<file>.lock` after
+`states_delay` seconds (as vLLM's writer threads do, after the reply), from the model's own forward
+pass: layer id k < num_hidden_layers is the residual stream after k blocks, k = num_hidden_layers the
+last block's output before the final norm (vLLM's ids); without `include_output_tokens`, or with
+`states_tokens="prompt"` (an engine that ignores it), the prompt's states only; `weight_noise`
+perturbs the weights (another revision of the model); `tokenizer_dir` serves with another
+tokenizer; `token_ids` says which of vLLM's token-id options it implements ("both",
+"return_token_ids", "tokens_as_ids", "none": an engine that ignores both, as an old vLLM does).
 
 Reproducible: with `batch=1` (the default) requests are computed one at a time, each alone (its
 n rows share one prompt, so there is no padding), so a request's answers do not depend on what
@@ -42,8 +52,10 @@ file changes.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
 import queue
 import secrets
 import socket
@@ -87,6 +99,7 @@ class _Job:
     params: GenerateParams
     greedy: bool
     future: Future
+    states: bool | None = None  # None: no states asked; else whether the output tokens' states are
 
 
 class _Engine:
@@ -158,7 +171,16 @@ class FakeVLLM:
         fault: Callable[[dict, int], Fault | None] | None = None,
         mutate: Callable[[dict, dict, int], dict] | None = None,
         models_latency: float = 0.0,
+        hidden_states: list[int] | None = None,
+        states_dir: str | Path | None = None,
+        states_delay: float = 0.0,
+        states_tokens: str = "output",
     ):
+        if hidden_states is not None and states_dir is None:
+            raise ValueError("hidden_states needs a states_dir (vLLM's shared_storage_path)")
+        self.hidden_states, self.states_delay, self.states_tokens = hidden_states, states_delay, states_tokens
+        self.states_dir = None if states_dir is None else Path(states_dir)
+        self._writes: list[threading.Thread] = []
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode {logprobs_mode!r}: raw_logprobs or processed_logprobs")
         if token_ids not in TOKEN_ID_MODES:
@@ -190,6 +212,8 @@ class FakeVLLM:
         self.server.shutdown()
         self.server.server_close()
         self._jobs.put(None)
+        for t in self._writes:
+            t.join()
 
     @property
     def count(self) -> int:
@@ -267,8 +291,54 @@ class FakeVLLM:
                         "logprobs": logprobs[r, : len(ids)],
                     }
                 )
+            if j.states is not None:
+                ids = choices[0]["ids"]
+                tokens = j.prompt + ids[:-1] if j.states and self.states_tokens == "output" else j.prompt
+                choices[0]["states_path"] = self._write_states(model, tokens)
             out.append(choices)
         return out
+
+    def _write_states(self, model, tokens: list[int]) -> str:
+        """vLLM's states file of one request: taken from one forward pass of the model over `tokens`,
+        written after `states_delay` under the flock its reader waits on (see the module docstring)."""
+        from safetensors.torch import save_file
+
+        from halludetect.activations.capture import _decoder_layers
+
+        kept: list[torch.Tensor] = []
+        hook = _decoder_layers(model)[-1].register_forward_hook(
+            lambda _m, _i, out: kept.append(out[0] if isinstance(out, tuple) else out)
+        )
+        try:
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+        finally:
+            hook.remove()
+        n = model.config.num_hidden_layers
+        if bad := [k for k in self.hidden_states if k > n]:  # vLLM refuses such a server at start
+            raise RequestError(400, "BadRequestError", f"fake vLLM: layer ids {bad} above num_hidden_layers {n}")
+        layers = [kept[-1][0] if k == n else out.hidden_states[k][0] for k in self.hidden_states]
+        tensors = {
+            "hidden_states": torch.stack(layers, dim=1).contiguous(),  # [T, layers, d]
+            "token_ids": torch.tensor(tokens, dtype=torch.int64),
+        }
+        self.states_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            path = self.states_dir / f"cmpl-{secrets.token_hex(8)}.safetensors"
+        lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+        def write():
+            try:
+                time.sleep(self.states_delay)
+                save_file(tensors, str(path))
+            finally:
+                os.close(lock)  # releases the flock: readers waiting on it go on
+
+        t = threading.Thread(target=write, daemon=True)
+        t.start()
+        self._writes.append(t)
+        return str(path)
 
     # ------------------------------------------------------------------ one request
     def _job(self, body: dict) -> _Job:
@@ -326,7 +396,14 @@ class FakeVLLM:
             }
         )
         key = (temperature, params.top_p, params.top_k, params.repetition_penalty, max_tokens, tuple(stop))
-        return _Job(prompt, n, [base + i for i in range(n)], key, params, temperature == 0, Future())
+        states = None
+        transfer = body.get("kv_transfer_params")
+        if isinstance(transfer, dict) and self.hidden_states is not None:  # an engine without extraction ignores it
+            if n != 1:
+                raise RequestError(400, "BadRequestError", "fake vLLM: hidden states for one answer per request", "n")
+            states = bool(transfer.get("include_output_tokens"))
+        job = _Job(prompt, n, [base + i for i in range(n)], key, params, temperature == 0, Future(), states)
+        return job
 
     def _response(self, body: dict, job: _Job, choices: list[dict], number: int) -> dict:
         tokenizer = self.engine.tokenizer
@@ -354,7 +431,11 @@ class FakeVLLM:
                 choice["prompt_token_ids"] = job.prompt
             out.append(choice)
         completion = sum(len(c["ids"]) for c in choices)
+        transfer = (
+            {"kv_transfer_params": {"hidden_states_path": choices[0]["states_path"]}} if job.states is not None else {}
+        )
         return {
+            **transfer,
             "id": f"cmpl-{number}",
             "object": "text_completion",
             "created": 0,
