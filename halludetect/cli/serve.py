@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
+import argparse
+
 from halludetect.cli.score import _device_map
+from halludetect.core.errors import UserError
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': layer ids separated by commas, e.g. 8,16,24,32") from None
 
 
 def run(args) -> None:
@@ -21,6 +31,13 @@ def run(args) -> None:
         max_concurrency=args.max_concurrency,
         max_request_bytes=args.max_request_bytes,
     )
+    engine = None
+    if args.engine:
+        from halludetect.scoring.serve import EngineClient
+
+        engine = EngineClient(args.engine, args.engine_model, args.engine_layers, api_key_env=args.engine_key_env)
+    elif args.engine_layers or args.engine_model or args.engine_key_env:
+        raise UserError("--engine-layers, --engine-model and --engine-key-env go with --engine URL")
     serve(
         args.bundle,
         args.model,
@@ -29,6 +46,7 @@ def run(args) -> None:
         api_key_env=args.api_key_env,
         name=args.served_model_name,
         limits=limits,
+        engine=engine,
         revision=args.revision,
         dtype=args.dtype,
         device=args.device,
@@ -79,6 +97,20 @@ def add(sub) -> None:
     s.add_argument("--max-batch", type=int, default=64, help="answers sampled together in one pass (64)")
     s.add_argument("--max-concurrency", type=int, default=64, help="requests in flight; more get 429 (64)")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (1 MiB)")
+    s.add_argument(
+        "--engine",
+        help="a vLLM server's URL (http://host:8000/v1) started with hidden-state extraction: answers are sampled "
+        "there and scored from the states files it writes, no model loads here (docs/serving.md)",
+    )
+    s.add_argument(
+        "--engine-layers",
+        type=_layer_ids,
+        help="with --engine: the layer ids it extracts, in its order (its eagle_aux_hidden_state_layer_ids), e.g. 8,16",
+    )
+    s.add_argument(
+        "--engine-model", help="with --engine: its served model name (default: the bundle's base model path)"
+    )
+    s.add_argument("--engine-key-env", help="with --engine: the variable holding its key (vllm serve --api-key)")
     s.add_argument(
         "--no-distribution-check",
         action="store_true",

@@ -415,6 +415,39 @@ class Scorer:
         self._loaded = True
         return self
 
+    def load_without_model(self) -> Scorer:
+        """The tokenizer only, the detector on the CPU: for states that come from elsewhere (a serving
+        engine's files, `halludetect serve --engine`), scored with `score_states`."""
+        if self.preset is None:
+            raise OptionError("load_without_model needs the model's preset (a path or hub id), not a loaded model")
+        self.tokenizer = self.tokenizer or load_tokenizer(self.preset)
+        self.bundle.to("cpu")
+        self._prompts, self._loaded = {}, True
+        return self
+
+    def score_states(
+        self,
+        rows: list[AnswerRow],
+        bags: list[torch.Tensor | None],
+        answer_ids: list[list[int]],
+        logprobs: list[list[float]],
+        explain: bool = False,
+    ) -> list[dict]:
+        """Rows whose answers' bags were computed elsewhere ([n, d] each, in the layer's convention;
+        None: not scored, with the row's reason set by the caller): score, flag, range, evidence."""
+        out = [self._blank(r, explain) for r in rows]
+        done = [i for i, b in enumerate(bags) if b is not None]
+        for i, ids in enumerate(answer_ids):
+            out[i]["n_tokens"] = len(ids)
+        if done:
+            dtype = self.states_dtype
+            tokens = torch.cat([bags[i].to(dtype).float() for i in done])  # the dump's stored dtype, read as float32
+            lps = [logprobs[i] for i in done] if self.answer_range is not None else None
+            self._finish(
+                done, tokens, [len(bags[i]) for i in done], rows, out, [answer_ids[i] for i in done], lps, explain
+            )
+        return out
+
     def _prompt(self, question: str) -> list[int]:
         ids = self._prompts.get(question)
         if ids is None:

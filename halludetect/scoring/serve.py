@@ -37,6 +37,14 @@ the context, streaming (a score needs the whole answer), fields the server does 
 every request needs `Authorization: Bearer <the variable's value>` (401 otherwise); the key is read
 from the environment and never logged. The server binds 127.0.0.1 unless told otherwise.
 
+In front of vLLM (`engine=EngineClient(...)`, `halludetect serve --engine URL --engine-layers ...`):
+no model is loaded here. Each answer is one request to a vLLM server started with hidden-state
+extraction (docs/models-and-generation.md, "States from the engine"), asking
+`kv_transfer_params: {"include_output_tokens": true}`; the states file it names is read after its
+writer's lock (lm/engine_states.py), the bundle's layer taken from it (the top layer through the
+model's final norm, read alone from its weight files), scored, and deleted. vLLM batches; requests
+go to it as they come, from the HTTP threads.
+
 Methods that read several answers of a question (HaMI with P_sem, EigenScore) cannot score one
 answer: such a bundle is refused when the server starts, naming what it needs.
 """
@@ -60,6 +68,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from halludetect.activations.engine_dump import FinalHead
 from halludetect.config import GenerateParams
 from halludetect.core.errors import UserError
 from halludetect.lm.model_inputs import encode_prompt
@@ -191,6 +200,77 @@ def _question(body: dict, chat: bool) -> str:
     return text
 
 
+class EngineClient:
+    """A vLLM server with hidden-state extraction that `serve` forwards answers to: its completions
+    URL, served model name, the layer ids it extracts (in its order) and an optional key variable."""
+
+    def __init__(
+        self, url: str, model: str | None, layers: list[int], *, api_key_env: str | None = None, timeout=600.0
+    ):
+        if not layers or len(set(layers)) != len(layers):
+            raise OptionError(f"--engine-layers {layers}: the server's eagle_aux_hidden_state_layer_ids, each once")
+        self.url, self.model, self.layers = url.rstrip("/"), model, list(layers)
+        key = api_key_from(api_key_env)
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        self.timeout = timeout
+
+    def _call(self, route: str, body: dict | None = None) -> tuple[int, str]:
+        """(status, body text) of a GET (no body) or a POST to the engine; OSError when unreachable."""
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def check(self) -> None:
+        """The server is up and serves `model`: before the first request."""
+        try:
+            status, text = self._call("/models")
+        except OSError as e:  # down, refused, a timeout: named
+            raise UserError(f"--engine {self.url} cannot be reached: {type(e).__name__}: {e}") from None
+        served = [m.get("id") for m in (json.loads(text).get("data") or [])] if status == 200 else []
+        if status == 200 and self.model not in served:
+            raise UserError(
+                f"--engine {self.url} serves {served}, not '{self.model}': pass --engine-model, or serve the "
+                "bundle's base model"
+            )
+
+    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int) -> dict:
+        """One answer: the reply's first choice, with `kv_transfer_params` (ApiError 502 on failure)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "n": 1,
+            "seed": seed,
+            "max_tokens": params.max_new_tokens,
+            "temperature": 0.0 if greedy else params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k or -1,
+            "repetition_penalty": params.repetition_penalty,
+            "stop": list(params.stop),
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+            "kv_transfer_params": {"include_output_tokens": True},
+        }
+        try:
+            status, text = self._call("/completions", body)
+            data = json.loads(text) if status == 200 else None
+        except (OSError, ValueError) as e:
+            raise ApiError(502, f"the engine {self.url} did not answer: {type(e).__name__}: {e}") from None
+        if status != 200:
+            raise ApiError(502, f"the engine {self.url} answered {status}: {text[:300]}")
+        choice = (data.get("choices") or [None])[0]
+        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
+            raise ApiError(502, f"the engine {self.url} gave no token ids (vLLM >= 0.10.2 returns them)")
+        return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
+
+
 class Service:
     """The bundle's scorer behind the server: checks requests, batches them, samples and scores.
 
@@ -207,6 +287,7 @@ class Service:
         name: str | None = None,
         limits: Limits = Limits(),
         scoring: bool = True,
+        engine: EngineClient | None = None,
         log: Callable[[str], None] = print,
     ):
         b = scorer.bundle
@@ -219,7 +300,14 @@ class Service:
             )
         if scorer.generate is None:
             raise OptionError("a served scorer samples: build it with generate=GenerateParams(...)")
-        self.scorer, self.limits, self.scoring, self.log = scorer, limits, scoring, log
+        self.scorer, self.limits, self.scoring, self.log, self.engine = scorer, limits, scoring, log, engine
+        if engine is not None and engine.model is None:  # what `vllm serve <path>` calls the bundle's base model
+            engine.model = str(b.meta["base_model"]["preset"]["path"])
+        if engine is not None and b.layer not in engine.layers:
+            raise UserError(
+                f"{b.path} reads layer {b.layer}; the engine extracts {engine.layers} (--engine-layers): start it "
+                f"with {b.layer} among its eagle_aux_hidden_state_layer_ids"
+            )
         scorer.batch_size = limits.max_batch  # a round's answers in one pass (the scorer cuts at its batch size)
         self.name = name or str(b.meta["base_model"]["preset"]["path"])
         self.defaults = scorer.generate
@@ -230,11 +318,19 @@ class Service:
         self._worker = threading.Thread(target=self._work, name="halludetect-serve-model", daemon=True)
 
     def start(self) -> Service:
-        self.scorer.load()
+        if self.engine is not None:  # the states come from the engine's files: no model here
+            self.engine.check()
+            self.scorer.load_without_model()
+            top = int(self.scorer.bundle.meta["base_model"]["num_hidden_layers"])
+            self._head = FinalHead(self.scorer.preset) if self.scorer.bundle.layer == top else None
+            self._score_lock = threading.Lock()
+        else:
+            self.scorer.load()
         # The request threads tokenize with a copy of their own, one at a time: a fast tokenizer used
         # from two threads at once can fail ("Already borrowed"), and the model thread uses the original.
         self._tokenizer = copy.deepcopy(self.scorer.tokenizer)
-        self._worker.start()
+        if self.engine is None:
+            self._worker.start()
         return self
 
     def prompt(self, question: str) -> list[int]:
@@ -344,8 +440,11 @@ class Service:
             )
         try:
             job = self.job(body, chat)
-            self._jobs.put(job)
-            results = job.future.result()
+            if self.engine is not None:
+                results = self._from_engine(job)
+            else:
+                self._jobs.put(job)
+                results = job.future.result()
         finally:
             self._slots.release()
         with self._lock:
@@ -383,6 +482,73 @@ class Service:
             },
             "detector": self.detector,
         }
+
+    # ------------------------------------------------------------------ in front of vLLM
+    def _from_engine(self, job: Job) -> list[dict]:
+        """The request's answers from the engine, each scored from the states file it names."""
+        from halludetect.lm.engine_states import StatesProblem, read_engine_file, remove_engine_file
+        from halludetect.lm.generation import row_seed, trim_answer
+
+        s, b, p = self.scorer, self.scorer.bundle, job.params
+        top = int(b.meta["base_model"]["num_hidden_layers"])
+        at = self.engine.layers.index(b.layer)
+        rows, bags, answers, lps, reasons = [], [], [], [], []
+        for i, key in enumerate(job.keys):
+            choice = self.engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33)
+            ids = choice["token_ids"]
+            path = (choice.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if not path:
+                raise ApiError(
+                    502,
+                    f"the engine {self.engine.url} names no hidden_states_path: start it with hidden-state extraction",
+                )
+            try:
+                data = read_engine_file(path)
+            except (OSError, StatesProblem) as e:
+                raise ApiError(502, f"the engine's states file {path} cannot be read here ({e})") from None
+            finally:
+                remove_engine_file(path)
+            states, tokens = data["hidden_states"], data["token_ids"].tolist()
+            if tokens != job.prompt + ids[:-1] or states.shape[1] != len(self.engine.layers):
+                raise ApiError(
+                    502,
+                    f"the engine's states file {path} holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
+                    f"the {len(self.engine.layers)} of --engine-layers over the prompt and answer",
+                )
+            t = trim_answer(s.tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
+            n, w = len(t.token_ids), len(job.prompt)
+            first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
+            x = states[first : first + n, at]
+            reason = None
+            if n == 0:
+                reason = "empty_answer"
+            elif n < s.min_tokens:
+                reason = "too_short"
+            elif len(x) < n:  # a generated bag's last state: no pass saw the output's last token
+                reason = "no_last_state"
+            if reason is None and b.layer == top:
+                x = self._head.norm(x)
+            rows.append(AnswerRow(row=i, where=f"choice {i}", id=None, question=job.question, answer=t.text,
+                                  token_ids=None, p_sem=None))  # fmt: skip
+            bags.append(None if reason else x)
+            answers.append(t.token_ids)
+            lps.append([float(v) for v in ((choice.get("logprobs") or {}).get("token_logprobs") or [])][:n])
+            reasons.append((t, reason))
+        with self._score_lock:
+            out = s.score_states(rows, bags, answers, lps, job.explain)
+        for o, (t, reason), ids in zip(out, reasons, answers):
+            o |= {"answer": t.text, "answer_token_ids": ids, "finish_reason": t.finish_reason}
+            if reason:
+                o["reason"] = reason
+        return out
+
+    def _eos(self) -> list[int]:
+        if not hasattr(self, "_eos_ids"):
+            from halludetect.lm.hf_models import load_config, load_generation_eos
+
+            preset = self.scorer.preset
+            self._eos_ids = load_generation_eos(preset, load_config(preset))
+        return self._eos_ids
 
     # ------------------------------------------------------------------ the model thread
     def _work(self) -> None:
@@ -607,6 +773,7 @@ def serve(
     api_key_env: str | None = None,
     name: str | None = None,
     limits: Limits = Limits(),
+    engine: EngineClient | None = None,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
     **scorer_options,
 ) -> None:
@@ -616,7 +783,7 @@ def serve(
 
     key = api_key_from(api_key_env)
     scorer = Scorer(bundle, model, log=log, **scorer_options)
-    service = Service(scorer, name=name, limits=limits, log=log)
+    service = Service(scorer, name=name, limits=limits, engine=engine, log=log)
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
