@@ -180,6 +180,54 @@ def test_bundle_scores_equal_the_dag_evaluate_scores(repo):
     assert n > 0
 
 
+def test_halludetect_serve_answers_the_openai_client_with_halludetect_scores_scores(repo, tmp_path):
+    """`halludetect serve --bundle data/bundles/world/world/max.safetensors` (the command, in the DAG's
+    repository): the openai client's answers come with scores equal to `halludetect score`'s on the same
+    questions and answers; SIGTERM stops it."""
+    import numpy as np
+    from openai import OpenAI
+
+    bundle = "data/bundles/world/world/max.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "halludetect.cli", "serve", "--bundle", bundle, "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server stopped before listening"
+            if " on http://" in line:
+                url = line.rsplit(" on ", 1)[1].strip()
+        client = OpenAI(base_url=url, api_key="-", max_retries=0)
+        questions = pl.read_parquet(repo / "data/questions/world.parquet")["question"].to_list()[:4]
+        answers = []
+        for k, q in enumerate(questions):
+            r = client.chat.completions.create(
+                model="data/world/model", messages=[{"role": "user", "content": q}], n=2, seed=k
+            )
+            answers += [(q, c) for c in r.choices if c.hallucination["score"] is not None]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert answers
+    rows = tmp_path / "answers.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"question": q, "answer": c.message.content, "answer_token_ids": c.token_ids}) + "\n"
+            for q, c in answers
+        )
+    )
+    run(["halludetect", "score", "--bundle", bundle, "--input", str(rows), "--out", str(tmp_path / "s.jsonl"),
+         "--device", "cpu", "--no-progress"], repo)  # fmt: skip
+    offline = pl.read_ndjson(tmp_path / "s.jsonl")
+    served = [c.hallucination for _, c in answers]
+    assert np.allclose([h["score"] for h in served], offline["score"].to_numpy(), atol=1e-3)
+    assert [h["flag"] for h in served] == offline["flag"].to_list()
+
+
 def test_the_plugins_bundle_scores_as_the_dag_did_and_eigenscore_is_refused(repo):
     """The docs' plugin, registered by its entry point, scores the test answers from its bundle as
     evaluate scored them; an EigenScore bundle cannot score answers one at a time, and says so."""

@@ -311,6 +311,8 @@ def test_the_command_serves_until_sigterm_and_needs_its_key_variable(bundle_path
         assert proc.wait(30) == 0
     finally:
         proc.kill()
+        proc.wait()
+        proc.stderr.close()
 
 
 # ------------------------------------------------------------------------------ in front of vLLM
