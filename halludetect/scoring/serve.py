@@ -658,6 +658,9 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "halludetect-serve"
+        # A client that stops sending (a request line, headers or body never finished, or an idle
+        # keep-alive connection) is dropped after this many seconds, not held by a thread forever.
+        timeout = 30
 
         def log_message(self, *args):  # one line per request of our own (_done), never the headers
             pass
@@ -709,7 +712,11 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
                     raise ApiError(
                         413, f"the request is {length} bytes; the limit is {service.limits.max_request_bytes}"
                     )
-                raw = self.rfile.read(int(length))
+                try:
+                    raw = self.rfile.read(int(length))
+                except TimeoutError:  # the body never came: said, and the connection closed
+                    self.close_connection = True
+                    raise ApiError(408, f"the request body did not arrive within {self.timeout} s") from None
                 try:
                     body = json.loads(raw or b"null")
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:

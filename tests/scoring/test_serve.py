@@ -372,3 +372,24 @@ def test_in_front_of_vllm_a_server_without_states_or_layer_is_named(bundle_path,
         with Server(service, port=0, log=lambda *_: None) as srv:
             code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION}, key=None)
     assert code == 502 and "names no hidden_states_path" in out["error"]["message"]
+
+
+@pytest.mark.hostile
+def test_a_client_that_stops_sending_is_dropped_and_the_server_goes_on(served, monkeypatch):
+    """A body announced and never sent (or a connection left idle) holds no thread forever: the socket
+    times out (the handler's `timeout`, 30 s; 0.5 here) and the connection is closed."""
+    import socket
+
+    srv, _ = served
+    monkeypatch.setattr(srv.http.RequestHandlerClass, "timeout", 0.5)
+    host, port = srv.http.server_address
+    with socket.create_connection((host, port), timeout=10) as s:
+        auth = b"Authorization: Bearer s3cret-key-for-tests\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 100\r\n\r\n{")
+        t0 = time.monotonic()
+        reply = b""
+        while chunk := s.recv(4096):  # a 408 naming the wait, then the server closes the connection
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
+        assert time.monotonic() - t0 < 8
+    assert post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})[0] == 200
