@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from halludetect.core.errors import DataError
 
-class StatesProblem(ValueError):
+
+class StatesProblem(DataError):
     """A states file that cannot be used: the message says why and what to change."""
 
 
@@ -155,5 +157,11 @@ class AnswerStates:
                 "sampled it without generate.endpoint.hidden_states, or the folder was removed (it is not a DVC "
                 "output). Re-run generate with it (dvc repro -f generate@<model>-<dataset>), or set dump.source: hf"
             )
-        data = load_file(str(path))
-        return data["states"], data["layers"].tolist(), data["token_ids"].tolist()
+        try:
+            data = load_file(str(path))
+            return data["states"], data["layers"].tolist(), data["token_ids"].tolist()
+        except Exception as e:  # noqa: BLE001  (cut, damaged or foreign: named, never used)
+            raise StatesProblem(
+                f"{path} (the engine states of answer {sample_index} of question '{question_id}') cannot be read "
+                f"({type(e).__name__}: {e}): re-run generate (dvc repro -f generate@<model>-<dataset>)"
+            ) from None

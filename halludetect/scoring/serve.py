@@ -746,7 +746,12 @@ class Server:
         log: Callable[[str], None] = print,
     ):
         self.service = service
-        self.http = _HTTPServer((host, port), handler_class(service, api_key, log))
+        try:
+            self.http = _HTTPServer((host, port), handler_class(service, api_key, log))
+        except OSError as e:  # in use, not an address of this machine, a privileged port
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror or e}): pass another --host or --port"
+            ) from None
         self.url = f"http://{host}:{self.http.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.http.serve_forever, name="halludetect-serve-http", daemon=True)
 

@@ -184,3 +184,16 @@ def test_the_log_prob_check_from_the_top_state_fails_for_a_served_model_with_ano
         df = sample_with_states(tiny_model_dir, params(srv.url), tmp_path / "states")
     with pytest.raises(LogprobMismatch, match="not those of models.tiny"):
         engine_dump(df, tmp_path / "states", tmp_path / "out", "predicting", tiny_model_dir)
+
+
+def test_a_damaged_states_file_is_named_with_what_to_do(sampled, tiny_model_dir, tmp_path):
+    import shutil
+
+    df, states_dir = sampled
+    copy = tmp_path / "states"
+    shutil.copytree(states_dir, copy)
+    first = df.row(0, named=True)
+    path = AnswerStates(copy).answer_path(first["question_id"], first["sample_index"])
+    path.write_bytes(path.read_bytes()[:100])  # cut, as a full disk or a kill would leave it
+    with pytest.raises(StatesProblem, match=r"cannot be read .*re-run generate"):
+        engine_dump(df, copy, tmp_path / "out", "predicting", tiny_model_dir)

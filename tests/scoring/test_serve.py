@@ -393,3 +393,11 @@ def test_a_client_that_stops_sending_is_dropped_and_the_server_goes_on(served, m
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
         assert time.monotonic() - t0 < 8
     assert post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.hostile
+def test_a_port_in_use_is_one_line_naming_it(served):
+    srv, _ = served
+    host, port = srv.http.server_address
+    with pytest.raises(Exception, match=f"cannot listen on {host}:{port} .*pass another --host or --port"):
+        Server(srv.service, host, port)
