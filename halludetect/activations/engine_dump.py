@@ -40,14 +40,15 @@ from halludetect.qa.responses import response_id
 
 
 class FinalHead:
-    """A model's final norm and LM head, loaded alone from its weight files (in the preset's dtype)."""
+    """A model's final norm and (`head`) LM head, loaded alone from its weight files, in the dtype the
+    hf dump runs the model in (the preset's; for `auto`, the checkpoint's)."""
 
-    def __init__(self, preset: ModelPreset):
+    def __init__(self, preset: ModelPreset, head: bool = True):
         from transformers import AutoModelForCausalLM
 
         config = load_config(preset)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=preset.trust_remote_code)
         blocks = {id(m) for b in _decoder_layers(model) for m in b.modules()}
         names = {id(m): n for n, m in model.named_modules()}
         norms = [
@@ -61,26 +62,35 @@ class FinalHead:
                 "which the top layer's engine state needs: leave the top layer out of dump.layers (and turn the "
                 "log-prob check off), or set dump.source: hf"
             )
-        (norm_name, self.norm_module), head = norms[0], model.get_output_embeddings()
-        head_name = names[id(head)]
-        embed_name = names[id(model.get_input_embeddings())]
-        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+        (norm_name, self.norm_module), lm_head = norms[0], model.get_output_embeddings()
+        text = config.get_text_config()
+        tied = bool(getattr(text, "tie_word_embeddings", False))
+        modules = [self.norm_module, *([lm_head] if head else [])]
         wanted = {f"{norm_name}.{k}": (self.norm_module, k) for k, _ in self.norm_module.named_parameters()}
-        wanted |= {f"{head_name}.{k}": (head, k) for k, _ in head.named_parameters()}
-        stored = _read_tensors(preset, [*wanted, f"{embed_name}.weight"])
-        dtype = torch.float32 if preset.dtype == "auto" else DTYPES[preset.dtype]
-        for module in (self.norm_module, head):
+        if head:
+            wanted |= {f"{names[id(lm_head)]}.{k}": (lm_head, k) for k, _ in lm_head.named_parameters()}
+        embed = f"{names[id(model.get_input_embeddings())]}.weight"
+        stored = _read_tensors(preset, [*wanted, *([embed] if head and tied else [])])
+        if preset.dtype != "auto":
+            dtype = DTYPES[preset.dtype]
+        else:  # transformers loads an `auto` preset in the checkpoint's dtype
+            dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or torch.float32
+            dtype = DTYPES.get(dtype, torch.float32) if isinstance(dtype, str) else dtype
+        for module in modules:
             module.to_empty(device="cpu")
         with torch.no_grad():
             for name, (module, key) in wanted.items():
                 tensor = stored.get(name)
-                if tensor is None and module is head and tied:  # a tied head is the embedding matrix
-                    tensor = stored.get(f"{embed_name}.weight")
+                if tensor is None and module is lm_head and tied:  # a tied head is the embedding matrix
+                    tensor = stored.get(embed)
                 if tensor is None:
                     raise StatesProblem(f"dump.source engine: {preset.path} has no tensor '{name}' in its weight files")
                 getattr(module, key).copy_(tensor)
-        self.head = head.to(dtype)
         self.norm_module = self.norm_module.to(dtype)
+        self.head = lm_head.to(dtype) if head else None
+        # what some architectures do to the logits after the head (Gemma 2's soft cap, Cohere's scale)
+        self.softcap = getattr(text, "final_logit_softcapping", None)
+        self.scale = getattr(text, "logit_scale", None)
         self.dtype = dtype  # the rest of the model stays on the meta device, and goes with `model`
 
     @torch.no_grad()
@@ -89,10 +99,19 @@ class FinalHead:
         return self.norm_module(x.to(self.dtype))
 
     @torch.no_grad()
-    def logprobs(self, pre_norm: torch.Tensor, tokens: torch.Tensor) -> np.ndarray:
-        """[N] float64: log-softmax of the LM head on the normed states [N, d] at `tokens` [N]."""
-        logits = self.head(self.norm(pre_norm)).float()  # [N, V]
-        return (logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, -1)).double().numpy()
+    def logprobs(self, pre_norm: torch.Tensor, tokens: torch.Tensor, chunk: int = 256) -> np.ndarray:
+        """[N] float64: log-softmax of the LM head on the normed states [N, d] at `tokens` [N], `chunk`
+        rows at a time (a batch's [N, V] logits of a 128k vocabulary would not fit)."""
+        out = np.empty(len(tokens), dtype=np.float64)
+        for i in range(0, len(tokens), chunk):
+            logits = self.head(self.norm(pre_norm[i : i + chunk])).float()  # [c, V]
+            if self.scale is not None:
+                logits = logits * self.scale
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            picked = logits.gather(1, tokens[i : i + chunk, None]).squeeze(1)
+            out[i : i + chunk] = (picked - torch.logsumexp(logits, -1)).double().numpy()
+        return out
 
 
 def _read_tensors(preset: ModelPreset, names: list[str]) -> dict[str, torch.Tensor]:

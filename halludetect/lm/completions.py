@@ -73,6 +73,7 @@ from tqdm import tqdm
 from halludetect.config import GenerateParams
 from halludetect.core.call_cache import CallCache
 from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count
+from halludetect.core.errors import UserError
 from halludetect.core.unit_store import UnitStore
 from halludetect.lm.engine_states import AnswerStates, StatesProblem
 from halludetect.lm.generation import row_seed, trim_answer
@@ -316,6 +317,8 @@ class CompletionsSampler:
                 )
             )
             for s, (cs, secs) in zip(empty, again):
+                if self.states is not None:
+                    self.states.discard(kept[s]["states_key"])  # the empty answer's states go with it
                 rows[s], kept[s] = self._trim(cs[0]), cs[0]
                 attempts[s] += 1
                 seconds[s] += secs
@@ -435,6 +438,11 @@ class EngineSampler:
             if log and len(cache) and workers.main:
                 log(f"{len(cache)} replies kept from an interrupted run: their requests are not sent again")
             if self.states is not None:
+                if params.endpoint.per_request != "answer":  # a reply names one states file: one answer each
+                    raise UserError(
+                        "generate.endpoint.hidden_states asks one states file per answer: set "
+                        "generate.endpoint.per_request: answer"
+                    )
                 if not len(cache) and len(todo) == len(units) and workers.main:
                     self.states.reset()  # a fresh run keeps no states of an earlier one
                 self.states.dir.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,12 @@ again), `keep` names each answer's file by its (question, sample). The dump read
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -46,22 +48,43 @@ def states_dir(generations: str | Path) -> Path:
     return g.parent / f".{g.stem}.states"
 
 
-def read_engine_file(path: str) -> dict[str, torch.Tensor]:
-    """vLLM's states file, once its writer has released the lock (if it takes one)."""
-    from safetensors.torch import load_file
+APPEAR_S = 60.0  # how long a named file (or its lock) may take to appear: a shared filesystem's delay
+WRITE_S = 600.0  # how long its writer may hold the lock
 
-    lock = f"{path}.lock"
-    try:
+
+def read_engine_file(path: str, appear_s: float = APPEAR_S, write_s: float = WRITE_S) -> dict[str, torch.Tensor]:
+    """vLLM's states file, read whole into memory once its writer has released the lock (if it takes
+    one). The lock or the file may take `appear_s` to show up (vLLM answers before it writes, and a
+    shared filesystem shows files late); the writer may hold the lock `write_s`: past either,
+    FileNotFoundError or TimeoutError naming the file, never a wait without end."""
+    from safetensors.torch import load
+
+    lock, deadline = f"{path}.lock", time.monotonic() + appear_s
+    while not os.path.exists(lock) and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(errno.ENOENT, f"no such file after {appear_s:.0f} s", path)
+        time.sleep(0.01)
+    if os.path.exists(lock):
         with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer's exclusive lock is released
-            return load_file(path, device="cpu")
-    except FileNotFoundError as e:
-        if e.filename == lock and os.path.exists(path):  # a server without the lock (use_synchronization_lock off)
-            return load_file(path, device="cpu")
-        raise
+            deadline = time.monotonic() + write_s
+            while True:  # the shared lock, taken once the writer's exclusive one is released
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{path} was still being written after {write_s:.0f} s") from None
+                    time.sleep(0.01)
+            with open(path, "rb") as data:  # read whole: the file is deleted once used, a mapping with it
+                return load(data.read())
+    with open(path, "rb") as data:  # a server without the lock (use_synchronization_lock off)
+        return load(data.read())
 
 
 def remove_engine_file(path: str) -> None:
+    """The server's states file and its lock, once read; only a `.safetensors` file is ever removed."""
+    if not str(path).endswith(".safetensors"):
+        return
     for p in (path, f"{path}.lock"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
@@ -105,6 +128,8 @@ class AnswerStates:
                 f"names the states file {path}, which is not readable here: generate must see the server's "
                 "shared_storage_path (run it on the same machine, or on a shared filesystem)"
             ) from None
+        except TimeoutError as e:
+            raise StatesProblem(f"names the states file {path}: {e} (the server's writer is stuck?)") from None
         except Exception as e:  # noqa: BLE001  (a cut or damaged file: named, never used)
             raise StatesProblem(f"names the states file {path}, which cannot be read: {e}") from None
         states, tokens = data.get("hidden_states"), data.get("token_ids")
@@ -135,6 +160,10 @@ class AnswerStates:
         )
         os.replace(tmp, out)
         remove_engine_file(path)
+
+    def discard(self, key: str) -> None:
+        """The states of a request whose answer was sampled again (empty): not kept."""
+        self._request_path(key).unlink(missing_ok=True)
 
     def keep(self, question_id: str, sample_index: int, key: str) -> None:
         """The request `key`'s states are answer `sample_index` of `question_id`'s."""

@@ -399,7 +399,7 @@ class Scorer:
     # ------------------------------------------------------------------ loading
     def load(self) -> Scorer:
         """The weights (and tokenizer), once; a model given loaded is only moved beside the detector."""
-        if self._loaded:
+        if self._loaded and self.model is not None:
             return self
         if self.model is None:
             from halludetect.activations.early_exit import load_until

@@ -54,6 +54,7 @@ from __future__ import annotations
 import copy
 import hmac
 import json
+import math
 import os
 import queue
 import secrets
@@ -67,6 +68,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from halludetect.activations.engine_dump import FinalHead
 from halludetect.config import GenerateParams
@@ -153,7 +156,7 @@ class Job:
 # ------------------------------------------------------------------------------ requests
 def _number(body: dict, name: str, kind: type, low: float, high: float | None = None, *, low_open=False):
     value = body.get(name)
-    ok = isinstance(value, kind) if kind is int else isinstance(value, int | float)
+    ok = isinstance(value, kind) if kind is int else isinstance(value, int | float) and math.isfinite(value)
     if isinstance(value, bool) or not ok:
         raise ApiError(400, f"'{name}' must be {'a whole number' if kind is int else 'a number'}, got {value!r}", name)
     if (value <= low if low_open else value < low) or (high is not None and value > high):
@@ -233,8 +236,15 @@ class EngineClient:
             status, text = self._call("/models")
         except OSError as e:  # down, refused, a timeout: named
             raise UserError(f"--engine {self.url} cannot be reached: {type(e).__name__}: {e}") from None
-        served = [m.get("id") for m in (json.loads(text).get("data") or [])] if status == 200 else []
-        if status == 200 and self.model not in served:
+        if status != 200:
+            raise UserError(f"--engine {self.url}/models answered {status}: give its /v1 URL (and --engine-key-env)")
+        try:
+            served = [m.get("id") for m in (json.loads(text).get("data") or []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            raise UserError(
+                f"--engine {self.url}/models did not answer a model list: is it an OpenAI-compatible server?"
+            ) from None
+        if self.model not in served:
             raise UserError(
                 f"--engine {self.url} serves {served}, not '{self.model}': pass --engine-model, or serve the "
                 "bundle's base model"
@@ -252,6 +262,10 @@ class EngineClient:
             "top_p": params.top_p,
             "top_k": params.top_k or -1,
             "repetition_penalty": params.repetition_penalty,
+            # neutral settings sent too: vLLM fills unset ones from the model's generation_config.json
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "stop": list(params.stop),
             "logprobs": 1,
             "return_token_ids": True,
@@ -267,7 +281,13 @@ class EngineClient:
             raise ApiError(502, f"the engine {self.url} answered {status}: {text[:300]}")
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
-            raise ApiError(502, f"the engine {self.url} gave no token ids (vLLM >= 0.10.2 returns them)")
+            raise ApiError(502, "the engine gave no token ids (vLLM >= 0.10.2 returns them)")
+        if choice.get("finish_reason") not in ("stop", "length"):
+            raise ApiError(502, f"the engine did not finish the answer (finish_reason {choice.get('finish_reason')!r})")
+        if len(choice["token_ids"]) > params.max_new_tokens:
+            raise ApiError(
+                502, f"the engine returned {len(choice['token_ids'])} tokens for max_tokens {params.max_new_tokens}"
+            )
         return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
 
 
@@ -322,7 +342,7 @@ class Service:
             self.engine.check()
             self.scorer.load_without_model()
             top = int(self.scorer.bundle.meta["base_model"]["num_hidden_layers"])
-            self._head = FinalHead(self.scorer.preset) if self.scorer.bundle.layer == top else None
+            self._head = FinalHead(self.scorer.preset, head=False) if self.scorer.bundle.layer == top else None
             self._score_lock = threading.Lock()
         else:
             self.scorer.load()
@@ -401,7 +421,7 @@ class Service:
         if "stop" in body:
             stop = body["stop"]
             stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-            if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s.strip() for s in stop):
                 raise ApiError(400, "'stop' must be a string or a list of at most 4 non-empty strings", "stop")
             update["stop"] = stop
         seed = body.get("seed")
@@ -415,7 +435,12 @@ class Service:
                 self.scorer.bundle.evidence_rule()
             except UserError as e:
                 raise ApiError(400, str(e), "explain") from None
-        params = GenerateParams.model_validate({**d.model_dump(), **update})
+        try:
+            params = GenerateParams.model_validate({**d.model_dump(), **update})
+        except ValidationError as e:  # what the sampler itself refuses (a stop string of spaces, say)
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else None
+            raise ApiError(400, f"{field}: {err['msg']}", {"max_new_tokens": length_key}.get(field, field)) from None
         prompt = self.prompt(question)
         context = self.scorer.context
         if context is not None and len(prompt) + params.max_new_tokens > context:
@@ -515,10 +540,11 @@ class Service:
                     f"the engine's states file {path} holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
                     f"the {len(self.engine.layers)} of --engine-layers over the prompt and answer",
                 )
-            t = trim_answer(s.tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
+            with self._tokenizer_lock:  # the request threads' tokenizer, one at a time
+                t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
             n, w = len(t.token_ids), len(job.prompt)
             first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
-            x = states[first : first + n, at]
+            x = states[first : first + n, at].clone()  # a copy: the file is deleted, its mapping with it
             reason = None
             if n == 0:
                 reason = "empty_answer"
@@ -564,7 +590,9 @@ class Service:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
+                if job is None:  # stopping: the requests still waiting are answered, not left hanging
+                    for j in waiting:
+                        j.future.set_exception(ApiError(503, "the server is stopping"))
                     return
                 waiting.append(job)
             key, group, rows = waiting[0].batch_key, [], 0
@@ -670,6 +698,8 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
             self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def _done(self, status: int, payload: dict, t0: float, headers: dict | None = None) -> None:
+            if self.close_connection:  # said, so that the client opens a new one for its next request
+                headers = {**(headers or {}), "Connection": "close"}
             _send(self, status, payload, headers)
             log(f"{self.command} {self.path.split('?')[0]} {status} {time.perf_counter() - t0:.3f}s")
 
@@ -701,8 +731,10 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
             length = self.headers.get("Content-Length")
             try:
                 if not self._authorized():
+                    self.close_connection = True  # its body is not read: the connection cannot carry another
                     raise ApiError(401, "a valid API key is needed (Authorization: Bearer ...)")
                 if path not in ("/v1/completions", "/v1/chat/completions"):
+                    self.close_connection = True
                     raise ApiError(404, f"no route POST {path} (POST /v1/completions, /v1/chat/completions)")
                 if length is None or not length.isdigit():
                     self.close_connection = True
@@ -756,7 +788,11 @@ class Server:
         self._thread = threading.Thread(target=self.http.serve_forever, name="halludetect-serve-http", daemon=True)
 
     def __enter__(self) -> Server:
-        self.service.start()
+        try:
+            self.service.start()
+        except BaseException:
+            self.http.server_close()  # the socket bound in __init__
+            raise
         self._thread.start()
         return self
 

@@ -197,3 +197,12 @@ def test_a_damaged_states_file_is_named_with_what_to_do(sampled, tiny_model_dir,
     path.write_bytes(path.read_bytes()[:100])  # cut, as a full disk or a kill would leave it
     with pytest.raises(StatesProblem, match=r"cannot be read .*re-run generate"):
         engine_dump(df, copy, tmp_path / "out", "predicting", tiny_model_dir)
+
+
+def test_states_with_several_answers_per_request_are_refused_before_sampling(tiny_model_dir, tmp_path):
+    with FakeVLLM(tiny_model_dir, hidden_states=LAYERS, states_dir=tmp_path / "shm") as srv:
+        p = params(srv.url)
+        p = p.model_copy(update={"endpoint": p.endpoint.model_copy(update={"per_request": "question"})})
+        with pytest.raises(Exception, match="per_request: answer"):
+            sample_with_states(tiny_model_dir, p, tmp_path / "states")
+        assert srv.count == 0

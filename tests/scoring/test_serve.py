@@ -177,6 +177,9 @@ def test_a_round_of_queued_requests_is_one_sampling_pass(served, monkeypatch):
         ({"model": "tiny", "prompt": QUESTION, "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "prompt": QUESTION, "top_p": 0}, 400, "top_p"),
         ({"model": "tiny", "prompt": QUESTION, "seed": 1.5}, 400, "seed"),
+        ({"model": "tiny", "prompt": QUESTION, "temperature": float("nan")}, 400, "temperature"),
+        ({"model": "tiny", "prompt": QUESTION, "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+        ({"model": "tiny", "prompt": QUESTION, "stop": [" "]}, 400, "stop"),
         ({"model": "tiny", "prompt": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": "tiny", "prompt": QUESTION, "explain": "yes"}, 400, "explain"),
         ({"model": "tiny", "prompt": QUESTION, "logprobs": 3}, 400, "logprobs"),
@@ -355,7 +358,7 @@ def test_served_in_front_of_vllm_scores_equal_the_offline_scorer(engine_served, 
     assert not list(shm.glob("*")), "each states file (and its lock) is deleted once scored"
 
 
-def test_in_front_of_vllm_a_server_without_states_or_layer_is_named(bundle_path, tiny_model_dir, tmp_path):
+def test_in_front_of_vllm_a_server_without_states_or_layer_is_named(served, bundle_path, tiny_model_dir, tmp_path):
     from halludetect.scoring.bundle import load_bundle
     from halludetect.scoring.serve import EngineClient
     from halludetect.testing.fake_vllm import FakeVLLM
@@ -367,6 +370,8 @@ def test_in_front_of_vllm_a_server_without_states_or_layer_is_named(bundle_path,
         Service(scorer, engine=EngineClient("http://127.0.0.1:9/v1", None, others))
     with pytest.raises(Exception, match="cannot be reached"):
         Service(scorer, engine=EngineClient("http://127.0.0.1:9/v1", None, ENGINE_LAYERS)).start()
+    with pytest.raises(Exception, match="answered 401: give its /v1 URL .and --engine-key-env."):
+        Service(scorer, engine=EngineClient(served[0].url, None, ENGINE_LAYERS)).start()  # a server wanting a key
     with FakeVLLM(tiny_model_dir, states_dir=tmp_path) as engine:  # started without extraction
         service = Service(scorer, name="tiny", engine=EngineClient(engine.url, None, ENGINE_LAYERS), log=print)
         with Server(service, port=0, log=lambda *_: None) as srv:
@@ -401,3 +406,21 @@ def test_a_port_in_use_is_one_line_naming_it(served):
     host, port = srv.http.server_address
     with pytest.raises(Exception, match=f"cannot listen on {host}:{port} .*pass another --host or --port"):
         Server(srv.service, host, port)
+
+
+@pytest.mark.hostile
+def test_a_refused_request_whose_body_was_not_read_closes_its_connection(served):
+    """A 401 or 404 answered before the body is read says `Connection: close` (the unread body would be
+    read as the next request): the client's next request goes on a new connection and is answered."""
+    srv, _ = served
+    host, port = srv.http.server_address
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    body = json.dumps({"model": "tiny", "prompt": QUESTION, "max_tokens": 4})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 401 and r.getheader("Connection") == "close"
+    r.read()
+    auth = {"Content-Type": "application/json", "Authorization": "Bearer s3cret-key-for-tests"}
+    conn.request("POST", "/v1/completions", body=body, headers=auth)  # http.client reconnects
+    assert conn.getresponse().status == 200
+    conn.close()
