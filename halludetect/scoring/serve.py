@@ -57,6 +57,7 @@ import json
 import math
 import os
 import queue
+import re
 import secrets
 import socket
 import sys
@@ -73,6 +74,7 @@ from pydantic import ValidationError
 
 from halludetect.activations.engine_dump import FinalHead
 from halludetect.config import GenerateParams
+from halludetect.core.credentials import url_credentials
 from halludetect.core.errors import UserError
 from halludetect.lm.model_inputs import encode_prompt
 from halludetect.scoring.answer_files import AnswerRow
@@ -212,6 +214,10 @@ class EngineClient:
     ):
         if not layers or len(set(layers)) != len(layers):
             raise OptionError(f"--engine-layers {layers}: the server's eagle_aux_hidden_state_layer_ids, each once")
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+            raise OptionError(f"--engine: '{url}' is not an http(s) URL, e.g. http://localhost:8001/v1")
+        if problem := url_credentials(url):  # a key belongs in --engine-key-env, never in a URL we log
+            raise OptionError(f"--engine: the URL carries {problem}: give the key with --engine-key-env")
         self.url, self.model, self.layers = url.rstrip("/"), model, list(layers)
         key = api_key_from(api_key_env)
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -276,9 +282,9 @@ class EngineClient:
             status, text = self._call("/completions", body)
             data = json.loads(text) if status == 200 else None
         except (OSError, ValueError) as e:
-            raise ApiError(502, f"the engine {self.url} did not answer: {type(e).__name__}: {e}") from None
-        if status != 200:
-            raise ApiError(502, f"the engine {self.url} answered {status}: {text[:300]}")
+            raise ApiError(502, f"the engine did not answer ({type(e).__name__})") from None
+        if status != 200:  # its message is the engine's own (a context too long, say): passed on, cut
+            raise ApiError(502, f"the engine answered {status}: {text[:300]}")
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
             raise ApiError(502, "the engine gave no token ids (vLLM >= 0.10.2 returns them)")
@@ -525,19 +531,22 @@ class Service:
             if not path:
                 raise ApiError(
                     502,
-                    f"the engine {self.engine.url} names no hidden_states_path: start it with hidden-state extraction",
+                    "the engine names no hidden_states_path: start it with hidden-state extraction",
                 )
             try:
                 data = read_engine_file(path)
             except (OSError, StatesProblem) as e:
-                raise ApiError(502, f"the engine's states file {path} cannot be read here ({e})") from None
+                self.log(f"the engine's states file {path} cannot be read here: {e}")  # the operator's log
+                raise ApiError(
+                    502, "the engine's states file cannot be read here (the server's log says why)"
+                ) from None
             finally:
                 remove_engine_file(path)
             states, tokens = data["hidden_states"], data["token_ids"].tolist()
             if tokens != job.prompt + ids[:-1] or states.shape[1] != len(self.engine.layers):
                 raise ApiError(
                     502,
-                    f"the engine's states file {path} holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
+                    f"the engine's states file holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
                     f"the {len(self.engine.layers)} of --engine-layers over the prompt and answer",
                 )
             with self._tokenizer_lock:  # the request threads' tokenizer, one at a time

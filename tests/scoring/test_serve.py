@@ -424,3 +424,14 @@ def test_a_refused_request_whose_body_was_not_read_closes_its_connection(served)
     conn.request("POST", "/v1/completions", body=body, headers=auth)  # http.client reconnects
     assert conn.getresponse().status == 200
     conn.close()
+
+
+@pytest.mark.hostile
+def test_an_engine_url_with_a_key_in_it_or_no_url_is_refused_without_echoing_the_key():
+    from halludetect.scoring.serve import EngineClient
+
+    with pytest.raises(Exception, match="--engine-key-env") as e:
+        EngineClient("http://admin:hunter2@gpu-box:8001/v1", None, ENGINE_LAYERS)
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(Exception, match="not an http"):
+        EngineClient("gpu-box:8001", None, ENGINE_LAYERS)
