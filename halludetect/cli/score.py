@@ -78,6 +78,21 @@ def run(args) -> None:
     print(json.dumps(summary, sort_keys=True))
 
 
+def add_model_options(s) -> None:
+    """The base model's options, shared by `score` and `serve`."""
+    s.add_argument(
+        "--model",
+        help="base model: a local directory or hub id (default: the one the bundle names); "
+        "it must be the model the detector was trained on",
+    )
+    s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
+    s.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="model dtype (default: the bundle's preset)"
+    )
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
+    s.add_argument("--device-map", type=_device_map, help="accelerate placement over several GPUs, e.g. auto")
+
+
 def add(sub) -> None:
     from halludetect.scoring.answer_range import CAN_SCORE
 
@@ -101,17 +116,7 @@ def add(sub) -> None:
         help="output file, .parquet or .jsonl (parts of an unfinished run are "
         "kept next to it in .<name>.parts/ and reused by a re-run)",
     )
-    s.add_argument(
-        "--model",
-        help="base model: a local directory or hub id (default: the one the bundle names); "
-        "it must be the model the detector was trained on",
-    )
-    s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
-    s.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="model dtype (default: the bundle's preset)"
-    )
-    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
-    s.add_argument("--device-map", type=_device_map, help="accelerate placement over several GPUs, e.g. auto")
+    add_model_options(s)
     s.add_argument(
         "--positions",
         choices=["predicting", "generated"],

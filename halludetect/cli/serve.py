@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from halludetect.cli.score import _device_map
+from halludetect.cli.score import add_model_options
 from halludetect.core.errors import UserError
 
 
@@ -67,13 +67,7 @@ def add(sub) -> None:
         "was trained on. Ctrl-C or SIGTERM stops it.",
     )
     s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
-    s.add_argument("--model", help="base model: a local directory or hub id (default: the one the bundle names)")
-    s.add_argument("--revision", help="hub revision of --model (default: the bundle's)")
-    s.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="model dtype (default: the bundle's preset)"
-    )
-    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: auto)")
-    s.add_argument("--device-map", type=_device_map, help="accelerate placement over several GPUs, e.g. auto")
+    add_model_options(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port, printed)")
     s.add_argument(

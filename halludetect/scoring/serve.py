@@ -553,7 +553,7 @@ class Service:
                 t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
             n, w = len(t.token_ids), len(job.prompt)
             first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
-            x = states[first : first + n, at].clone()  # a copy: the file is deleted, its mapping with it
+            x = states[first : first + n, at]  # read whole into memory by read_engine_file: the deletion is safe
             reason = None
             if n == 0:
                 reason = "empty_answer"
