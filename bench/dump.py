@@ -82,7 +82,7 @@ def child(n: int, out_dir: Path) -> dict:
     from halludetect.activations.layer_reader import read_layer
     from halludetect.config import ModelPreset
     from halludetect.lm.hf_models import check_layers, load_model, load_tokenizer
-    from halludetect.qa.datasets import read_questions
+    from halludetect.qa.questions import read_questions
 
     setup_threads()
     preset = ModelPreset(path=str(WORLD_MODEL), dtype="float32")

@@ -77,7 +77,7 @@ def main() -> None:
     from halludetect.config import ModelPreset
     from halludetect.lm.engine_states import AnswerStates
     from halludetect.lm.hf_models import check_layers, load_model, load_tokenizer
-    from halludetect.qa.datasets import read_questions
+    from halludetect.qa.questions import read_questions
 
     preset = ModelPreset(path=str(WORLD_MODEL), dtype="float32")
     model, tokenizer = load_model(preset, "cpu"), load_tokenizer(preset)

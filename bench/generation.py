@@ -33,7 +33,7 @@ from halludetect.config import GenerateParams, ModelPreset
 from halludetect.lm.completions import generate_completions
 from halludetect.lm.generation import encode_prompt, generate
 from halludetect.lm.hf_models import load_config, load_generation_eos, load_model, load_tokenizer
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from halludetect.config import GenerateParams, ModelPreset
 from halludetect.lm.completions import generate_completions
 from halludetect.lm.generation import generate
 from halludetect.lm.hf_models import load_config, load_generation_eos, load_model, load_tokenizer
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from halludetect.testing.fake_vllm import FakeVLLM
 
 

@@ -45,7 +45,7 @@ from halludetect.detectors.build import build_detector
 from halludetect.lm.hf_models import load_model, load_tokenizer
 from halludetect.lm.model_inputs import encode_prompt, pad_ids
 from halludetect.methods.pooling import PoolingParams
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 
 WORLD_GENERATIONS = Path("data/generations/world/world.parquet")
 SHAPES = {

@@ -177,7 +177,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     if args.preset == "world":
         need(WORLD_BUNDLE, WORLD_QUESTIONS)
-        from halludetect.qa.datasets import read_questions
+        from halludetect.qa.questions import read_questions
 
         qs = read_questions(str(WORLD_QUESTIONS))
         questions = qs.filter(qs["split"] == "test")["question"].to_list()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, model_validator
 
-from halludetect.core import yaml12
+from halludetect.core import registry, yaml12
 from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
@@ -139,6 +140,86 @@ class ModelPreset(Section):
         return self
 
 
+def _registered(kind: str):
+    """A params word naming a part of core/registry.py's `kind` (a built-in or an installed plugin),
+    checked in every stage before any work, with the did-you-mean error."""
+
+    def check(value: str) -> str:
+        try:
+            registry.check(kind, value)
+        except KeyError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    return AfterValidator(check)
+
+
+class HubSource(Section):
+    """Where a dataset lives on the Hugging Face hub (`datasets.load_dataset(id, config, split=split)`)."""
+
+    id: str
+    config: str | None = None
+    split: str
+
+
+class Md5Of(Section):
+    md5: str  # the id is the md5 of this field's text (the semantic-entropy code's scheme)
+
+
+class RowNumber(Section):
+    row: Annotated[int, Field(ge=0)]  # the id is the record's row number, counted from this (0 or 1)
+
+
+class Joined(Section):
+    join: Annotated[list[str], Field(min_length=1)]  # these fields' texts, each stripped, joined by sep
+    sep: str = " "
+
+
+# A hub row's value for a field of the common schema: a dotted path into the row ("answer.value"), a
+# list of paths whose values are concatenated (strings and lists of strings), or one of the above.
+FieldSource = str | list[str] | Md5Of | RowNumber | Joined
+CommonField = Literal["id", "question", "answers", "context", "incorrect_answers", "category"]
+
+
+class DatasetFormat(Section):
+    """How a source's records become the common schema (qa/datasets.py; docs/datasets.md): a built-in
+    format is a file of halludetect/qa/formats/, a preset may write its own inline (`format:`)."""
+
+    description: str = ""
+    hub: HubSource | None = None  # None: local files only (the preset's `path`)
+    fields: dict[CommonField, FieldSource] = {}  # hub rows -> common schema (question and answers at least)
+    file_fields: dict[CommonField, str] = {}  # a local file's own name for a field absent under its common name
+    reader: str | None = None  # "module:function" reading a local file of another shape (BioASQ's JSON)
+    question_suffix: str = ""  # appended to every question (NQ-open: "?", as the peers do)
+    context: Literal["keep", "drop"] = "keep"
+    answers: Literal["text", "number"] = "text"  # number: 51.0 -> "51" (SVAMP)
+    unanswerable: str | None = None  # drop a record without answers with this reason (else: "no reference answer")
+
+    @model_validator(mode="after")
+    def _fields(self) -> DatasetFormat:
+        if self.hub is not None and not {"question", "answers"} <= set(self.fields):
+            raise ValueError("a hub format maps at least question and answers in fields")
+        if self.reader is not None and ":" not in self.reader:
+            raise ValueError(f"reader '{self.reader}' is not 'module:function'")
+        return self
+
+
+def dataset_format(preset: DatasetPreset) -> DatasetFormat | None:
+    """The preset's format: its own `format:`, or its loader's format file (`file` when it names none),
+    validated; None for a loader that is a Python function (a plugin's)."""
+    if preset.format is not None:
+        return preset.format
+    name = preset.loader or "file"
+    target = registry.targets("dataset")[name]
+    if not target.endswith(".yaml"):
+        return None
+    data = registry.resolve("dataset", name)
+    try:
+        return DatasetFormat.model_validate(data or {})
+    except ValidationError as e:
+        raise ParamsError(f"{registry.PACKAGE_DIR / target}: not a dataset format: {e}") from None
+
+
 class SplitSizes(Section):
     """Exact question counts per split (the paper's), instead of prepare's fractions."""
 
@@ -148,7 +229,8 @@ class SplitSizes(Section):
 
 
 class DatasetPreset(Section):
-    loader: Literal["world", "trivia_qa", "squad", "nq", "bioasq", "file", "truthful_qa", "halueval_qa", "svamp"]
+    loader: Annotated[str, _registered("dataset")] | None = None  # a format of core/registry.py; None: file
+    format: DatasetFormat | None = Field(None, description="a format of this preset's own, instead of the loader's")
     path: str | None = Field(None, description="local file for loaders that read one")
     hf_id: str | None = None
     hf_config: str | None = None
@@ -164,8 +246,12 @@ class DatasetPreset(Section):
 
     @model_validator(mode="after")
     def _path_needed(self) -> DatasetPreset:
-        if self.loader in ("world", "bioasq", "file") and not self.path:
-            raise ValueError(f"loader '{self.loader}' reads a local file: set 'path'")
+        if self.format is not None and self.loader is not None:
+            raise ValueError("format describes the dataset itself: remove loader (or format, to use the loader's)")
+        fmt = dataset_format(self)
+        if fmt is not None and fmt.hub is None and not self.path:
+            what = f"loader '{self.loader or 'file'}'" if self.format is None else "a format without hub"
+            raise ValueError(f"{what} reads a local file: set 'path'")
         if self.sizes is not None and self.max_questions is not None:
             raise ValueError("sizes fixes the number of questions: remove max_questions")
         if self.train_hf_split is not None and self.sizes is None:
@@ -293,7 +379,7 @@ class GenerateParams(Section):
     batch_size: PositiveInt = 64  # questions per model call (x n_samples rows); also the unit of resume
     seed: int = 0
     device: Device = "auto"
-    backend: Literal["hf", "completions"] = "hf"  # hf: transformers in the stage; completions: a serving engine
+    backend: Annotated[str, _registered("sampler")] = "hf"  # hf: transformers in the stage; completions: an engine
     endpoint: CompletionsParams = CompletionsParams()
 
     @model_validator(mode="after")
@@ -362,7 +448,7 @@ class Price(Section):
 
 
 class JudgeParams(Section):
-    backend: Literal["match", "openai"] = "match"
+    backend: Annotated[str, _registered("judge")] = "match"
     two_pass: bool = True
     match: MatchJudgeParams = MatchJudgeParams()
     # The paper: GPT-5 mini (a reasoning model: no temperature).
@@ -383,7 +469,7 @@ class HFNLIParams(Section):
 
 
 class ClusterParams(Section):
-    backend: Literal["exact", "hf", "openai"] = "exact"
+    backend: Annotated[str, _registered("nli")] = "exact"
     equivalence: Literal["paper", "strict"] = "paper"
     hf: HFNLIParams = HFNLIParams()
     # The paper: GPT-4o mini with prompt 3.
@@ -698,13 +784,22 @@ def _model_at(loc: tuple, root: type[BaseModel] | None = None) -> type[BaseModel
     """The pydantic model owning the keys at `loc`, following fields and dict values."""
     model: Any = root or Params
     for part in loc:
+        model = _section_of(model)
         if isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
             model = model.model_fields[part].annotation
         elif get_origin(model) is dict:
             model = get_args(model)[1]  # a preset name: step into the dict's value type
         else:
             return None
+    model = _section_of(model)
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _section_of(annotation: Any) -> Any:
+    """An optional section's model (X | None -> X); any other annotation as it is."""
+    if get_origin(annotation) in (Union, UnionType):
+        return next((a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), annotation)
+    return annotation
 
 
 def format_errors(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> str:

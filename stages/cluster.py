@@ -6,7 +6,7 @@ from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.errors import UserError
 from halludetect.labels.nli import cluster_responses, get_nli, unusable_clustering
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from stages import common
 
 

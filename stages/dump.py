@@ -22,7 +22,7 @@ from halludetect.core.errors import UserError
 from halludetect.lm.hf_models import check_layers, load_config, load_model, load_tokenizer
 from halludetect.lm.parallel import relaunch, workers
 from halludetect.prompts import GENERATION, template_hash
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from halludetect.qa.responses import select_answers
 from stages import common
 

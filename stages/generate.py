@@ -21,7 +21,7 @@ from halludetect.lm.parallel import relaunch, workers
 from halludetect.lm.samplers import open_sampler
 from halludetect.lm.sampling import GENERATIONS_SCHEMA, sample
 from halludetect.prompts import GENERATION, template_hash
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from stages import common
 
 

@@ -13,7 +13,7 @@ from halludetect.core.errors import UserError
 from halludetect.evaluation.latency import sequential_cost
 from halludetect.labels.nli import get_nli
 from halludetect.lm.hf_models import load_model, load_tokenizer
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from stages import common
 
 

@@ -19,7 +19,7 @@ from halludetect.evaluation.costs import cost_per_response, sampling_seconds
 from halludetect.evaluation.p_true import p_true_scores
 from halludetect.labels.readers import read_judgments
 from halludetect.lm.hf_models import load_model, load_tokenizer
-from halludetect.qa.datasets import read_questions
+from halludetect.qa.questions import read_questions
 from stages import common
 
 NEEDS = {"p_true": ("sampling", "a forward pass")}

@@ -351,24 +351,3 @@ def test_params_reject_an_unknown_device_map_naming_the_key():
     for placement in ("auto", "balanced_low_0", "sequential", "cpu", "cuda:1"):
         data["models"]["world"]["device_map"] = placement
         parse_params(data)
-
-
-def test_every_choice_list_of_the_params_is_its_registry():
-    """config sits below the code it names (it cannot import it), so each backend or loader choice
-    is a Literal there and a registry beside the code: the two must list the same names (the
-    samplers of generate, the dataset loaders, the judge and NLI backends)."""
-    from typing import get_args
-
-    from halludetect.config import ClusterParams, DatasetPreset, GenerateParams, JudgeParams
-    from halludetect.labels.judges import JUDGES
-    from halludetect.labels.nli import NLI_BACKENDS
-    from halludetect.lm.samplers import SAMPLERS
-    from halludetect.qa.datasets import LOADERS
-
-    def choices(model, key) -> set[str]:
-        return set(get_args(model.model_fields[key].annotation))
-
-    assert choices(DatasetPreset, "loader") == set(LOADERS)
-    assert choices(JudgeParams, "backend") == set(JUDGES)
-    assert choices(ClusterParams, "backend") == set(NLI_BACKENDS)
-    assert choices(GenerateParams, "backend") == set(SAMPLERS)

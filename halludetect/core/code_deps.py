@@ -247,8 +247,92 @@ def _closure(module: str, keep: frozenset[str] | None = None) -> list[Path]:
             skip = VALIDATION_ONLY.get(".".join(parts[:k]), ())
             found = discovered(path, package)
             names = explicit_imports(path, package) | (found if keep is None else found & keep)
+            if ".".join(parts[:k]) not in REGISTRY_VALIDATION_ONLY:
+                modules, files = registry_deps(path)
+                names |= modules
+                seen.update(files)
             todo += [n for n in names if not any(n == s or n.startswith(s + ".") for s in skip)]
     return sorted(p for p in seen - {FRONT_DOOR} if not _runs_nothing(p))
+
+
+# ------------------------------------------------------------------------------ the registry's targets
+REGISTRY_FILE = ROOT / "halludetect" / "core" / "registry.py"
+# config.py resolves a dataset's format file only to check its preset (does it need a `path`?): that can
+# stop a stage but not change what it writes, as for its import of methods/ (VALIDATION_ONLY).
+REGISTRY_VALIDATION_ONLY = {"halludetect.config"}
+
+
+@_per_pass
+def registry_builtins() -> dict[str, dict[str, str]]:
+    """core/registry.py's BUILTINS, read from its source (no import)."""
+    for node in ast.parse(REGISTRY_FILE.read_text(), str(REGISTRY_FILE)).body:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == "BUILTINS" and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise ValueError(f"{REGISTRY_FILE} has no BUILTINS literal")
+
+
+@_per_pass
+def kind_deps(kind: str) -> tuple[frozenset[str], frozenset[Path]]:
+    """The modules and files that resolving any name of `kind` may run: each built-in's module, or its
+    format file and the reader that file names; and the installed plugins' modules that are ours."""
+    modules, files = set(), set()
+    for target in registry_builtins().get(kind, {}).values():
+        if target.endswith(".yaml"):
+            path = ROOT / "halludetect" / target
+            files.add(path)
+            reader = _format_reader(path)
+            if reader:
+                modules.add(reader.partition(":")[0])
+        else:
+            modules.add(target.partition(":")[0])
+    from halludetect.core.registry import group
+
+    modules |= {ep.value.partition(":")[0].strip() for ep in entry_points(group=group(kind))}
+    return frozenset(m for m in modules if module_file(m)), frozenset(p for p in files if p.is_file())
+
+
+def _format_reader(path: Path) -> str | None:
+    from halludetect.core import yaml12
+
+    try:
+        data = yaml12.load(path.read_text()) or {}
+    except (OSError, yaml12.YAMLError):
+        return None  # the stage names what is wrong with it
+    return data.get("reader") if isinstance(data, dict) else None
+
+
+@cache
+def _resolved_kinds(path: Path) -> frozenset[str]:
+    """The kinds a file resolves by name: calls `resolve("<kind>", ...)` with a literal kind."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "resolve"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return frozenset(found)
+
+
+def registry_deps(path: Path) -> tuple[frozenset[str], frozenset[Path]]:
+    """What a file runs through core/registry.py: the targets of every kind it resolves."""
+    if path.suffix != ".py":
+        return frozenset(), frozenset()
+    modules: set[str] = set()
+    files: set[Path] = set()
+    for kind in _resolved_kinds(path):
+        m, f = kind_deps(kind)
+        modules |= m
+        files |= f
+    return frozenset(modules), frozenset(files)
 
 
 # ------------------------------------------------------------------------------ one method's code
@@ -305,6 +389,8 @@ def method_modules(method: str) -> frozenset[str]:
 def _runs_nothing(path: Path) -> bool:
     """A file that is only a docstring (a package's description) cannot change any result: an
     edit to it re-runs nothing."""
+    if path.suffix != ".py":
+        return False  # a data file a stage reads (a dataset format)
     body = ast.parse(path.read_text(), str(path)).body
     return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
 

@@ -1,4 +1,4 @@
-"""Name lookups with helpful errors, shared by every registry (judges, NLI, detectors)."""
+"""Name lookups with helpful errors, shared by every registry (core/registry.py, methods/, baselines)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,6 @@ def suggest(name: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"{hint} valid: {', '.join(choices)}"
-
-
-def registrar(table: dict):
-    """A `@register(name)` decorator that adds factories to `table`."""
-
-    def register(name: str):
-        def deco(factory):
-            table[name] = factory
-            return factory
-
-        return deco
-
-    return register
 
 
 def lookup(kind: str, name: str, table: dict):

@@ -1,19 +1,17 @@
-"""The samplers `generate.backend` names, one registry (did-you-mean errors: core/lookup.py).
+"""The samplers `generate.backend` names (kind "sampler" of core/registry.py, did-you-mean errors).
 
     hf           transformers in the stage's process (generation.py); the model loads here
     completions  a running vLLM or SGLang server (completions.py); only the tokenizer and the
                  model's config load here
 
 Each entry opens a sampler of lm/sampling.py's interface for a model preset; `sampling.sample`
-runs it. config.py's `generate.backend` choices are these names (a test holds them together).
+runs it. A plugin's opener takes the same arguments (entry-point group `halludetect.samplers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from halludetect.config import GenerateParams, ModelPreset
-from halludetect.core.lookup import lookup
+from halludetect.core import registry
 from halludetect.lm.completions import EngineSampler
 from halludetect.lm.generation import HFSampler
 from halludetect.lm.hf_models import load_config, load_generation_eos, load_model
@@ -43,11 +41,8 @@ def open_completions(
     )
 
 
-SAMPLERS: dict[str, Callable[..., Sampler]] = {"hf": open_hf, "completions": open_completions}
-
-
 def open_sampler(preset: ModelPreset, params: GenerateParams, tokenizer, *, device: str, states_dir=None) -> Sampler:
     """The sampler of `params.backend` for `preset`; `device` is where `hf` loads the model; `states_dir`
     where an engine's hidden states are kept (generate.endpoint.hidden_states)."""
-    opener = lookup("generate backend", params.backend, SAMPLERS)
+    opener = registry.resolve("sampler", params.backend)
     return opener(preset, params, tokenizer, device=device, states_dir=states_dir)

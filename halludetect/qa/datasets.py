@@ -1,18 +1,16 @@
-"""QA loaders into one common schema, and the question-level split.
+"""Loading a dataset into the common schema (qa/questions.py), and the question-level split: the
+prepare stage's library.
 
-Common schema (one row per question):
-    id: str, question: str, answers: list[str] (non-empty), context: str | None,
-    split: "train" | "val" | "test",
-    incorrect_answers: list[str] (known wrong answers, for the judge; [] for most datasets),
-    category: str | None (TruthfulQA's category; null elsewhere)
-
-Every loader first produces raw records {id, question, answers, context}, from the hub or
-from a local file, each with where it came from (file and 1-based line, Parquet row, hub
-row). One typed validator (`QARecord`) checks them all and reports every problem at once,
-as `<file>:<line>: <field>: <what> (<fix>)`, before anything is written. Then the same
-per-dataset convention is applied (SQuAD: answerable only; NQ-open: "?" appended as the
-semantic-entropy code does; BioASQ: questions with an exact_answer). So the local samples
-shipped in tests/fixtures exercise the conventions the hub path uses.
+A dataset is data: its format (a file of qa/formats/, named by core/registry.py, or the preset's own
+`format:`; docs/datasets.md) says which hub dataset it is and where the hub rows' fields go, and what
+is done to every record (a question suffix, the context dropped, unanswerable ones dropped). A local
+file is in the common schema already (or its `file_fields` rename one of its own fields; `reader`
+names Python for a file of another shape, BioASQ's JSON). Every source first produces raw records,
+each with where it came from (file and 1-based line, Parquet row, hub row). One typed validator
+(`QARecord`) checks them all and reports every problem at once, as `<file>:<line>: <field>: <what>
+(<fix>)`, before anything is written. Then the format's conventions apply to hub and file records
+alike (SQuAD: answerable only; NQ-open: "?" appended as the semantic-entropy code does), so the
+local samples shipped in tests/fixtures exercise the conventions the hub path uses.
 
 What a record may hold:
     id        a string or an integer (7 becomes "7"; 0 is a real id); absent or null: the md5
@@ -37,8 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import unicodedata
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,28 +43,21 @@ from typing import Any
 import polars as pl
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from halludetect.config import DatasetPreset, PrepareParams
-from halludetect.core.artifacts import read_parquet
-from halludetect.core.errors import UserError
+from halludetect.config import (
+    DatasetFormat,
+    DatasetPreset,
+    FieldSource,
+    HubSource,
+    Joined,
+    Md5Of,
+    PrepareParams,
+    RowNumber,
+    dataset_format,
+)
+from halludetect.core import registry
+from halludetect.qa.questions import SCHEMA, SPLITS, DatasetError, control_characters, read_questions  # noqa: F401
 
-SCHEMA = {
-    "id": pl.String,
-    "question": pl.String,
-    "answers": pl.List(pl.String),
-    "context": pl.String,
-    "split": pl.String,
-    "incorrect_answers": pl.List(pl.String),
-    "category": pl.String,
-}
-# Columns added after the first release: a questions file written before them reads with these
-# values (no known wrong answers, no category), which is what the loaders of that time produced.
-OPTIONAL_COLUMNS = {"incorrect_answers": [], "category": None}
-SPLITS = ("train", "val", "test")
 MAX_LISTED = 20  # problems shown in one error message (all are counted)
-
-
-class DatasetError(UserError, ValueError):
-    """A dataset file or hub dataset that cannot be read into the common schema."""
 
 
 def md5_id(question: str) -> str:
@@ -99,13 +89,6 @@ def _kind(v: Any) -> str:
     if isinstance(v, str):
         return "a string"
     return f"a {type(v).__name__}"
-
-
-def control_characters(text: str) -> list[str]:
-    """The control characters in `text` (NUL, ESC, ...), named: HDF5 and file names refuse them."""
-    return [
-        unicodedata.name(c, f"U+{ord(c):04X}") if c != "\0" else "NUL" for c in text if unicodedata.category(c) == "Cc"
-    ]
 
 
 # ------------------------------------------------------------------- the validator
@@ -373,18 +356,19 @@ def read_records(path: str | Path) -> list[tuple[str, Any]]:
     raise DatasetError(f"{path}: unsupported file type '{path.suffix}'; use .jsonl or .parquet")
 
 
-def _hub_rows(preset: DatasetPreset, default_id: str, default_config: str | None, default_split: str):
-    """Load a dataset from the Hugging Face hub (needs network or a populated HF cache)."""
+def _hub_rows(preset: DatasetPreset, hub: HubSource, split: str | None = None):
+    """Load a dataset from the Hugging Face hub (needs network or a populated HF cache); the preset's
+    hf_id, hf_config, hf_split and revision override the format's."""
     try:
         import datasets as hf_datasets
     except ImportError as e:  # pragma: no cover - datasets is a runtime dependency
         raise DatasetError("the 'datasets' package is needed to load from the hub") from e
-    hf_id = preset.hf_id or default_id
+    hf_id = preset.hf_id or hub.id
     try:
         return hf_datasets.load_dataset(
             hf_id,
-            preset.hf_config or default_config,
-            split=preset.hf_split or default_split,
+            preset.hf_config or hub.config,
+            split=split or preset.hf_split or hub.split,
             revision=preset.revision,
         )
     except Exception as e:  # the hub raises many types; all mean "not reachable/available"
@@ -395,92 +379,96 @@ def _hub_rows(preset: DatasetPreset, default_id: str, default_config: str | None
         ) from None
 
 
-def _hub_where(preset: DatasetPreset, default_id: str) -> Callable[[int], str]:
-    return lambda n: f"{preset.hf_id or default_id} (hub) row {n}"
+# ------------------------------------------------------------------------- formats
+# A dataset is data: a format (config.DatasetFormat; the built-in ones are halludetect/qa/formats/*.yaml,
+# listed in core/registry.py) says where its hub rows' fields go in the common schema, and what is
+# done to every record, hub or file. Python is only for a file of another shape (`reader`: BioASQ).
+_MISSING = object()
 
 
-# ------------------------------------------------------------------------- loaders
-# Each returns validated records; `prepare` applies ids' collision checks, sampling and splits.
-def _load_file(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    """The world's qa.jsonl and any user file are already in the common schema."""
-    rows = read_records(preset.path)
-    report.read = len(rows)
-    return validate_records(rows, preset.path, report)
+def _path(row: Any, dotted: str) -> Any:
+    """The value at a dotted path of a hub row ("answer.value"), or _MISSING."""
+    for key in dotted.split("."):
+        if not isinstance(row, dict) or key not in row:
+            return _MISSING
+        row = row[key]
+    return row
 
 
-def _load_trivia_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    if preset.path:
-        return _load_file(preset, report)
-    ds = _hub_rows(preset, "trivia_qa", "rc.nocontext", "validation")
-    where = _hub_where(preset, "trivia_qa")
-    rows = [
-        (
-            where(n),
-            {
-                "id": md5_id(r["question"]),
-                "question": r["question"],
-                "answers": [r["answer"]["value"], *r["answer"]["aliases"]],
-                "context": None,
-            },
-        )
-        for n, r in enumerate(ds, 1)
-    ]
-    report.read = len(rows)
-    return validate_records(rows, "trivia_qa (hub)", report)
+def number_text(value: Any) -> Any:
+    """A number as text: 51.0 -> "51" (SVAMP's 1,000 answers are all integers; a fraction stays "2.5").
+    Anything but a number is passed on for the validator to name."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
 
 
-def _load_squad(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    if preset.path:
-        records = _load_file(preset, report)
-    else:
-        ds = _hub_rows(preset, "squad_v2", None, "validation")
-        where = _hub_where(preset, "squad_v2")
-        rows = [
-            (where(n), {"id": r["id"], "question": r["question"], "answers": r["answers"], "context": r["context"]})
-            for n, r in enumerate(ds, 1)
-        ]
-        report.read = len(rows)
-        records = validate_records(rows, "squad_v2 (hub)", report)
-    kept = []
-    for x in records:  # SQuAD v2 unanswerable questions have no reference: not usable here
-        if x.record.answers:
-            kept.append(x)
-        else:
-            report.drop("squad: unanswerable (no reference answer)")
-    return kept
+def _field(row: Any, source: FieldSource, n: int, name: str) -> Any:
+    """A hub row's value for one common-schema field (config.FieldSource); `n` is its 1-based row.
+    A missing or mistyped source becomes `Unreadable`, naming the hub's field."""
+    if isinstance(source, RowNumber):
+        return str(n - 1 + source.row)
+    if isinstance(source, Md5Of):
+        text = _path(row, source.md5)
+        return md5_id(text) if isinstance(text, str) else _bad(source.md5, text, "a string (the id is its md5)")
+    if isinstance(source, Joined):
+        parts = [_path(row, k) for k in source.join]
+        for k, v in zip(source.join, parts):
+            if not isinstance(v, str):
+                return _bad(k, v, f"a string (the {name} joins {', '.join(source.join)})")
+        return source.sep.join(v.strip() for v in parts)
+    if isinstance(source, list):  # values concatenated: strings and lists of strings
+        out: list = []
+        for k in source:
+            v = _path(row, k)
+            if v is _MISSING:
+                return _bad(k, v, f"a string or a list (the {name})")
+            out.extend(v if isinstance(v, list) else [v])
+        return out
+    v = _path(row, source)
+    if v is _MISSING:
+        return _bad(source, v, f"the {name}") if name in ("question", "answers") else None
+    return v
 
 
-def _load_nq(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    if preset.path:
-        records = _load_file(preset, report)
-    else:
-        ds = _hub_rows(preset, "nq_open", None, "validation")
-        where = _hub_where(preset, "nq_open")
-        rows = [
-            (where(n), {"id": md5_id(r["question"]), "question": r["question"], "answers": r["answer"]})
-            for n, r in enumerate(ds, 1)
-        ]
-        report.read = len(rows)
-        records = validate_records(rows, "nq_open (hub)", report)
-    # NQ-open questions are lower-case fragments without "?"; the peers append it.
-    return [
-        Located(
-            x.where, x.record.model_copy(update={"question": x.record.question + "?", "context": None}), x.raw_id, x.rid
-        )
-        for x in records
-    ]
+def _bad(key: str, value: Any, wanted: str) -> Unreadable:
+    got = "missing" if value is _MISSING else _kind(value)
+    return Unreadable(f"{key}: {got}, not {wanted}; check that the preset's hub id, config and split name this dataset")
 
 
-def _first(x):
-    while isinstance(x, list):
-        if not x:
-            return None
-        x = x[0]
-    return x
+def _hub_records(preset: DatasetPreset, fmt: DatasetFormat, where, split=None) -> list[tuple[str, Any]]:
+    rows = []
+    for n, row in enumerate(_hub_rows(preset, fmt.hub, split), 1):
+        rec = {name: _field(row, src, n, name) for name, src in fmt.fields.items()}
+        if fmt.answers == "number" and "answers" in rec:
+            rec["answers"] = number_text(rec["answers"])
+        bad = next((v for v in rec.values() if isinstance(v, Unreadable)), None)
+        rows.append((where(n), bad if bad is not None else rec))
+    return rows
 
 
-def _load_bioasq(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    path = Path(preset.path)
+def _renamed(where: str, raw: Any, file_fields: dict[str, str]) -> tuple[str, Any]:
+    """A local record with the file's own field names (`file_fields`) read as the common ones, where
+    the common name is absent."""
+    if not isinstance(raw, dict):
+        return where, raw
+    for name, own in file_fields.items():
+        if name in raw or own not in raw:
+            continue
+        v = raw[own]
+        ok = v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        if not ok:
+            return where, Unreadable(f"{own}: {_kind(v)}, not a string, a list of strings or null (read as {name})")
+        raw = {**raw, name: v}
+    return where, raw
+
+
+def read_bioasq(path: Path, report: LoadReport) -> list[tuple[str, Any]]:
+    """BioASQ Task B's JSON {"questions": [...]}: `body` the question, each item of `exact_answer` (a
+    list of synonym lists for factoid and list questions) its first synonym; questions without an
+    exact answer are dropped (counted)."""
     if not path.exists():
         raise DatasetError(
             f"BioASQ file {path} does not exist. BioASQ may not be redistributed: register at "
@@ -503,141 +491,59 @@ def _load_bioasq(preset: DatasetPreset, report: LoadReport) -> list[Located]:
         if exact is None:
             report.drop("bioasq: no exact_answer")
             continue
-        # factoid/list answers are lists of synonym lists: keep each item's first synonym.
         items = exact if isinstance(exact, list) else [exact]
         answers = [a for a in (_first(i) for i in items) if isinstance(a, str)]
         rows.append((where, {"id": q.get("id"), "question": q.get("body"), "answers": answers, "context": None}))
     report.read = len(questions)
-    return validate_records(rows, str(path), report)
+    return rows
 
 
-def _load_truthful_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    """TruthfulQA's generation set (817 questions, one split). answers: the best answer, then the
-    correct ones; incorrect_answers and category are kept for the judge. The id is the 0-based
-    row, as in the shipped sample (the upstream CSV's row order, which the hub keeps)."""
+def _first(x):
+    while isinstance(x, list):
+        if not x:
+            return None
+        x = x[0]
+    return x
+
+
+def load_format(preset: DatasetPreset, report: LoadReport, split: str | None = None) -> list[Located]:
+    """The validated records of a preset whose loader is a format: its local file (`path`: in the
+    common schema, or read by the format's `reader`) or its hub rows, then the format's transforms."""
+    fmt = dataset_format(preset)
+    name = preset.loader or "file"
     if preset.path:
-        return _load_file(preset, report)
-    ds = _hub_rows(preset, "truthfulqa/truthful_qa", "generation", "validation")
-    where = _hub_where(preset, "truthfulqa/truthful_qa")
-    rows = [
-        (
-            where(n),
-            {
-                "id": str(n - 1),
-                "question": r["question"],
-                # the hub keeps the empty piece a trailing ';' leaves: _dedupe drops it
-                "answers": [r["best_answer"], *r["correct_answers"]],
-                "incorrect_answers": r["incorrect_answers"],
-                "category": r["category"],
-                "context": None,
-            },
-        )
-        for n, r in enumerate(ds, 1)
-    ]
-    report.read = len(rows)
-    return validate_records(rows, "truthful_qa (hub)", report)
-
-
-def _halueval_wrong_answer(where: str, raw: Any) -> tuple[str, Any]:
-    """A local HaluEval record with its `hallucinated_answer` read as the known wrong answer."""
-    if not isinstance(raw, dict) or "hallucinated_answer" not in raw or "incorrect_answers" in raw:
-        return where, raw
-    wrong = raw["hallucinated_answer"]
-    if wrong is not None and not isinstance(wrong, str):
-        return where, Unreadable(
-            f"hallucinated_answer: {_kind(wrong)}, not a string or null (HaluEval's one wrong answer, as text)"
-        )
-    return where, {**raw, "incorrect_answers": wrong}
-
-
-def _load_halueval_qa(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    """HaluEval QA (10,000 HotpotQA questions): the right answer as the reference, the knowledge
-    passage as context (kept for the leak check, not shown to the model), the hallucinated answer
-    as a known wrong one. The id is the 0-based row of qa_data.json, as in the shipped sample."""
-    if preset.path:
-        # the shared sample's shape (and HaluEval's own): the wrong answer is `hallucinated_answer`
-        rows = [_halueval_wrong_answer(where, raw) for where, raw in read_records(preset.path)]
+        path = Path(preset.path)
+        if fmt.reader is not None:
+            rows = registry.load_target(fmt.reader, f"datasets loader '{name}' reader")(path, report)
+        else:
+            rows = [_renamed(w, raw, fmt.file_fields) for w, raw in read_records(path)]
+            report.read = len(rows)
+        records = validate_records(rows, preset.path, report)
+    else:
+        hub_id = preset.hf_id or fmt.hub.id
+        rows = _hub_records(preset, fmt, lambda n: f"{hub_id} (hub) row {n}", split)
         report.read = len(rows)
-        return validate_records(rows, preset.path, report)
-    ds = _hub_rows(preset, "pminervini/HaluEval", "qa", "data")
-    where = _hub_where(preset, "pminervini/HaluEval")
-    rows = [
-        (
-            where(n),
-            {
-                "id": str(n - 1),
-                "question": r["question"],
-                "answers": r["right_answer"],
-                "incorrect_answers": r["hallucinated_answer"],
-                "context": r["knowledge"],
-            },
-        )
-        for n, r in enumerate(ds, 1)
-    ]
-    report.read = len(rows)
-    return validate_records(rows, "halueval_qa (hub)", report)
-
-
-def svamp_answer(value: Any) -> Any:
-    """SVAMP's Answer as text: 51.0 -> "51" (all 1,000 are integers; a fraction stays "2.5").
-    Anything but a number is passed on for the validator to name."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-def _load_svamp(preset: DatasetPreset, report: LoadReport) -> list[Located]:
-    """SVAMP (1,000 arithmetic word problems). Prompt 1 shows the question alone, so the question is
-    the whole problem, Body + " " + Question (the semantic-entropy code's split, Question as the
-    question and Body as the context, would ask "How much do you have to pay?" with no numbers);
-    context stays null. The answer is the number as text ("51", not "51.0")."""
-    if preset.path:
-        return _load_file(preset, report)
-    ds = _hub_rows(preset, "ChilleD/SVAMP", None, "test")
-    where = _hub_where(preset, "ChilleD/SVAMP")
-    rows = []
-    for n, r in enumerate(ds, 1):
-        body, question = r.get("Body"), r.get("Question")
-        bad = next((k for k, v in (("Body", body), ("Question", question)) if not isinstance(v, str)), None)
-        if bad is not None:  # the validator reports it with the rest
-            rows.append(
-                (
-                    where(n),
-                    Unreadable(
-                        f"{bad}: {_kind(r.get(bad))}, not a string (SVAMP's problem text; check that "
-                        "hf_id, hf_config and hf_split name SVAMP)"
-                    ),
-                )
-            )
+        records = validate_records(rows, f"{name} (hub)", report)
+    out = []
+    for x in records:
+        if fmt.unanswerable is not None and not x.record.answers:
+            report.drop(fmt.unanswerable)
             continue
-        rows.append(
-            (
-                where(n),
-                {
-                    "id": r.get("ID"),
-                    "question": f"{body.strip()} {question.strip()}",
-                    "answers": svamp_answer(r.get("Answer")),
-                    "context": None,
-                },
-            )
-        )
-    report.read = len(rows)
-    return validate_records(rows, "svamp (hub)", report)
+        update = {}
+        if fmt.question_suffix:
+            update["question"] = x.record.question + fmt.question_suffix
+        if fmt.context == "drop":
+            update["context"] = None
+        out.append(Located(x.where, x.record.model_copy(update=update), x.raw_id, x.rid) if update else x)
+    return out
 
 
-LOADERS: dict[str, Callable[[DatasetPreset, LoadReport], list[Located]]] = {
-    "world": _load_file,
-    "file": _load_file,
-    "trivia_qa": _load_trivia_qa,
-    "squad": _load_squad,
-    "nq": _load_nq,
-    "bioasq": _load_bioasq,
-    "truthful_qa": _load_truthful_qa,
-    "halueval_qa": _load_halueval_qa,
-    "svamp": _load_svamp,
-}
+def load_records(preset: DatasetPreset, report: LoadReport, split: str | None = None) -> list[Located]:
+    """The preset's validated records: its format's (above), or a plugin's Python loader's, which is
+    called as loader(preset, report, split) and returns validated records (`validate_records`)."""
+    if preset.format is not None or registry.targets("dataset")[preset.loader or "file"].endswith(".yaml"):
+        return load_format(preset, report, split)
+    return registry.resolve("dataset", preset.loader)(preset, report, split)
 
 
 # ---------------------------------------------------------------------- normalise
@@ -682,10 +588,10 @@ def _ranked(rows: list[dict], seed: int) -> list[dict]:
     return sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).digest())
 
 
-def _load(preset: DatasetPreset, report: LoadReport) -> list[dict]:
+def _load(preset: DatasetPreset, report: LoadReport, split: str | None = None) -> list[dict]:
     """A source's usable common-schema rows; `report.read` adds up over the sources loaded."""
     before = report.read
-    records = LOADERS[preset.loader](preset, report)  # sets report.read to its own count
+    records = load_records(preset, report, split)  # sets report.read to its own count
     report.read += before
     return normalise(records, report)
 
@@ -699,7 +605,7 @@ def sized_splits(preset: DatasetPreset, name: str, params: PrepareParams, report
     if preset.train_hf_split is not None and preset.path is None:
         evaluation = _ranked(_load(preset, report), params.seed)
         held_out = {r["id"] for r in evaluation}
-        train_rows = _load(preset.model_copy(update={"hf_split": preset.train_hf_split}), report)
+        train_rows = _load(preset, report, split=preset.train_hf_split)
         train = _ranked([r for r in train_rows if r["id"] not in held_out], params.seed)
         sources = {
             "train": (train, f"hub split '{preset.train_hf_split}'"),
@@ -744,31 +650,3 @@ def prepare(preset: DatasetPreset, params: PrepareParams, name: str = "dataset")
         )
     df = pl.DataFrame([{**r, "split": s} for r, s in zip(rows, splits)], schema=SCHEMA)
     return df.sort("id"), report
-
-
-def read_questions(path: str | Path) -> pl.DataFrame:
-    """The questions table `prepare` wrote, checked: the columns, and ids that are unique, not
-    null and free of control characters (a hand-edited file fails here, before any model runs)."""
-    df = read_parquet(path, "prepare", "questions table")
-    df = df.with_columns(
-        pl.Series(k, [v] * df.height, dtype=SCHEMA[k]) for k, v in OPTIONAL_COLUMNS.items() if k not in df.columns
-    )
-    missing = set(SCHEMA) - set(df.columns)
-    if missing:
-        raise DatasetError(f"{path}: not a questions file (missing columns {sorted(missing)}); re-run prepare")
-    problems = []
-    if df["id"].dtype != pl.String:
-        problems.append(f"id is {df['id'].dtype}, not strings")
-    else:
-        if n := df["id"].null_count():
-            problems.append(f"{n} null id(s)")
-        if dup := df["id"].drop_nulls().filter(df["id"].drop_nulls().is_duplicated()).unique().sort().to_list():
-            problems.append(f"repeated ids {dup[:5]}")
-        bad = [i for i in df["id"].drop_nulls().to_list() if control_characters(i)]
-        if bad:
-            problems.append(f"ids with control characters (HDF5 cannot hold them): {bad[:5]}")
-    if df["split"].dtype == pl.String and (other := sorted(set(df["split"].drop_nulls()) - set(SPLITS))):
-        problems.append(f"unknown splits {other} (use {list(SPLITS)})")
-    if problems:
-        raise DatasetError(f"{path}: " + "; ".join(problems) + "; re-run prepare to rewrite it")
-    return df

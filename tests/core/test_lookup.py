@@ -4,7 +4,7 @@
 import pytest
 
 from halludetect.core.errors import UserError
-from halludetect.core.lookup import UnknownName, lookup, registrar
+from halludetect.core.lookup import UnknownName, lookup
 
 
 def test_an_unknown_name_suggests_the_closest_and_lists_all_sorted():
@@ -16,14 +16,3 @@ def test_an_unknown_name_suggests_the_closest_and_lists_all_sorted():
     assert isinstance(e.value, UserError) and isinstance(e.value, KeyError)  # a stage prints it in one line
     with pytest.raises(KeyError, match=r"^unknown judge 'zzz' valid: match, openai$"):  # nothing close: no guess
         lookup("judge", "zzz", table)
-
-
-def test_registrar_adds_the_factory_under_its_name():
-    table = {}
-    register = registrar(table)
-
-    @register("double")
-    def double(x):
-        return 2 * x
-
-    assert table == {"double": double} and lookup("op", "double", table)(3) == 6

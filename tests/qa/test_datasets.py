@@ -131,8 +131,8 @@ def test_train_questions_come_from_their_own_hub_split(monkeypatch):
     from the hub's train split, val/test from its validation split, no question in both."""
     from halludetect.qa import datasets
 
-    def fake_hub(preset, default_id, default_config, default_split):
-        split = preset.hf_split or default_split
+    def fake_hub(preset, hub, split=None):
+        split = split or preset.hf_split or hub.split
         if split == "validation":
             return [{"question": f"eval question {i}", "answer": ["a"]} for i in range(30)]
         assert split == "train"
@@ -547,14 +547,15 @@ def test_prepare_names_file_line_and_field_of_a_halueval_file_in_the_wrong_shape
     path = qa_file(
         tmp_path,
         [
-            '{"id": "h1", "question": "Q?", "answers": ["a"], "context": "k", "hallucinated_answer": ["b", "c"]}',
+            '{"id": "h1", "question": "Q?", "answers": ["a"], "context": "k", "hallucinated_answer": ["b", 3]}',
             '{"id": "h2", "question": "Q2?", "right_answer": "a", "knowledge": "k"}',
         ],
     )
     with pytest.raises(DatasetError) as e:
         prepare(DatasetPreset(loader="halueval_qa", path=str(path)), SPLIT)
     msg = str(e.value)
-    assert f"{path}:11: hallucinated_answer: a list, not a string or null (HaluEval's one wrong answer" in msg
+    wanted = "hallucinated_answer: a list, not a string, a list of strings or null (read as incorrect_answers)"
+    assert f"{path}:11: {wanted}" in msg
     # HaluEval's own field names are not the common schema: the record says which field it lacks
     assert f"{path}:12: answers: missing (the common schema needs question and answers" in msg
 

@@ -1,11 +1,9 @@
 """LLM-as-judge backends (registry) and the paper's two-pass labelling protocol."""
 
-from halludetect.labels.judges import match, openai  # noqa: F401  (register the backends)
-from halludetect.labels.judges.base import JUDGES, Judge, JudgeItem, Verdict, get_judge
+from halludetect.labels.judges.base import Judge, JudgeItem, Verdict, get_judge
 from halludetect.labels.judges.protocol import JUDGMENTS_SCHEMA, label_distribution, two_pass, unusable_splits
 
 __all__ = [
-    "JUDGES",
     "JUDGMENTS_SCHEMA",
     "Judge",
     "JudgeItem",

@@ -8,11 +8,10 @@ label.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from halludetect.core.lookup import lookup, registrar
+from halludetect.core import registry
 
 VerdictValue = Literal["yes", "no", "invalid"]
 
@@ -37,11 +36,7 @@ class Judge(Protocol):
     def judge(self, items: list[JudgeItem], with_reference: bool) -> list[Verdict]: ...
 
 
-JUDGES: dict[str, Callable[..., Judge]] = {}
-
-
-register = registrar(JUDGES)
-
-
 def get_judge(name: str, **kwargs) -> Judge:
-    return lookup("judge backend", name, JUDGES)(**kwargs)
+    """The judge backend `name` of core/registry.py (kind "judge": a built-in or a plugin's entry
+    point), built with the settings of its params section."""
+    return registry.resolve("judge", name)(**kwargs)

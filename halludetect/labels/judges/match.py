@@ -15,11 +15,10 @@ are judged exactly as above.
 
 from __future__ import annotations
 
-from halludetect.labels.judges.base import JudgeItem, Verdict, register
+from halludetect.labels.judges.base import JudgeItem, Verdict
 from halludetect.labels.text import contains, recall, tokens
 
 
-@register("match")
 class MatchJudge:
     name = "match"
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from halludetect.config import ChatParams
 from halludetect.labels.chat_client import ChatRunner
-from halludetect.labels.judges.base import JudgeItem, Verdict, register
+from halludetect.labels.judges.base import JudgeItem, Verdict
 from halludetect.labels.text import YES_NO, parse_choice
 from halludetect.prompts import labeling_prompt
 
 
-@register("openai")
 class OpenAIJudge:
     name = "openai"
 

@@ -1,6 +1,6 @@
 """Entailment backends (registry), semantic clustering, semantic probability and entropy."""
 
-from halludetect.labels.nli.backends import NLI_BACKENDS, get_nli
+from halludetect.labels.nli.backends import get_nli
 from halludetect.labels.nli.clustering import (
     CLUSTERS_SCHEMA,
     EQUIVALENCE,
@@ -14,7 +14,6 @@ from halludetect.labels.nli.clustering import (
 __all__ = [
     "CLUSTERS_SCHEMA",
     "EQUIVALENCE",
-    "NLI_BACKENDS",
     "TIMINGS_SCHEMA",
     "cluster_all",
     "cluster_question",

@@ -13,10 +13,9 @@ reads None as a relation: the question is marked invalid instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal, Protocol
 
-from halludetect.core.lookup import lookup, registrar
+from halludetect.core import registry
 from halludetect.labels.text import RELATIONS, normalise, parse_choice
 
 Relation = Literal["entailment", "neutral", "contradiction"]
@@ -29,17 +28,11 @@ class NLI(Protocol):
     def relations(self, pairs: list[Pair]) -> list[Relation | None]: ...
 
 
-NLI_BACKENDS: dict[str, Callable[..., NLI]] = {}
-
-
-register = registrar(NLI_BACKENDS)
-
-
 def get_nli(name: str, **kwargs) -> NLI:
-    return lookup("NLI backend", name, NLI_BACKENDS)(**kwargs)
+    """The NLI backend `name` of core/registry.py (kind "nli": the three below, or a plugin's)."""
+    return registry.resolve("nli", name)(**kwargs)
 
 
-@register("exact")
 class ExactNLI:
     """Offline: A entails B iff their normalised texts are equal; otherwise neutral.
 
@@ -56,7 +49,6 @@ class ExactNLI:
         return ["entailment" if normalise(a) == normalise(b) else "neutral" for _, a, b in pairs]
 
 
-@register("openai")
 class OpenAINLI:
     """Prompt 3, one call per directed pair; replies parsed strictly (`text.parse_choice`)."""
 
@@ -95,7 +87,6 @@ def nli_label_map(id2label: dict) -> dict[int, Relation]:
     return out
 
 
-@register("hf")
 class HFNLI:
     """An MNLI sequence classifier. A call classifies its distinct (premise, hypothesis) pairs
     once each, sorted by length into batches of `batch_size` (little padding)."""

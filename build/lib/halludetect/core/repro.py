@@ -1,0 +1,204 @@
+"""`halludetect repro`: `dvc repro` with a progress line a newcomer can follow.
+
+`dvc repro` prints `Running stage '...'` and the stages' own output, and nothing says how far the
+run is or how long is left (an hour on two cores for the paper's protocol on the demo world). This
+runs the same `dvc repro` (every argument passed through) and, as each stage starts, prints
+
+    [stage 17 of 84 (12 to run) | 00:12:31 elapsed | about 00:08:10 left]
+
+How it knows: first DVC's own plan for the same arguments and each stage's check (`plan`: a few
+seconds, as `dvc status`), which give the stages DVC will visit, in order, and whether each runs or
+is unchanged; an upstream stage whose outputs come out the same makes a planned downstream stage
+skip, so "to run" is an upper bound. "Left" adds, for each stage still to run, its duration
+in the last run that ran it (kept in `.dvc/tmp/halludetect-stage-seconds.json`, DVC's own scratch
+directory, ignored by git), else the median of this run's stages of its family (the name before
+`@`), else of all this run's stages; it is blank until something is known. Every byte DVC and the
+stages write passes through unchanged, on stdout (DVC's stderr joined to it so that their order
+is kept), and the exit status is DVC's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# DVC's own lines as a stage starts, or is skipped (unchanged, or restored from its run cache)
+VISIT = re.compile(r"^(?:Running stage '(?P<run>[^']+)':|Stage '(?P<skip>[^']+)' (?:didn't change|is cached))")
+HISTORY = Path(".dvc/tmp/halludetect-stage-seconds.json")
+
+
+def dvc(*args: str) -> list[str]:
+    """The command running this environment's DVC (the one on PATH may be another's)."""
+    return [sys.executable, "-m", "dvc", *args]
+
+
+def plan(args: list[str]) -> list[tuple[str, bool]] | None:
+    """[(stage, will it run)] in the order `dvc repro args` visits them, or None when it cannot be
+    told (DVC's run then prints why). DVC's own steps: its argument parser, stage collection and
+    plan (dvc/repo/reproduce.py), then each stage's `changed()`, the check the run makes; a stage
+    downstream of one that runs is counted as running (an upper bound). (`dvc repro --dry` cannot
+    plan a fresh clone: it hashes the dependencies that upstream stages have not written yet.)"""
+    from dvc.cli import parse_args
+    from dvc.dvcfile import PROJECT_FILE
+    from dvc.repo import Repo
+    from dvc.repo.reproduce import collect_stages, get_active_graph, plan_repro
+
+    try:
+        ns = parse_args(["repro", *args])
+        with Repo() as repo, repo.lock:
+            whole = ns.pipeline or ns.all_pipelines
+            targets = ns.targets or [PROJECT_FILE]
+            stages = [] if ns.all_pipelines else collect_stages(repo, targets, ns.recursive, ns.glob)
+            graph = get_active_graph(repo.index.graph)  # an edge runs from a stage to a stage it reads from
+            steps = stages if ns.single_item and not whole else plan_repro(graph, stages, whole, ns.downstream)
+            runs: dict = {}
+            for stage in steps:
+                upstream = any(runs.get(u) for u in graph.successors(stage))
+                runs[stage] = bool(ns.force or upstream or stage.changed())
+            return [(stage.addressing, r) for stage, r in runs.items()]
+    except (Exception, SystemExit):  # noqa: BLE001 - a broken dvc.yaml, an unknown target: DVC's run says so
+        return None
+
+
+def hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """The stages of one run: which one is current, how long each took, what is left."""
+
+    def __init__(self, planned: list[tuple[str, bool]] | None, history: dict[str, float], start: float):
+        self.planned, self.history = planned or [], history
+        self.known = planned is not None
+        self.to_run = [s for s, runs in self.planned if runs]
+        self.start = start  # time.monotonic() when the command started (the dry run counts)
+        self.seen: set[str] = set()
+        self.seconds: dict[str, float] = {}  # stages of this run that finished
+        self.current: tuple[str, float] | None = None
+        self.started = 0  # stages DVC ran so far
+
+    def visit(self, stage: str, runs: bool) -> str | None:
+        """The progress line for a stage DVC starts (None for one it skips: DVC's line says so);
+        finishes the previous one."""
+        self.finish()
+        self.seen.add(stage)
+        if not runs:
+            return None
+        self.current = (stage, time.monotonic())
+        self.started += 1
+        left = self.left() if self.known else None
+        eta = f" | about {hms(left)} left" if left is not None else ""
+        of = f" of {max(len(self.to_run), self.started)}" if self.known else ""
+        visited = f"stage {len(self.seen)} of {len(self.planned) or '?'}"
+        return f"[running {self.started}{of} | {visited} | {hms(time.monotonic() - self.start)} elapsed{eta}]"
+
+    def finish(self) -> None:
+        if self.current is not None:
+            stage, t0 = self.current
+            self.seconds[stage] = time.monotonic() - t0
+            self.current = None
+
+    def expected(self, stage: str) -> float | None:
+        if stage in self.history:
+            return self.history[stage]
+        family = [t for s, t in self.seconds.items() if s.split("@")[0] == stage.split("@")[0]]
+        pool = family or list(self.seconds.values())
+        return statistics.median(pool) if pool else None
+
+    def left(self) -> float | None:
+        """Seconds expected for the planned stages not started yet, plus the rest of the current one."""
+        pending = [s for s in self.to_run if s not in self.seen]
+        total = 0.0
+        for stage in pending:
+            t = self.expected(stage)
+            if t is None:
+                return None
+            total += t
+        if self.current is not None:
+            if (t := self.expected(self.current[0])) is None:
+                return None  # the stage now running: nothing known of it yet (not "0 left")
+            total += max(0.0, t - (time.monotonic() - self.current[1]))
+        return total
+
+
+def read_history(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or damaged: the estimate starts from this run's own stages
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def write_history(path: Path, history: dict[str, float]) -> None:
+    if not path.parent.is_dir():
+        return  # not a DVC repository's root: nothing to keep
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(history, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def main(args: list[str], why_unplannable: Callable[[], str | None] | None = None) -> int:
+    """Run `dvc repro args` with the progress lines; returns DVC's exit status. `why_unplannable`:
+    asked when DVC cannot plan the run, it may name the cause (the CLI passes the params check);
+    then that is printed and nothing runs (exit status 2)."""
+    if {"-h", "--help"} & set(args):
+        print(__doc__.split("\n\n")[0] + " Every argument is dvc repro's:\n", flush=True)
+        return subprocess.run(dvc("repro", "--help")).returncode
+    start = time.monotonic()
+    planned = plan(args)
+    if planned is None and why_unplannable is not None and (problem := why_unplannable()):
+        # DVC could not even expand the stages (a matrix over a value that is no list, say): its own
+        # error would be "'Value' object is not iterable"; the params check says which key and why
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    history = read_history(HISTORY)
+    progress = Progress(planned, history, start)
+    if planned is not None:
+        to_run = len(progress.to_run)
+        head = f"dvc repro {' '.join(args)}".rstrip()
+        print(f"{head}: {len(planned)} stages, {to_run} to run, {len(planned) - to_run} unchanged", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they are written, not at exit
+    proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out, line = sys.stdout.buffer, b""
+
+    def show(data: bytes) -> None:
+        """Write through; once the reader has gone (`| head`), stop writing but let DVC finish the
+        stage it is in (its own writes go to this pipe, which stays open and drained)."""
+        nonlocal out
+        if out is None:
+            return
+        try:
+            out.write(data)
+            out.flush()
+        except BrokenPipeError:
+            out = None
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit either
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches DVC (same process group): it stops
+    try:
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            show(chunk)  # bytes as they come: tqdm's carriage returns too
+            line += chunk
+            *complete, line = line.split(b"\n")
+            for text in complete:
+                m = VISIT.match(text.decode(errors="replace").strip("\r"))
+                if m and (msg := progress.visit(m["run"] or m["skip"], bool(m["run"]))):
+                    show(msg.encode() + b"\n")
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    progress.finish()
+    write_history(HISTORY, {**history, **progress.seconds})
+    ran = len(progress.seconds)
+    if out is not None:
+        print(f"{'done' if code == 0 else 'stopped'}: {ran} stage(s) ran in {hms(time.monotonic() - progress.start)}")
+    return code

@@ -1,0 +1,126 @@
+"""Detectors registered from outside halludetect: a user's own package, without editing ours.
+
+Two ways in, both naming a callable `module:factory` that takes no argument and returns a `Method`
+(spec.py) whose name is the one it is registered under:
+
+  entry point   [project.entry-points."halludetect.detectors"] wide_max = "my_detectors.wide:make"
+                in the package's pyproject.toml: once installed, the method exists everywhere,
+                in every stage and in `halludetect score`;
+  params key    detectors.wide_max.factory: my_detectors.wide:make in params.yaml, for a module
+                on the path (a folder of the repository, say): the stages register it when they
+                read params.yaml (config.py), `halludetect score` does not read params.
+
+Either way the method is registered with `family="yours"` and its `Origin`, which detector files
+and bundles record: a bundle of a params-key method scored outside the DAG names the factory to
+register first (`load_factory`), and nothing is imported because a file says so.
+
+Every failure is one `PluginError` naming the entry point or the params key and the fix: a module
+that does not exist or fails to import, a factory that is missing, not callable, raises, returns
+something that is not a `Method` or a method of another name, or a name already taken. A network
+that is not an `nn.Module` is refused where it is built (detectors/build.py), before training, and
+one whose output is not one finite score per bag on its first training batch, or at score time
+(`build.check_scores`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import replace
+from importlib.metadata import entry_points
+
+from halludetect.core.errors import UserError
+from halludetect.core.sections import Section
+from halludetect.methods.spec import METHODS, Method, Origin, register, registered
+
+GROUP = "halludetect.detectors"
+NAME = re.compile(r"[a-z][a-z0-9_]*")  # a params key and a DVC stage-name part: no dots, no dashes
+_entry_points_loaded = False
+
+
+class PluginError(UserError, ValueError):
+    """A plugin that cannot be registered; the message names where it was declared and the fix."""
+
+
+def _factory(spec: str, where: str, fix: str) -> Method:
+    """Import `module`, call `factory()` of a 'module:factory' spec, and check what it returned."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name.strip() or not attr.strip():
+        raise PluginError(f"{where}: '{spec}' is not 'module:factory' (e.g. my_detectors.wide:make); {fix}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise PluginError(
+                f"{where}: no module '{module_name}' on the Python path; install the package that has "
+                f"it, or put it on PYTHONPATH ({fix})"
+            ) from None
+        raise PluginError(f"{where}: importing '{module_name}' failed: {type(e).__name__}: {e}; {fix}") from None
+    except Exception as e:  # any error while the user's module runs
+        raise PluginError(f"{where}: importing '{module_name}' failed: {type(e).__name__}: {e}; {fix}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{where}: '{module_name}' has no '{attr}'; {fix}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PluginError(f"{where}: '{spec}' is a {type(obj).__name__}, not a callable that returns a Method; {fix}")
+    try:
+        made = obj()
+    except Exception as e:
+        raise PluginError(f"{where}: '{spec}()' raised {type(e).__name__}: {e}; {fix}") from None
+    if not isinstance(made, Method):
+        raise PluginError(
+            f"{where}: '{spec}()' returned a {type(made).__name__}, not a halludetect.methods.spec.Method; {fix}"
+        )
+    if not (isinstance(made.params, type) and issubclass(made.params, Section)):
+        raise PluginError(f"{where}: its Method's params is not a halludetect.core.sections.Section class; {fix}")
+    if made.fit == "sgd" and not {"lr", "weight_decay"} <= set(made.params.model_fields):
+        raise PluginError(f"{where}: its params class needs lr and weight_decay (the training loop reads them); {fix}")
+    return made
+
+
+def _register(name: str, made: Method, origin: Origin, where: str, fix: str) -> Method:
+    if made.name != name:
+        raise PluginError(f"{where}: the factory returned the method '{made.name}', registered as '{name}'; {fix}")
+    if not NAME.fullmatch(name):
+        raise PluginError(f"{where}: '{name}' is not a method name (lower case letters, digits, _); {fix}")
+    existing = METHODS.get(name)
+    if existing is not None:
+        if existing.origin == origin:
+            return existing  # the same factory again: nothing to do
+        owner = "a built-in method" if existing.origin is None else existing.origin.describe()
+        raise PluginError(f"{where}: '{name}' is already {owner}; give the plugin's method another name")
+    plugin = replace(made, family="yours", origin=origin)
+    register(plugin)
+    return plugin
+
+
+def load_entry_points() -> None:
+    """Register every installed `halludetect.detectors` entry point (once per process)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "no distribution"
+        where = f"entry point '{ep.name} = {ep.value}' (group {GROUP}, {dist})"
+        fix = f"fix the package or uninstall it (pip uninstall {ep.dist.name if ep.dist else 'it'})"
+        _register(ep.name, _factory(ep.value, where, fix), Origin(ep.value, "entry point", dist), where, fix)
+    _entry_points_loaded = True
+
+
+def load_factory(name: str, factory: str) -> Method:
+    """Register `name` from a 'module:factory' spec (params key detectors.<name>.factory); the
+    same spec twice is one registration."""
+    where = f"detectors.{name}.factory"
+    if not isinstance(factory, str):
+        raise PluginError(f"{where}: expected 'module:factory' as a string, got {factory!r}")
+    fix = "fix the module, or the params key"
+    return _register(name, _factory(factory, where, fix), Origin(factory, "params"), where, fix)
+
+
+def method(name: str) -> Method:
+    """The method `name` (an installed plugin's too), or a did-you-mean error listing them all."""
+    if name not in METHODS:
+        load_entry_points()
+    return registered(name)

@@ -1,0 +1,1 @@
+"""QA records: dataset loaders that write the questions table, and response ids."""

@@ -1,0 +1,144 @@
+"""The figures of one grid cell, from what the earlier stages wrote (stage figures@<m>-<d>).
+
+Reads each detector's evaluate metrics (its best layer, chosen on validation), train's
+per-response test scores at that layer (checked: its seeds are train.seeds), the baselines'
+scores on the same test responses, and the labelled answers' lengths and P_sem; draws the five
+PNGs of figures.py and writes their data as DVC plots. (The sensitivity distributions of the
+analysed HaMI detectors are the analyze stage's.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from halludetect.activations.layer_format import layer_filename
+from halludetect.config import BaselinesParams, GridParams
+from halludetect.core.artifacts import read_parquet
+from halludetect.core.errors import DataError
+from halludetect.evaluation.baselines import baseline_scores
+from halludetect.evaluation.plot_data import class_histogram_data
+from halludetect.evaluation.score_tables import read_scores
+from halludetect.labels.readers import read_clusters, read_judgments
+from halludetect.methods import METHODS
+from halludetect.metrics import auroc
+from halludetect.qa.responses import response_ids
+from halludetect.report import figures
+
+
+def draw_cell(
+    model: str,
+    dataset: str,
+    grid: GridParams,
+    seeds: list[int],
+    baselines: BaselinesParams,
+    *,
+    eval_dir: Path,
+    scores_dir: Path,
+    judgments: Path,
+    clusters: Path,
+    generations: Path,
+    figures_dir: Path,
+    plots_dir: Path,
+    log: Callable[..., None] = lambda *a: None,
+) -> None:
+    cell = f"{model} / {dataset}"
+    detectors = [*grid.methods, *grid.sp_methods]
+    evals = {m: json.loads((Path(eval_dir) / f"{m}.json").read_text()) for m in detectors}
+    best = {m: int(e["best_layer"]) for m, e in evals.items()}
+    judged = read_judgments(judgments)
+    clustered = read_clusters(clusters)
+    generated = read_parquet(generations, "generate", "generations table")
+    figs, plots = Path(figures_dir), Path(plots_dir)
+
+    curves, aurocs, score_panels, score_data = {}, {}, {}, {}
+    for m in detectors:
+        # train's per-response scores at the best layer (checked: its seeds are train.seeds)
+        path = Path(scores_dir) / m / layer_filename(best[m]).replace(".h5", ".parquet")
+        y, per_seed, _ = read_scores(path, seeds)["test"]
+        curves[m] = (y, per_seed)
+        a = evals[m]["test"]["auroc"]
+        aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
+        pooled = np.concatenate(per_seed)
+        score_panels[f"{m} (layer {best[m]})"] = (pooled, np.tile(y, len(per_seed)))
+        score_data[f"{m} (layer {best[m]})"] = class_histogram_data(pooled, np.tile(y, len(per_seed)))
+    labels = judged.filter(pl.col("kept")).select(response_ids(judged).alias("rid"), "split", "label")
+    for name in grid.baselines:  # the same test responses' scores without hidden states
+        s = labels.filter(pl.col("split") == "test").join(
+            baseline_scores(name, generated, clustered, baselines), on="rid", how="inner"
+        )
+        s = s.filter(pl.col("score").is_finite())
+        y, score = s["label"].to_numpy(), s["score"].to_numpy()
+        curves[name] = (y, [score])
+        aurocs[name] = f"{auroc(y, score):.3f}, baseline"
+
+    # Answer length and P_sem (the variant baselines.p_sem names) by class, per split, over the labelled responses.
+    lengths = generated.select(response_ids(generated).alias("rid"), "n_tokens")
+    p_sem = clustered.filter(pl.col("valid")).select(
+        response_ids(clustered).alias("rid"), pl.col(f"p_sem_{baselines.p_sem}").alias("p_sem")
+    )
+    per_response = labels.join(lengths, on="rid", how="left").join(p_sem, on="rid", how="left")
+    response_panels, response_data = {}, {}
+    for split in ("train", "test"):
+        part = per_response.filter(pl.col("split") == split)
+        if part.height == 0:
+            continue
+        y = part["label"].to_numpy()
+        response_panels[f"answer tokens ({split})"] = (part["n_tokens"].to_numpy(), y)
+        response_data[f"answer tokens ({split})"] = class_histogram_data(part["n_tokens"].to_numpy(), y, discrete=True)
+        has = part.filter(pl.col("p_sem").is_not_null())
+        response_panels[f"P_sem ({split})"] = (has["p_sem"].to_numpy(), has["label"].to_numpy())
+        response_data[f"P_sem ({split})"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
+
+    if not curves:
+        raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")
+    layers = {m: evals[m]["layers"] for m in detectors}
+    # One file per figure, each written atomically: analyze writes sensitivity_<method>.png beside them.
+    figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"), figs / "auroc_by_layer.png")
+    figures.save_png(figures.roc(curves, aurocs, f"ROC at the best layer, test, {cell}"), figs / "roc.png")
+    figures.save_png(
+        figures.class_panels(
+            score_panels,
+            f"Test scores (logits) by class, seeds pooled, {cell}",
+            {k: "bag logit" for k in score_panels},
+            counted="responses x seeds",
+        ),
+        figs / "scores.png",
+    )
+    figures.save_png(
+        figures.class_panels(
+            response_panels,
+            f"Answer length and P_sem ({baselines.p_sem}: baselines.p_sem) by class, {cell}",
+            {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels},
+            cols=2,
+            discrete=tuple(k for k in response_panels if k.startswith("answer")),
+        ),
+        figs / "responses.png",
+    )
+    # Margins after every epoch at the best layer (evaluate copies them from the layer's figures).
+    by_epoch = {m: e["margin_by_epoch"] for m, e in evals.items() if e.get("margin_by_epoch")}
+    trained = [m for m in detectors if METHODS[m].fit == "sgd" and METHODS[m].logits]  # by epochs, in logits
+    if missing := [m for m in trained if m not in by_epoch]:
+        raise DataError(f"{cell}: no margins by epoch in the evaluation of {missing}: re-run their train stages")
+    figures.save_png(
+        figures.margins_by_epoch(
+            by_epoch,
+            best,
+            f"Margins after every epoch at the best layer, mean over seeds, {cell}\n"
+            "(Theorem 1: training expands them; the paper: faster for max than mean)",
+        ),
+        figs / "margins_by_epoch.png",
+    )
+    figures.save_csv(figures.margins_by_epoch_data(by_epoch), plots / "epochs" / model / f"{dataset}.csv")
+    figures.save_csv(figures.auroc_by_layer_data(layers), plots / "layers" / model / f"{dataset}.csv")
+    figures.save_csv(figures.roc_data(curves), plots / "roc" / model / f"{dataset}.csv")
+    # One file per cell and purpose, a `panel` column per method (or quantity): DVC draws one chart
+    # of panels from it (.dvc/plots/panels.json), where a file per panel made a chart each.
+    for sub, data in (("scores", score_data), ("responses", response_data)):
+        frame = pl.concat([f.with_columns(pl.lit(name).alias("panel")) for name, f in data.items()])
+        figures.save_csv(frame, plots / sub / model / f"{dataset}.csv")
+    log("figures of %s in %s", cell, figs)

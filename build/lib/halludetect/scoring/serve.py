@@ -1,0 +1,864 @@
+"""`halludetect serve`: an OpenAI-compatible server that samples answers with a bundle's base model
+and returns every answer with its detector's score, computed from the sampling pass's own states.
+
+    halludetect serve --bundle data/bundles/world/world/max.safetensors --port 8000
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
+    r = client.completions.create(model="data/world/model", prompt="Where was Sergi Poboum born?", n=4)
+    r.choices[0].text, r.choices[0].hallucination["score"], r.choices[0].hallucination["flag"]
+
+What a request is. A detector reads the states of answers to the prompt it was trained on, so the
+request's prompt (`/v1/completions`) or its one user message (`/v1/chat/completions`) is the
+*question*, and the server wraps it in the bundle's prompt (its template, or the model's chat
+template), exactly as `halludetect score --generate` does. A conversation, a system message or a
+prompt of token ids is refused with a 400 saying so: the detector has never seen such states.
+
+What comes back. OpenAI's response, each choice with `token_ids` (the answer's tokens, as vLLM's
+`return_token_ids` gives them) and `hallucination`: score (the seeds' mean logit), probability
+(Platt), flag and threshold, `in_distribution` and its reason, the answer's mean and lowest token
+log-prob, and `reason` when the answer could not be scored (empty, too short for the method).
+`extra_body={"explain": true}` adds each token's contribution (detectors/evidence.py). The response's
+`detector` names the bundle, method, layer and threshold.
+
+How it runs. One thread owns the model. Requests wait in a queue; each round takes the first waiting
+request and every other one with the same sampling settings, up to `max_batch` answers, and samples
+them in one batched `generate` with a hook on the bundle's layer (activations/sampled_states.py): the
+bag is what that pass computed, no second forward pass. Every answer draws from its own random
+stream, keyed (seed, question, choice index), so a request with a `seed` gets the same answers
+whatever else is in flight (up to the float noise of batch-mates' padding). A served score equals
+`halludetect score`'s on the same question and answer to float tolerance (tests/scoring/test_serve.py).
+
+Limits and refusals, each a JSON error `{"error": {"message", "type", "param", "code"}}`, never a
+crash: a body over `max_request_bytes` (413), more than `max_concurrency` requests in flight (429 and
+Retry-After), `max_tokens` over the server's limit, `n` over `max_n`, a question that does not fit
+the context, streaming (a score needs the whole answer), fields the server does not implement
+(logprobs, echo, penalties, tools) and unknown fields (400, naming the field). With `api_key_env`,
+every request needs `Authorization: Bearer <the variable's value>` (401 otherwise); the key is read
+from the environment and never logged. The server binds 127.0.0.1 unless told otherwise.
+
+In front of vLLM (`engine=EngineClient(...)`, `halludetect serve --engine URL --engine-layers ...`):
+no model is loaded here. Each answer is one request to a vLLM server started with hidden-state
+extraction (docs/models-and-generation.md, "States from the engine"), asking
+`kv_transfer_params: {"include_output_tokens": true}`; the states file it names is read after its
+writer's lock (lm/engine_states.py), the bundle's layer taken from it (the top layer through the
+model's final norm, read alone from its weight files), scored, and deleted. vLLM batches; requests
+go to it as they come, from the HTTP threads.
+
+Methods that read several answers of a question (HaMI with P_sem, EigenScore) cannot score one
+answer: such a bundle is refused when the server starts, naming what it needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import hmac
+import json
+import math
+import os
+import queue
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from halludetect.activations.engine_dump import FinalHead
+from halludetect.config import GenerateParams
+from halludetect.core.credentials import url_credentials
+from halludetect.core.errors import UserError
+from halludetect.lm.model_inputs import encode_prompt
+from halludetect.scoring.answer_files import AnswerRow
+from halludetect.scoring.scorer import OptionError, Scorer, at_least_one
+
+# what a choice's `hallucination` holds, from the scorer's row (answer_files.output_schema)
+SCORE_FIELDS = (
+    "score",
+    "probability",
+    "flag",
+    "reason",
+    "in_distribution",
+    "ood_reason",
+    "mean_logprob",
+    "min_logprob",
+)
+EVIDENCE_FIELDS = ("tokens", "token_start", "token_end", "offsets_exact", "contributions", "bias")
+# fields OpenAI's API defines that this server does not implement: refused unless given their neutral value
+NOT_IMPLEMENTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "stream_options": (None,),
+}
+
+
+class ApiError(Exception):
+    """A request refused: its HTTP status, OpenAI's error type, and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int = 256  # the most tokens one answer may have
+    max_n: int = 16  # answers per request
+    max_batch: int = 64  # answers sampled together in one pass
+    max_concurrency: int = 64  # requests in flight; more get 429
+    max_request_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_n", "max_batch", "max_concurrency", "max_request_bytes"):
+            at_least_one(f"{name} (--{name.replace('_', '-')})", getattr(self, name))
+
+
+@dataclass
+class Job:
+    """One request: its question's prompt ids, one random-stream key per choice, the sampling settings."""
+
+    question: str
+    prompt: list[int]
+    keys: list[tuple]
+    params: GenerateParams
+    greedy: bool
+    explain: bool
+    future: Future = field(default_factory=Future)
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys are sampled together (one `generate` takes one set of settings)."""
+        p = self.params
+        return (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_new_tokens, tuple(p.stop), self.greedy)
+
+
+# ------------------------------------------------------------------------------ requests
+def _number(body: dict, name: str, kind: type, low: float, high: float | None = None, *, low_open=False):
+    value = body.get(name)
+    ok = isinstance(value, kind) if kind is int else isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(value, bool) or not ok:
+        raise ApiError(400, f"'{name}' must be {'a whole number' if kind is int else 'a number'}, got {value!r}", name)
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        bound = f"{'above' if low_open else 'at least'} {low}" + ("" if high is None else f" and at most {high}")
+        raise ApiError(400, f"'{name}' must be {bound}, got {value!r}", name)
+    return value
+
+
+def _question(body: dict, chat: bool) -> str:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of messages", "messages")
+        if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
+            raise ApiError(
+                400,
+                "'messages' must be one user message, the question: the detector was trained on the states of "
+                "answers to single questions in the bundle's prompt (no system message, no conversation)",
+                "messages",
+            )
+        content = messages[0].get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise ApiError(400, "a message's content parts must all be text", "messages")
+            content = "".join(p["text"] for p in content)
+        text, param = content, "messages"
+    else:
+        text, param = body.get("prompt"), "prompt"
+        if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+            text = text[0]
+        if isinstance(text, list) and text and all(isinstance(t, int) for t in text):
+            raise ApiError(
+                400,
+                "'prompt' is token ids: send the question as text (the server wraps it in the prompt the "
+                "detector was trained on)",
+                "prompt",
+            )
+        if isinstance(text, list):
+            raise ApiError(400, "'prompt' must be one question (a string): send one request per question", "prompt")
+    if not isinstance(text, str) or not text.strip():
+        raise ApiError(400, f"the question ('{param}') must be a non-empty string", param)
+    return text
+
+
+class EngineClient:
+    """A vLLM server with hidden-state extraction that `serve` forwards answers to: its completions
+    URL, served model name, the layer ids it extracts (in its order) and an optional key variable."""
+
+    def __init__(
+        self, url: str, model: str | None, layers: list[int], *, api_key_env: str | None = None, timeout=600.0
+    ):
+        if not layers or len(set(layers)) != len(layers):
+            raise OptionError(f"--engine-layers {layers}: the server's eagle_aux_hidden_state_layer_ids, each once")
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+            raise OptionError(f"--engine: '{url}' is not an http(s) URL, e.g. http://localhost:8001/v1")
+        if problem := url_credentials(url):  # a key belongs in --engine-key-env, never in a URL we log
+            raise OptionError(f"--engine: the URL carries {problem}: give the key with --engine-key-env")
+        self.url, self.model, self.layers = url.rstrip("/"), model, list(layers)
+        key = api_key_from(api_key_env)
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        self.timeout = timeout
+
+    def _call(self, route: str, body: dict | None = None) -> tuple[int, str]:
+        """(status, body text) of a GET (no body) or a POST to the engine; OSError when unreachable."""
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def check(self) -> None:
+        """The server is up and serves `model`: before the first request."""
+        try:
+            status, text = self._call("/models")
+        except OSError as e:  # down, refused, a timeout: named
+            raise UserError(f"--engine {self.url} cannot be reached: {type(e).__name__}: {e}") from None
+        if status != 200:
+            raise UserError(f"--engine {self.url}/models answered {status}: give its /v1 URL (and --engine-key-env)")
+        try:
+            served = [m.get("id") for m in (json.loads(text).get("data") or []) if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            raise UserError(
+                f"--engine {self.url}/models did not answer a model list: is it an OpenAI-compatible server?"
+            ) from None
+        if self.model not in served:
+            raise UserError(
+                f"--engine {self.url} serves {served}, not '{self.model}': pass --engine-model, or serve the "
+                "bundle's base model"
+            )
+
+    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int) -> dict:
+        """One answer: the reply's first choice, with `kv_transfer_params` (ApiError 502 on failure)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "n": 1,
+            "seed": seed,
+            "max_tokens": params.max_new_tokens,
+            "temperature": 0.0 if greedy else params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k or -1,
+            "repetition_penalty": params.repetition_penalty,
+            # neutral settings sent too: vLLM fills unset ones from the model's generation_config.json
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "stop": list(params.stop),
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+            "kv_transfer_params": {"include_output_tokens": True},
+        }
+        try:
+            status, text = self._call("/completions", body)
+            data = json.loads(text) if status == 200 else None
+        except (OSError, ValueError) as e:
+            raise ApiError(502, f"the engine did not answer ({type(e).__name__})") from None
+        if status != 200:  # its message is the engine's own (a context too long, say): passed on, cut
+            raise ApiError(502, f"the engine answered {status}: {text[:300]}")
+        choice = (data.get("choices") or [None])[0]
+        if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
+            raise ApiError(502, "the engine gave no token ids (vLLM >= 0.10.2 returns them)")
+        if choice.get("finish_reason") not in ("stop", "length"):
+            raise ApiError(502, f"the engine did not finish the answer (finish_reason {choice.get('finish_reason')!r})")
+        if len(choice["token_ids"]) > params.max_new_tokens:
+            raise ApiError(
+                502, f"the engine returned {len(choice['token_ids'])} tokens for max_tokens {params.max_new_tokens}"
+            )
+        return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
+
+
+class Service:
+    """The bundle's scorer behind the server: checks requests, batches them, samples and scores.
+
+    `scoring=False` samples the same answers without the hook or the detector (the benchmark's
+    baseline: what the model alone costs)."""
+
+    KNOWN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user"}
+    KNOWN |= {"explain", "repetition_penalty"}
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        *,
+        name: str | None = None,
+        limits: Limits = Limits(),
+        scoring: bool = True,
+        engine: EngineClient | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        b = scorer.bundle
+        if b.reads_p_sem or b.per_question:
+            need = "each answer's P_sem (K answers clustered by entailment)" if b.reads_p_sem else "the K answers"
+            raise UserError(
+                f"{b.path} holds a '{b.method}' detector, which reads {need} of a question together: it cannot "
+                "score one served answer. Serve a bundle of a method that scores answers one at a time "
+                "(max, mean, attention, hami, ...)"
+            )
+        if scorer.generate is None:
+            raise OptionError("a served scorer samples: build it with generate=GenerateParams(...)")
+        self.scorer, self.limits, self.scoring, self.log, self.engine = scorer, limits, scoring, log, engine
+        if engine is not None and engine.model is None:  # what `vllm serve <path>` calls the bundle's base model
+            engine.model = str(b.meta["base_model"]["preset"]["path"])
+        if engine is not None and b.layer not in engine.layers:
+            raise UserError(
+                f"{b.path} reads layer {b.layer}; the engine extracts {engine.layers} (--engine-layers): start it "
+                f"with {b.layer} among its eagle_aux_hidden_state_layer_ids"
+            )
+        scorer.batch_size = limits.max_batch  # a round's answers in one pass (the scorer cuts at its batch size)
+        self.name = name or str(b.meta["base_model"]["preset"]["path"])
+        self.defaults = scorer.generate
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(limits.max_concurrency)
+        self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
+        self.stats = {"requests": 0, "answers": 0, "batches": 0, "refused": 0}
+        self._worker = threading.Thread(target=self._work, name="halludetect-serve-model", daemon=True)
+
+    def start(self) -> Service:
+        if self.engine is not None:  # the states come from the engine's files: no model here
+            self.engine.check()
+            self.scorer.load_without_model()
+            top = int(self.scorer.bundle.meta["base_model"]["num_hidden_layers"])
+            self._head = FinalHead(self.scorer.preset, head=False) if self.scorer.bundle.layer == top else None
+            self._score_lock = threading.Lock()
+        else:
+            self.scorer.load()
+        # The request threads tokenize with a copy of their own, one at a time: a fast tokenizer used
+        # from two threads at once can fail ("Already borrowed"), and the model thread uses the original.
+        self._tokenizer = copy.deepcopy(self.scorer.tokenizer)
+        if self.engine is None:
+            self._worker.start()
+        return self
+
+    def prompt(self, question: str) -> list[int]:
+        """The question in the bundle's prompt, as the scorer encodes it (`Scorer._prompt`)."""
+        inputs = self.scorer.bundle.meta["inputs"]
+        with self._tokenizer_lock:
+            return encode_prompt(self._tokenizer, question, inputs["chat_template"], inputs["prompt_template"])
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    @property
+    def detector(self) -> dict:
+        s, b = self.scorer, self.scorer.bundle
+        return {
+            "bundle": str(b.path),
+            "bundle_sha256": b.sha256,
+            "method": b.method,
+            "layer": b.layer,
+            "positions": b.positions,
+            "threshold_name": s.threshold_name,
+            "threshold": s.threshold,
+            "scoring": self.scoring,
+        }
+
+    # ------------------------------------------------------------------ one request
+    def job(self, body: object, chat: bool) -> Job:
+        """The request checked, as a job for the model thread (ApiError on anything wrong)."""
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        known = self.KNOWN | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
+        for key in body:
+            if key in NOT_IMPLEMENTED:
+                if body[key] not in NOT_IMPLEMENTED[key]:
+                    raise ApiError(400, f"'{key}' is not implemented by halludetect serve: leave it out", key)
+            elif key not in known:
+                raise ApiError(400, f"unknown field '{key}' (halludetect serve takes {', '.join(sorted(known))})", key)
+        if body.get("model") != self.name:
+            raise ApiError(
+                404, f"the model '{body.get('model')}' is not served here: this server serves '{self.name}'", "model"
+            )
+        if body.get("stream"):
+            raise ApiError(
+                400, "streaming is not supported: an answer's score needs the whole answer; send stream false", "stream"
+            )
+        question = _question(body, chat)
+        d, limits = self.defaults, self.limits
+        length_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        update: dict = {}
+        if body.get(length_key) is not None:
+            update["max_new_tokens"] = _number(body, length_key, int, 1, limits.max_tokens)
+        elif d.max_new_tokens > limits.max_tokens:
+            raise ApiError(400, f"give '{length_key}' (at most {limits.max_tokens})", length_key)
+        n = 1 if body.get("n") is None else _number(body, "n", int, 1, limits.max_n)
+        greedy = False
+        if body.get("temperature") is not None:
+            t = _number(body, "temperature", float, 0, 2)
+            greedy = t == 0
+            if not greedy:
+                update["temperature"] = float(t)
+        if body.get("top_p") is not None:
+            update["top_p"] = float(_number(body, "top_p", float, 0, 1, low_open=True))
+        if body.get("top_k") is not None:
+            k = _number(body, "top_k", int, -1)
+            update["top_k"] = max(k, 0)  # -1, as vLLM spells "off", is our 0
+        if body.get("repetition_penalty") is not None:
+            update["repetition_penalty"] = float(_number(body, "repetition_penalty", float, 0, low_open=True))
+        if "stop" in body:
+            stop = body["stop"]
+            stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s.strip() for s in stop):
+                raise ApiError(400, "'stop' must be a string or a list of at most 4 non-empty strings", "stop")
+            update["stop"] = stop
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, f"'seed' must be a whole number, got {seed!r}", "seed")
+        explain = body.get("explain", False)
+        if not isinstance(explain, bool):
+            raise ApiError(400, f"'explain' must be true or false, got {explain!r}", "explain")
+        if explain:
+            try:
+                self.scorer.bundle.evidence_rule()
+            except UserError as e:
+                raise ApiError(400, str(e), "explain") from None
+        try:
+            params = GenerateParams.model_validate({**d.model_dump(), **update})
+        except ValidationError as e:  # what the sampler itself refuses (a stop string of spaces, say)
+            err = e.errors()[0]
+            field = str(err["loc"][0]) if err["loc"] else None
+            raise ApiError(400, f"{field}: {err['msg']}", {"max_new_tokens": length_key}.get(field, field)) from None
+        prompt = self.prompt(question)
+        context = self.scorer.context
+        if context is not None and len(prompt) + params.max_new_tokens > context:
+            raise ApiError(
+                400,
+                f"the question's prompt is {len(prompt)} tokens; with max_tokens {params.max_new_tokens} it does not "
+                f"fit the model's context of {context}",
+                length_key,
+            )
+        base = secrets.randbits(62) if seed is None else seed
+        return Job(question, prompt, [(base, question, i, 0) for i in range(n)], params, greedy, explain)
+
+    def answer(self, body: object, chat: bool) -> dict:
+        """A request's response (ApiError for a refused one): queued, sampled and scored, shaped."""
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.stats["refused"] += 1
+            raise ApiError(
+                429,
+                f"more than {self.limits.max_concurrency} requests in flight (--max-concurrency): retry shortly",
+                kind="rate_limit_error",
+            )
+        try:
+            job = self.job(body, chat)
+            if self.engine is not None:
+                results = self._from_engine(job)
+            else:
+                self._jobs.put(job)
+                results = job.future.result()
+        finally:
+            self._slots.release()
+        with self._lock:
+            self.stats["requests"] += 1
+            self.stats["answers"] += len(results)
+        return self._response(job, results, chat)
+
+    def _response(self, job: Job, results: list[dict], chat: bool) -> dict:
+        choices = []
+        for i, r in enumerate(results):
+            finish = "length" if r["finish_reason"] == "length" else "stop"
+            choice: dict = {"index": i, "finish_reason": finish, "logprobs": None, "token_ids": r["answer_token_ids"]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": r["answer"]}
+            else:
+                choice["text"] = r["answer"]
+            if self.scoring:
+                verdict = {k: r[k] for k in SCORE_FIELDS}
+                verdict["threshold"] = self.scorer.threshold
+                if job.explain:
+                    verdict |= {k: r.get(k) for k in EVIDENCE_FIELDS}
+                choice["hallucination"] = verdict
+            choices.append(choice)
+        completion = sum(len(r["answer_token_ids"]) for r in results)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(job.prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(job.prompt) + completion,
+            },
+            "detector": self.detector,
+        }
+
+    # ------------------------------------------------------------------ in front of vLLM
+    def _from_engine(self, job: Job) -> list[dict]:
+        """The request's answers from the engine, each scored from the states file it names."""
+        from halludetect.lm.engine_states import StatesProblem, read_engine_file, remove_engine_file
+        from halludetect.lm.generation import row_seed, trim_answer
+
+        s, b, p = self.scorer, self.scorer.bundle, job.params
+        top = int(b.meta["base_model"]["num_hidden_layers"])
+        at = self.engine.layers.index(b.layer)
+        rows, bags, answers, lps, reasons = [], [], [], [], []
+        for i, key in enumerate(job.keys):
+            choice = self.engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33)
+            ids = choice["token_ids"]
+            path = (choice.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if not path:
+                raise ApiError(
+                    502,
+                    "the engine names no hidden_states_path: start it with hidden-state extraction",
+                )
+            try:
+                data = read_engine_file(path)
+            except (OSError, StatesProblem) as e:
+                self.log(f"the engine's states file {path} cannot be read here: {e}")  # the operator's log
+                raise ApiError(
+                    502, "the engine's states file cannot be read here (the server's log says why)"
+                ) from None
+            finally:
+                remove_engine_file(path)
+            states, tokens = data["hidden_states"], data["token_ids"].tolist()
+            if tokens != job.prompt + ids[:-1] or states.shape[1] != len(self.engine.layers):
+                raise ApiError(
+                    502,
+                    f"the engine's states file holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
+                    f"the {len(self.engine.layers)} of --engine-layers over the prompt and answer",
+                )
+            with self._tokenizer_lock:  # the request threads' tokenizer, one at a time
+                t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
+            n, w = len(t.token_ids), len(job.prompt)
+            first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
+            x = states[first : first + n, at]  # read whole into memory by read_engine_file: the deletion is safe
+            reason = None
+            if n == 0:
+                reason = "empty_answer"
+            elif n < s.min_tokens:
+                reason = "too_short"
+            elif len(x) < n:  # a generated bag's last state: no pass saw the output's last token
+                reason = "no_last_state"
+            if reason is None and b.layer == top:
+                x = self._head.norm(x)
+            rows.append(AnswerRow(row=i, where=f"choice {i}", id=None, question=job.question, answer=t.text,
+                                  token_ids=None, p_sem=None))  # fmt: skip
+            bags.append(None if reason else x)
+            answers.append(t.token_ids)
+            lps.append([float(v) for v in ((choice.get("logprobs") or {}).get("token_logprobs") or [])][:n])
+            reasons.append((t, reason))
+        with self._score_lock:
+            out = s.score_states(rows, bags, answers, lps, job.explain)
+        for o, (t, reason), ids in zip(out, reasons, answers):
+            o |= {"answer": t.text, "answer_token_ids": ids, "finish_reason": t.finish_reason}
+            if reason:
+                o["reason"] = reason
+        return out
+
+    def _eos(self) -> list[int]:
+        if not hasattr(self, "_eos_ids"):
+            from halludetect.lm.hf_models import load_config, load_generation_eos
+
+            preset = self.scorer.preset
+            self._eos_ids = load_generation_eos(preset, load_config(preset))
+        return self._eos_ids
+
+    # ------------------------------------------------------------------ the model thread
+    def _work(self) -> None:
+        waiting: list[Job] = []
+        while True:
+            if not waiting:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                waiting.append(job)
+            while True:  # every request already queued may join this round
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:  # stopping: the requests still waiting are answered, not left hanging
+                    for j in waiting:
+                        j.future.set_exception(ApiError(503, "the server is stopping"))
+                    return
+                waiting.append(job)
+            key, group, rows = waiting[0].batch_key, [], 0
+            for j in waiting:
+                if j.batch_key == key and (not group or rows + len(j.keys) <= self.limits.max_batch):
+                    group.append(j)
+                    rows += len(j.keys)
+            waiting = [j for j in waiting if j not in group]
+            try:
+                results = self._run(group)
+            except Exception as e:  # noqa: BLE001  (a failed batch fails its requests, not the server)
+                for j in group:
+                    j.future.set_exception(e)
+                continue
+            with self._lock:
+                self.stats["batches"] += 1
+            for j, r in zip(group, results):
+                j.future.set_result(r)
+
+    def _run(self, group: list[Job]) -> list[list[dict]]:
+        first = group[0]
+        rows = [
+            AnswerRow(
+                row=i,
+                where=f"request {k} choice {i}",
+                id=None,
+                question=j.question,
+                answer=None,
+                token_ids=None,
+                p_sem=None,
+            )
+            for k, j in enumerate(group)
+            for i in range(len(j.keys))
+        ]
+        keys = [key for j in group for key in j.keys]
+        if self.scoring:
+            explain = any(j.explain for j in group)
+            out = self.scorer.sample_and_score(rows, keys, first.params, first.greedy, explain)
+        else:
+            out = self._sample_only([j.prompt for j in group for _ in j.keys], keys, first)
+        per_job, at = [], 0
+        for j in group:
+            per_job.append(out[at : at + len(j.keys)])
+            at += len(j.keys)
+        return per_job
+
+    def _sample_only(self, prompts: list[list[int]], keys: list[tuple], first: Job) -> list[dict]:
+        from halludetect.activations.sampled_states import sample_with_states
+        from halludetect.lm.hf_models import eos_ids
+
+        s = self.scorer
+        sampled = sample_with_states(
+            s.model,
+            s.tokenizer,
+            prompts,
+            keys,
+            first.params,
+            eos_ids(s.model, s.tokenizer),
+            layer=None,
+            positions=s.bundle.positions,
+            states_dtype=s.states_dtype,
+            greedy=first.greedy,
+        )
+        return [
+            {"answer": a.answer.text, "answer_token_ids": a.answer.token_ids, "finish_reason": a.answer.finish_reason}
+            for a in sampled
+        ]
+
+
+# ------------------------------------------------------------------------------ HTTP
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the default backlog (5) resets connections when many clients connect at once
+
+
+def _send(handler: BaseHTTPRequestHandler, status: int, payload: dict, headers: dict | None = None) -> None:
+    data = json.dumps(payload, allow_nan=False).encode()
+    head = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
+    try:
+        handler.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    except (BrokenPipeError, ConnectionResetError):  # the client left: nothing to tell it
+        handler.close_connection = True
+
+
+def handler_class(service: Service, api_key: str | None, log: Callable[[str], None]):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "halludetect-serve"
+        # A client that stops sending (a request line, headers or body never finished, or an idle
+        # keep-alive connection) is dropped after this many seconds, not held by a thread forever.
+        timeout = 30
+
+        def log_message(self, *args):  # one line per request of our own (_done), never the headers
+            pass
+
+        def setup(self):
+            super().setup()
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def _done(self, status: int, payload: dict, t0: float, headers: dict | None = None) -> None:
+            if self.close_connection:  # said, so that the client opens a new one for its next request
+                headers = {**(headers or {}), "Connection": "close"}
+            _send(self, status, payload, headers)
+            log(f"{self.command} {self.path.split('?')[0]} {status} {time.perf_counter() - t0:.3f}s")
+
+        def _authorized(self) -> bool:
+            if api_key is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            return hmac.compare_digest(token.encode(), api_key.encode())
+
+        def _refuse(self, e: ApiError, t0: float) -> None:
+            self._done(e.status, e.body(), t0, {"Retry-After": "1"} if e.status == 429 else None)
+
+        def do_GET(self):
+            t0 = time.perf_counter()
+            path = self.path.split("?")[0].rstrip("/")
+            if not self._authorized():
+                return self._refuse(ApiError(401, "a valid API key is needed (Authorization: Bearer ...)"), t0)
+            if path in ("/health", "/v1/health"):
+                return self._done(200, {"status": "ok", "detector": service.detector, "stats": service.stats}, t0)
+            if path == "/v1/models":
+                model = {"id": service.name, "object": "model", "created": 0, "owned_by": "halludetect"}
+                return self._done(200, {"object": "list", "data": [model | {"detector": service.detector}]}, t0)
+            self._refuse(ApiError(404, f"no route GET {path} (GET /v1/models, GET /health)"), t0)
+
+        def do_POST(self):
+            t0 = time.perf_counter()
+            path = self.path.split("?")[0].rstrip("/")
+            length = self.headers.get("Content-Length")
+            try:
+                if not self._authorized():
+                    self.close_connection = True  # its body is not read: the connection cannot carry another
+                    raise ApiError(401, "a valid API key is needed (Authorization: Bearer ...)")
+                if path not in ("/v1/completions", "/v1/chat/completions"):
+                    self.close_connection = True
+                    raise ApiError(404, f"no route POST {path} (POST /v1/completions, /v1/chat/completions)")
+                if length is None or not length.isdigit():
+                    self.close_connection = True
+                    raise ApiError(411, "a request body with a Content-Length is needed")
+                if int(length) > service.limits.max_request_bytes:
+                    self.close_connection = True  # its body is not read
+                    raise ApiError(
+                        413, f"the request is {length} bytes; the limit is {service.limits.max_request_bytes}"
+                    )
+                try:
+                    raw = self.rfile.read(int(length))
+                except TimeoutError:  # the body never came: said, and the connection closed
+                    self.close_connection = True
+                    raise ApiError(408, f"the request body did not arrive within {self.timeout} s") from None
+                try:
+                    body = json.loads(raw or b"null")
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ApiError(400, f"the request body is not JSON: {e}") from None
+                response = service.answer(body, chat=path.endswith("/chat/completions"))
+            except ApiError as e:
+                return self._refuse(e, t0)
+            except Exception as e:  # noqa: BLE001  (the model failed: a 500 naming it, and the server goes on)
+                return self._refuse(ApiError(500, f"{type(e).__name__}: {e}"), t0)
+            self._done(200, response, t0)
+
+    return Handler
+
+
+class Server:
+    """The service behind an HTTP server on `host`:`port` (0: any free port): a context manager.
+
+    with Server(service, port=0) as srv: ... srv.url ...
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.service = service
+        try:
+            self.http = _HTTPServer((host, port), handler_class(service, api_key, log))
+        except OSError as e:  # in use, not an address of this machine, a privileged port
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror or e}): pass another --host or --port"
+            ) from None
+        self.url = f"http://{host}:{self.http.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.http.serve_forever, name="halludetect-serve-http", daemon=True)
+
+    def __enter__(self) -> Server:
+        try:
+            self.service.start()
+        except BaseException:
+            self.http.server_close()  # the socket bound in __init__
+            raise
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.service.stop()
+
+
+def api_key_from(variable: str | None) -> str | None:
+    """The key from the environment variable `variable` (None: no key), refused when unset or empty."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable, "")
+    if not key.strip():
+        raise UserError(f"--api-key-env {variable}: the variable is not set (or empty): export it, or drop the option")
+    return key.strip()
+
+
+def serve(
+    bundle: str | Path,
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key_env: str | None = None,
+    name: str | None = None,
+    limits: Limits = Limits(),
+    engine: EngineClient | None = None,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+    **scorer_options,
+) -> None:
+    """Run the server until interrupted (Ctrl-C or SIGTERM). `scorer_options` are `Scorer`'s."""
+    import ipaddress
+    import signal
+
+    key = api_key_from(api_key_env)
+    scorer = Scorer(bundle, model, log=log, **scorer_options)
+    service = Service(scorer, name=name, limits=limits, engine=engine, log=log)
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback and key is None:
+        log(f"warning: serving on {host}, reachable from other machines, without a key (--api-key-env)")
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with Server(service, host, port, key, log) as srv:
+        d = service.detector
+        log(
+            f"serving {service.name} with the '{d['method']}' detector of {d['bundle']} (layer {d['layer']}, "
+            f"flag at {d['threshold_name']} = {d['threshold']:.4g}) on {srv.url}"
+        )
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            log("stopping")

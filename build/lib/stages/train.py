@@ -1,0 +1,167 @@
+"""Train one detector method on every layer of grid.layers, every seed, and score each layer's
+validation and test responses with each seed's best weights (the layer's own evaluation).
+
+One stage per method (not per layer: docs/development.md#stage-granularity). On the CPU the layers
+train side by side in single-threaded worker processes, one per core (the seeds of a layer train
+together as one batched model in its worker: detectors/batched.py), so the stage keeps every core
+busy and holds at most one layer's states per worker; a layer gives the same bytes whatever the
+number of workers. On a GPU the layers train one after another in this process. `--layers` trains
+a subset into the same directories (what `halludetect train-layer` runs for a colleague who pulled
+one layer file).
+"""
+
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from halludetect.activations.layer_format import layer_filename
+from halludetect.activations.layer_reader import open_layer, read_layer
+from halludetect.core.atomic_io import write_json
+from halludetect.core.devices import resolve_device
+from halludetect.core.errors import DataError
+from halludetect.detectors.build import build_detector, section
+from halludetect.detectors.data import SPLITS, entropy_for, p_sem_for, split_data
+from halludetect.detectors.training import train_layer, training_time
+from halludetect.labels.readers import read_judgments
+from stages import common
+
+_JOB: dict = {}  # what a layer's training reads besides its file: set in each worker by `setup`
+
+
+def check_layer_files(activations: Path, layers: list[int]) -> None:
+    """Every layer file there, well formed and of its layer, before any training (states unread)."""
+    if missing := [layer_filename(k) for k in layers if not (activations / layer_filename(k)).exists()]:
+        raise DataError(
+            f"{activations} has no {', '.join(missing)}: dump.layers must cover grid.layers "
+            "(the dump stage writes them; `dvc pull` fetches a pushed one)"
+        )
+    for k in layers:
+        path = activations / layer_filename(k)
+        f, _, _ = open_layer(path)
+        with f:
+            if "layer" in f.attrs and int(f.attrs["layer"]) != k:
+                raise DataError(f"{path} holds layer {int(f.attrs['layer'])}, not layer {k}: re-run dump")
+
+
+def train_one_layer(k: int) -> tuple[int, dict]:
+    """Read layer k, train every seed on it, write its outputs; returns (k, its training time)."""
+    job, args = _JOB, _JOB["args"]
+    path = Path(args.activations) / layer_filename(k)
+    layer = read_layer(path, dtype=None, expect_layer=k)
+    build_detector(args.method, layer.states.shape[1], job["method_params"])  # a plugin's build, before any work
+    split = {
+        s: split_data(
+            layer,
+            job["judgments"],
+            s,
+            str(path),
+            job["p_sem"],
+            method=args.method,
+            entropy=job["entropy"] if s == "train" else None,
+        )
+        for s in SPLITS
+    }
+    del layer
+    t0 = time.perf_counter()
+    tp = job["train"]
+    results = train_layer(
+        args.method,
+        job["method_params"],
+        split,
+        tp.seeds,
+        layer=k,
+        epochs=tp.epochs,
+        batch_size=tp.batch_size,
+        device=job["device"],
+        out_dir=Path(args.out) / f"layer_{k}",
+        scores_path=Path(args.scores) / f"layer_{k}.parquet",
+        metrics_path=Path(args.metrics) / f"layer_{k}.json",
+        recipe=tp.recipe,
+        log=common.log.info,
+    )
+    wall = time.perf_counter() - t0
+    common.log.info("%s layer %d: %.1f s", args.method, k, wall)
+    return k, training_time(results, wall, job["workers"], job["device"])
+
+
+def workers_for(device: str, n_layers: int) -> int:
+    """One worker per core on the CPU (never more than layers); the GPU trains in this process."""
+    if device != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, n_layers))
+
+
+def setup(args, method_params, tp, device: str, workers: int) -> None:
+    """What every layer's training reads besides its layer file: the labels, and P_sem or the semantic
+    entropy for the methods that read the clustering (a missing or unexpected --clusters fails here)."""
+    _JOB.update(
+        args=args,
+        method_params=method_params,
+        p_sem=p_sem_for(args.method, args.clusters, method_params),
+        entropy=entropy_for(args.method, args.clusters, method_params),
+        judgments=read_judgments(args.judgments),
+        train=tp,
+        device=device,
+        workers=workers,
+    )
+
+
+def run(args, params):
+    tp = params.train
+    device = resolve_device(tp.device, "train.device")  # before any file is read
+    method_params = section(params.detectors, args.method)
+    layers = args.layers if args.layers is not None else params.grid.layers
+    if unknown := sorted(set(layers) - set(params.grid.layers)):
+        raise DataError(f"--layers {unknown}: not in grid.layers {params.grid.layers}")
+    n = workers_for(device, len(layers))
+    setup(args, method_params, tp, device, n)  # here too: its checks stop the stage before any worker starts
+    check_layer_files(Path(args.activations), layers)
+    try:
+        if n <= 1:
+            done = [train_one_layer(k) for k in layers]
+        else:
+            # spawn, not fork: this process has used polars' and HDF5's thread pools, and a forked
+            # child inherits their locks held (it hung). Each worker reads the labels itself.
+            context = multiprocessing.get_context("spawn")
+            init = (args, method_params, tp, device, n)
+            with ProcessPoolExecutor(n, mp_context=context, initializer=setup, initargs=init) as pool:
+                done = list(pool.map(train_one_layer, layers))
+    finally:
+        _JOB.clear()
+    timing = {f"layer_{k}": t for k, t in done}
+    if args.timing:
+        # a subset (--layers) keeps the other layers' times of an earlier run
+        earlier = Path(args.timing)
+        if args.layers is not None and earlier.exists():
+            timing = {**json.loads(earlier.read_text()), **timing}
+        write_json(args.timing, dict(sorted(timing.items(), key=lambda kv: int(kv[0].split("_")[1]))))
+
+
+def layer_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+if __name__ == "__main__":
+    p = common.parser(__doc__)
+    p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
+    p.add_argument("--activations", required=True, help="the dump's directory of layer files (layer_<L>.h5)")
+    p.add_argument("--judgments", required=True, help="judgments Parquet (labels)")
+    p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it (train_sp)")
+    p.add_argument("--out", required=True, help="output directory: layer_<L>/seed_<S>.safetensors, curves.json, ...")
+    p.add_argument(
+        "--scores", required=True, help="directory of Parquet files: layer_<L>.parquet, each response's logit per seed"
+    )
+    p.add_argument("--metrics", required=True, help="directory of the layers' val/test figures (layer_<L>.json)")
+    p.add_argument(
+        "--timing", help="the layers' training times (JSON, apart from the figures: wall times differ per run)"
+    )
+    p.add_argument(
+        "--layers",
+        type=layer_list,
+        help="comma-separated layers to train (default: grid.layers); others are left as they are",
+    )
+    common.main(run, p)

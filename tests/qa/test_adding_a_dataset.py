@@ -1,0 +1,125 @@
+"""Adding a dataset (docs/datasets.md, "Adding a dataset"): a preset with a format of its own in
+params.yaml alone, or a format file and one registry line in a copy of the code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from support import doc_blocks
+
+from halludetect.core import code_deps
+
+ROOT = code_deps.ROOT
+
+CHECK = """
+import json, sys
+import datasets as hf
+import halludetect
+assert halludetect.__file__.startswith(sys.argv[1]), halludetect.__file__  # the copy, not the checkout
+from halludetect.config import load_params, parse_params, PrepareParams
+from halludetect.core import code_deps, yaml12
+from halludetect.qa.datasets import prepare
+
+data = yaml12.load(open("params.yaml").read())
+data["datasets"]["my_eli5"] = {"loader": "eli5", "path": "eli5.jsonl"}
+data["datasets"].update(yaml12.load(open("inline.yaml").read())["datasets"])
+params = parse_params(data)
+thirds = PrepareParams(train=0.4, val=0.3, test=0.3)
+local, report = prepare(params.dataset("my_eli5"), thirds, "my_eli5")
+
+calls = []
+def load_dataset(hf_id, config=None, *, split, revision=None):
+    calls.append([hf_id, config, split])
+    return [{"question": f"Who wrote book {i}?", "answer": {"value": f"Author {i}", "aliases": [f"A. {i}"]}}
+            for i in range(10)]
+hf.load_dataset = load_dataset
+web, _ = prepare(params.dataset("trivia_web").model_copy(update={"sizes": None}), thirds, "trivia_web")
+
+wrong = dict(data, datasets=dict(data["datasets"], my_eli5={"loader": "eli55", "path": "eli5.jsonl"}))
+try:
+    parse_params(wrong)
+    refused = None
+except Exception as e:
+    refused = str(e)
+print(json.dumps({
+    "local": sorted(local["question"].to_list()), "answers": local.sort("question")["answers"].to_list()[0],
+    "web": sorted(web["answers"].to_list())[0], "calls": calls, "refused": refused,
+    "digest": "halludetect/qa/formats/eli5.yaml" in code_deps.digests()["prepare.txt"],
+    "judge_digest": "halludetect/qa/formats/eli5.yaml" in code_deps.digests()["judge.txt"],
+}))
+"""
+
+
+def test_adding_a_dataset_in_a_copy_of_the_code(tmp_path):
+    """The docs' format file and registry line, dropped into a copy of the code, make a loader every
+    preset can name: prepare reads a local file of that shape, a misspelt loader is refused with a
+    did-you-mean, and the code stage puts the file in prepare's digest (not the judge's). The docs'
+    inline preset (params alone) reads its hub rows through its own field map."""
+    for part in ("halludetect", "stages"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    blocks = doc_blocks("docs/datasets.md", "Adding a dataset")
+    inline, fmt = blocks["yaml"]
+    (tmp_path / "inline.yaml").write_text(inline)
+    (tmp_path / "halludetect" / "qa" / "formats" / "eli5.yaml").write_text(fmt)
+    reg = tmp_path / "halludetect" / "core" / "registry.py"
+    text = reg.read_text()
+    assert '    "dataset": {\n' in text
+    line = blocks["python"][0].strip()
+    reg.write_text(text.replace('    "dataset": {\n', '    "dataset": {\n        ' + line + "\n", 1))
+    rows = [
+        {"id": f"e{i}", "title": f"Why is the sky {i}?", "answer_texts": [f"light {i}", "Rayleigh"]} for i in range(10)
+    ]
+    (tmp_path / "eli5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["local"] == sorted(r["title"] for r in rows)
+    assert got["answers"] == ["light 0", "Rayleigh"]
+    assert got["calls"] == [["trivia_qa", "rc.web.nocontext", "validation"]]
+    assert got["web"] == ["Author 0", "A. 0"]
+    assert "unknown dataset loader (datasets.<name>.loader) 'eli55'; did you mean 'eli5'?" in got["refused"]
+    assert got["digest"] and not got["judge_digest"]
+
+
+def test_a_format_of_the_preset_is_checked_with_the_params():
+    """An inline format's mistakes are params errors naming the key, before any stage works."""
+    import pytest
+
+    from halludetect.config import ParamsError, parse_params
+    from halludetect.core.yaml12 import load
+
+    base = load((ROOT / "params.yaml").read_text())
+    hub = {"id": "org/qa", "split": "validation"}
+    cases = {
+        "datasets.mine.format.fieldz: unknown key; did you mean 'fields'?": {
+            "format": {"hub": hub, "fieldz": {"question": "q", "answers": "a"}}
+        },
+        "a hub format maps at least question and answers in fields": {
+            "format": {"hub": hub, "fields": {"question": "q"}}
+        },
+        "format describes the dataset itself: remove loader": {
+            "loader": "nq",
+            "format": {"hub": hub, "fields": {"question": "q", "answers": "a"}},
+        },
+        "a format without hub reads a local file: set 'path'": {"format": {"question_suffix": "?"}},
+        "loader 'bioasq' reads a local file: set 'path'": {"loader": "bioasq"},
+        "datasets.mine.format.fields.answer.[key]: Input should be 'id', 'question', 'answers'": {
+            "format": {"hub": hub, "fields": {"question": "q", "answer": "a"}}
+        },
+    }
+    for wanted, preset in cases.items():
+        data = {**base, "datasets": {**base["datasets"], "mine": preset}}
+        with pytest.raises(ParamsError) as e:
+            parse_params(data)
+        assert wanted in str(e.value), (wanted, str(e.value))
