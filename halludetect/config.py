@@ -217,7 +217,9 @@ def dataset_format(preset: DatasetPreset) -> DatasetFormat | None:
     try:
         return DatasetFormat.model_validate(data or {})
     except ValidationError as e:
-        raise ParamsError(f"{registry.PACKAGE_DIR / target}: not a dataset format: {e}") from None
+        raise ParamsError(
+            format_errors(e, f"the format of loader '{name}', {registry.PACKAGE_DIR / target}", DatasetFormat)
+        ) from None
 
 
 class SplitSizes(Section):

@@ -293,7 +293,27 @@ def kind_deps(kind: str) -> tuple[frozenset[str], frozenset[Path]]:
     from halludetect.core.registry import group
 
     modules |= {ep.value.partition(":")[0].strip() for ep in entry_points(group=group(kind))}
+    if kind == "dataset":  # a preset's own format may name a reader of the repository's (params.yaml)
+        modules |= set(_params_readers())
     return frozenset(m for m in modules if module_file(m)), frozenset(p for p in files if p.is_file())
+
+
+@_per_pass
+def _params_readers(params_file: Path | None = None) -> list[str]:
+    """The modules of params.yaml's datasets.<name>.format.reader keys ('module:function')."""
+    from halludetect.core import yaml12
+
+    path = ROOT / "params.yaml" if params_file is None else Path(params_file)
+    try:
+        presets = (yaml12.load(path.read_text()) or {}).get("datasets") or {}
+    except (OSError, yaml12.YAMLError, AttributeError):
+        return []  # no or a broken params file: the stages say what is wrong with it
+    readers = [
+        p["format"].get("reader")
+        for p in (presets.values() if isinstance(presets, dict) else [])
+        if isinstance(p, dict) and isinstance(p.get("format"), dict)
+    ]
+    return sorted({str(r).partition(":")[0].strip() for r in readers if r})
 
 
 def _format_reader(path: Path) -> str | None:

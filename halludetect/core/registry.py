@@ -87,13 +87,23 @@ def _kind(kind: str) -> dict[str, str]:
 
 
 def plugins(kind: str) -> dict[str, str]:
-    """{name: target} of the installed entry points of the kind's group (no import)."""
-    _kind(kind)
-    return {ep.name: ep.value.strip() for ep in entry_points(group=group(kind))}
+    """{name: target} of the installed entry points of the kind's group (no import). A plugin may not
+    take a built-in's name: which of the two a params word meant would depend on what is installed."""
+    builtins = _kind(kind)
+    found = {}
+    for ep in entry_points(group=group(kind)):
+        if ep.name in builtins:
+            dist = f" (package {ep.dist.name})" if getattr(ep, "dist", None) is not None else ""
+            raise TargetError(
+                f"the entry point '{ep.name} = {ep.value}' of group {group(kind)}{dist} takes the name of the "
+                f"built-in {LABELS.get(kind, kind)} '{ep.name}': rename it in that package's entry points"
+            )
+        found[ep.name] = ep.value.strip()
+    return found
 
 
 def targets(kind: str) -> dict[str, str]:
-    """Every name of the kind and its target; a built-in name is not overridden by a plugin."""
+    """Every name of the kind (the built-ins and the installed plugins) and its target."""
     return {**plugins(kind), **_kind(kind)}
 
 

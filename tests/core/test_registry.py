@@ -114,6 +114,13 @@ def test_an_entry_point_adds_a_judge_without_editing_the_code(tmp_path):
     assert json.loads(out.stdout) == [False, "yes"]
     with pytest.raises(ValueError, match="'always'"):
         JudgeParams(backend="always")  # not installed here
+    # a plugin may not take a built-in's name: every stage says so, naming the package
+    (dist / "entry_points.txt").write_text("[halludetect.judges]\nmatch = my_judges:Always\n")
+    code = "from halludetect.config import JudgeParams\nJudgeParams(backend='match')\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode != 0
+    assert "entry point 'match = my_judges:Always' of group halludetect.judges (package my-judges)" in out.stderr
+    assert "takes the name of the built-in judge backend (judge.backend) 'match'" in out.stderr
 
 
 def test_the_shipped_presets_name_registered_loaders():

@@ -38,6 +38,7 @@ def load_dataset(hf_id, config=None, *, split, revision=None):
             for i in range(10)]
 hf.load_dataset = load_dataset
 web, _ = prepare(params.dataset("trivia_web").model_copy(update={"sizes": None}), thirds, "trivia_web")
+tsv, _ = prepare(params.dataset("my_tsv"), thirds, "my_tsv")
 
 wrong = dict(data, datasets=dict(data["datasets"], my_eli5={"loader": "eli55", "path": "eli5.jsonl"}))
 try:
@@ -50,7 +51,17 @@ print(json.dumps({
     "web": sorted(web["answers"].to_list())[0], "calls": calls, "refused": refused,
     "digest": "halludetect/qa/formats/eli5.yaml" in code_deps.digests()["prepare.txt"],
     "judge_digest": "halludetect/qa/formats/eli5.yaml" in code_deps.digests()["judge.txt"],
+    "tsv": tsv.sort("id")["answers"].to_list()[:2],
+    "reader_digest": "halludetect/qa/tsv_reader.py" in code_deps.digests()["prepare.txt"],
 }))
+"""
+
+
+TSV_READER = """
+def read(path, report):
+    rows = [line.split("\\t") for line in path.read_text().splitlines()]
+    report.read = len(rows)
+    return [(f"{path}:{n}", {"id": i, "question": q, "answers": [a]}) for n, (i, q, a) in enumerate(rows, 1)]
 """
 
 
@@ -74,6 +85,19 @@ def test_adding_a_dataset_in_a_copy_of_the_code(tmp_path):
     rows = [
         {"id": f"e{i}", "title": f"Why is the sky {i}?", "answer_texts": [f"light {i}", "Rayleigh"]} for i in range(10)
     ]
+    # a preset's own format naming a reader of the repository: prepare runs it, its digest holds it
+    (tmp_path / "halludetect" / "qa" / "tsv_reader.py").write_text(TSV_READER)
+    (tmp_path / "qa.tsv").write_text("".join(f"t{i}\tWhat is {i} + 1?\t{i + 1}\n" for i in range(10)))
+    params = (
+        (tmp_path / "params.yaml")
+        .read_text()
+        .replace(
+            "\ndatasets:\n",
+            "\ndatasets:\n  my_tsv:\n    format: {reader: 'halludetect.qa.tsv_reader:read'}\n    path: qa.tsv\n",
+            1,
+        )
+    )
+    (tmp_path / "params.yaml").write_text(params)
     (tmp_path / "eli5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run(
         [sys.executable, "-c", CHECK, str(tmp_path)],
@@ -90,6 +114,7 @@ def test_adding_a_dataset_in_a_copy_of_the_code(tmp_path):
     assert got["web"] == ["Author 0", "A. 0"]
     assert "unknown dataset loader (datasets.<name>.loader) 'eli55'; did you mean 'eli5'?" in got["refused"]
     assert got["digest"] and not got["judge_digest"]
+    assert got["tsv"] == [["1"], ["2"]] and got["reader_digest"]
 
 
 def test_a_format_of_the_preset_is_checked_with_the_params():
