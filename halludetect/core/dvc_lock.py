@@ -1,0 +1,176 @@
+"""`dvc` with dvc.lock written entry by entry: DVC's own CLI, its lock writer made O(one stage).
+
+DVC rewrites the whole dvc.lock after every stage it runs (dvc/dvcfile.py, `Lockfile.dump_stages`:
+`modify_yaml`, a ruamel round-trip parse of the file, one entry updated, a round-trip dump of all of
+it). Each rewrite costs time in proportion to the lock, so one `dvc repro` costs stages x lock: on
+the paper's grid (505 stages, a 1.3 MB lock) 6.6 s a rewrite, about half an hour of one
+`dvc repro` (docs/benchmarks.md, bench.dag). The work per rewrite is one entry; this makes the
+cost that:
+
+    python -m halludetect.core.dvc_lock repro ...     # what `halludetect repro` (make repro) runs
+
+runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dvc.lock only, by
+`LockWriter.modify`, which writes the same bytes:
+
+- the lock's data stays in memory between writes (parsed again, by the C parser, whenever the file
+  is not what this process last wrote: another process, a `git checkout`);
+- the file is the header and each stage's entry as text, in order; an entry's text is DVC's own
+  dumper's (`dvc.utils.serialize._yaml._dump`) output for that entry alone, kept while the entry's
+  value is unchanged, so one write dumps the entries that changed and joins strings. A YAML block
+  mapping's entries are emitted independently of each other, so the join is the bytes DVC's dump of
+  the whole file gives (tests/core/test_dvc_lock.py compares them on real locks;
+  HALLUDETECT_CHECK_LOCK=1 compares every write and stops at the first difference);
+- the file is written atomically (DVC truncates and writes in place: a kill could leave half a lock).
+
+A lock this writer cannot reproduce exactly goes to DVC's own function: one with other top-level
+keys than `schema` and `stages` (`datasets`), an empty `stages`, a file system other than the local
+one. If DVC's internals are not the ones this was written against, DVC runs unpatched, with a
+warning. Plain `dvc repro` and `dvc exp run` keep DVC's writer: the bytes are the same either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+LOCK_NAME = "dvc.lock"
+CHECK_ENV = "HALLUDETECT_CHECK_LOCK"
+
+
+class LockWriter:
+    """The `modify_yaml` of dvc.lock: data kept between writes, each entry's text kept by its value."""
+
+    def __init__(self, original, dump):
+        self.original = original  # DVC's modify_yaml, for every other file and case
+        self.dump = dump  # DVC's dumper: dump(data, stream)
+        self.data: dict | None = None  # the lock as last written by this process
+        self.written: tuple[int, int] | None = None  # (size, mtime_ns) of that write
+        self.texts: dict[tuple[str, str], str] = {}  # (stage, its value as JSON) -> its text
+        self.check = os.environ.get(CHECK_ENV) == "1"
+
+    @contextlib.contextmanager
+    def modify(self, path, fs=None):
+        if Path(os.fspath(path)).name != LOCK_NAME or (fs is not None and getattr(fs, "protocol", None) != "local"):
+            with self.original(path, fs=fs) as data:
+                yield data
+            return
+        path = os.fspath(path)
+        data = self._load(path)
+        try:
+            yield data
+        except BaseException:
+            self.data = None  # changed in memory but not written: read the file again next time
+            raise
+        text = self.text(data)
+        if text is None:  # a shape this writer does not reproduce: DVC's own dump
+            self.data = None
+            with open(path, "w+", encoding="utf-8") as fd:
+                self.dump(data, fd)
+            return
+        if self.check:
+            whole = io.StringIO()
+            self.dump(data, whole)
+            if whole.getvalue() != text:
+                raise AssertionError(f"{CHECK_ENV}: the entry-wise dvc.lock differs from DVC's dump of {path}")
+        _write_atomically(path, text)
+        st = os.stat(path)
+        self.data, self.written = data, (st.st_size, st.st_mtime_ns)
+
+    def _load(self, path: str) -> dict:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.data = None
+            return {}
+        if self.data is not None and self.written == (st.st_size, st.st_mtime_ns):
+            return self.data
+        from ruamel.yaml import YAML
+
+        with open(path, encoding="utf-8") as fd:
+            text = fd.read()
+        try:
+            data = YAML(typ="safe").load(text) or {}  # the C parser where ruamel has it
+        except Exception:  # DVC's own reader names the problem (a corrupted lock)
+            from dvc.utils.serialize._yaml import parse_yaml_for_update
+
+            data = parse_yaml_for_update(text, path)
+        self.data = None
+        return data
+
+    def text(self, data: dict) -> str | None:
+        """The lock's text from its entries' kept texts, or None for a shape DVC must dump itself."""
+        if list(data) != ["schema", "stages"] or not isinstance(data["stages"], dict) or not data["stages"]:
+            return None
+        header = self._dump({"schema": data["schema"]})
+        parts, used = [header, "stages:\n"], set()
+        for name, entry in data["stages"].items():
+            key = (name, json.dumps(entry, default=repr))
+            used.add(key)
+            if key not in self.texts:
+                one = self._dump({"stages": {name: entry}})
+                if not one.startswith("stages:\n"):
+                    return None
+                self.texts[key] = one[len("stages:\n") :]
+            parts.append(self.texts[key])
+        for key in set(self.texts) - used:  # entries replaced or removed: their texts go
+            del self.texts[key]
+        return "".join(parts)
+
+    def _dump(self, data: dict) -> str:
+        buf = io.StringIO()
+        self.dump(data, buf)
+        return buf.getvalue()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".dvc.lock.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def install() -> LockWriter | None:
+    """Replace dvc/dvcfile.py's modify_yaml with a LockWriter's; None (and a warning) when DVC is not
+    shaped as expected."""
+    try:
+        import dvc.dvcfile as dvcfile
+        from dvc.utils.serialize import _yaml
+
+        original, dump = dvcfile.modify_yaml, _yaml._dump
+        if original is not _yaml.modify_yaml or not hasattr(dvcfile.Lockfile, "dump_stages"):
+            raise AttributeError("dvc.dvcfile no longer writes its lock through modify_yaml")
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"dvc.lock is written by DVC's own writer ({e})", stacklevel=2)
+        return None
+    writer = LockWriter(original, dump)
+    dvcfile.modify_yaml = writer.modify
+    return writer
+
+
+def main(argv: list[str] | None = None) -> int:
+    install()
+    from dvc.cli import main as dvc_main
+
+    return dvc_main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

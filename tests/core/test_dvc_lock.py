@@ -1,0 +1,158 @@
+"""core/dvc_lock.py: dvc.lock written entry by entry gives the bytes DVC's own writer gives."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dvc.utils.serialize import _yaml
+from ruamel.yaml import YAML
+
+from halludetect.core import dvc_lock
+from halludetect.core.code_deps import ROOT
+
+
+def dvc_dump(data) -> str:
+    buf = io.StringIO()
+    _yaml._dump(data, buf)
+    return buf.getvalue()
+
+
+def writer() -> dvc_lock.LockWriter:
+    return dvc_lock.LockWriter(_yaml.modify_yaml, _yaml._dump)
+
+
+def test_the_entry_wise_text_of_the_repositorys_lock_is_dvcs():
+    """The committed dvc.lock (85 stages, every family) as DVC dumps it, and after edits: an entry
+    changed, one added at the end, one removed."""
+    text = (ROOT / "dvc.lock").read_text()
+    data = YAML(typ="safe").load(text)
+    w = writer()
+    assert w.text(data) == dvc_dump(data) == text
+    stages = data["stages"]
+    first = next(iter(stages))
+    stages[first] = {**stages[first], "cmd": stages[first]["cmd"] + " --more " + "x" * 100}
+    stages["new@a-b"] = copy.deepcopy(stages[first])
+    del stages[list(stages)[3]]
+    assert w.text(data) == dvc_dump(data)
+    assert len(w.texts) == len(stages)  # the replaced and removed entries' texts are gone
+
+
+def test_a_shape_it_does_not_reproduce_is_left_to_dvc():
+    w = writer()
+    assert w.text({"schema": "2.0", "stages": {}}) is None
+    assert w.text({"schema": "2.0", "stages": {"a": {"cmd": "x"}}, "datasets": []}) is None
+
+
+def run_writes(modify, path: Path, edits) -> list[str]:
+    out = []
+    for edit in edits:
+        with modify(path) as data:
+            edit(data)
+        out.append(path.read_text())
+    return out
+
+
+def edits():
+    def first(d):
+        d.update({"schema": "2.0"})
+        d["stages"] = {"a": {"cmd": "echo a", "outs": [{"path": "a.txt", "md5": "1", "size": 2}]}}
+
+    def second(d):
+        d["stages"].update({"b": {"cmd": "echo b: 'q'", "deps": [{"path": "a.txt", "md5": "1"}]}})
+
+    def third(d):
+        d["stages"].update({"a": {"cmd": "echo a2", "outs": [{"path": "a.txt", "md5": "3", "size": 2}]}})
+
+    return [first, second, third]
+
+
+def test_a_run_of_writes_gives_dvcs_bytes_and_heals_after_others_write(tmp_path):
+    ours, theirs = tmp_path / "ours" / "dvc.lock", tmp_path / "theirs" / "dvc.lock"
+    ours.parent.mkdir()
+    theirs.parent.mkdir()
+    w = writer()
+    got = run_writes(w.modify, ours, edits())
+    assert got == run_writes(_yaml.modify_yaml, theirs, edits())
+    # another writer (DVC itself, a checkout) changes the file: the next write starts from the file
+    ours.write_text(theirs.read_text().replace("echo a2", "echo a3"))
+    with w.modify(ours) as data:
+        assert data["stages"]["a"]["cmd"] == "echo a3"
+        data["stages"]["c"] = {"cmd": "echo c"}
+    assert "echo a3" in ours.read_text() and ours.read_text() == dvc_dump(YAML(typ="safe").load(ours.read_text()))
+    # a failure inside the block writes nothing and forgets the data it changed
+    before = ours.read_text()
+    with pytest.raises(RuntimeError), w.modify(ours) as data:
+        data["stages"]["d"] = {"cmd": "echo d"}
+        raise RuntimeError("a stage's lock entry could not be made")
+    assert ours.read_text() == before and w.data is None
+    with w.modify(ours) as data:
+        assert "d" not in data["stages"]
+
+
+def test_other_files_go_to_dvcs_writer(tmp_path):
+    calls = []
+
+    @__import__("contextlib").contextmanager
+    def original(path, fs=None):
+        calls.append(os.fspath(path))
+        yield {}
+
+    w = dvc_lock.LockWriter(original, _yaml._dump)
+    with w.modify(tmp_path / "dvc.yaml"):
+        pass
+    assert calls == [str(tmp_path / "dvc.yaml")]
+
+
+DVC_YAML = """
+stages:
+  one:
+    cmd: python -c "open('one.txt', 'w').write('1')"
+    outs: [one.txt]
+  two:
+    foreach: [a, b, c]
+    do:
+      cmd: python -c "open('two_${item}.txt', 'w').write(open('one.txt').read() + '${item}')"
+      deps: [one.txt]
+      params: [k]
+      outs:
+        - two_${item}.txt
+"""
+
+
+def repo(path: Path) -> Path:
+    path.mkdir()
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    subprocess.run(["git", "init", "-q"], cwd=path, check=True, env=env)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=path, check=True)
+    (path / "dvc.yaml").write_text(DVC_YAML)
+    (path / "params.yaml").write_text("k: 1\n")
+    return path
+
+
+def test_dvc_repro_through_it_writes_the_lock_plain_dvc_writes(tmp_path):
+    """The same pipeline reproduced by plain `dvc repro` and through this module (checking every write
+    against DVC's dump): the same dvc.lock, and again after a parameter change re-runs a family."""
+    plain, fast = repo(tmp_path / "plain"), repo(tmp_path / "fast")
+    env = {**os.environ, dvc_lock.CHECK_ENV: "1", "PYTHONPATH": str(ROOT)}
+    for step in range(2):
+        if step:
+            for r in (plain, fast):
+                (r / "params.yaml").write_text("k: 2\n")
+        out = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=plain, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        out = subprocess.run(
+            [sys.executable, "-m", "halludetect.core.dvc_lock", "repro", "-q"],
+            cwd=fast,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert (fast / "dvc.lock").read_text() == (plain / "dvc.lock").read_text()
+        assert "two@c" in (fast / "dvc.lock").read_text()
