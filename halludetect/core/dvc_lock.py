@@ -20,7 +20,8 @@ runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dv
   mapping's entries are emitted independently of each other, so the join is the bytes DVC's dump of
   the whole file gives (tests/core/test_dvc_lock.py compares them on real locks;
   HALLUDETECT_CHECK_LOCK=1 compares every write and stops at the first difference);
-- the file is written atomically (DVC truncates and writes in place: a kill could leave half a lock).
+- the file is written atomically (DVC truncates and writes in place: a kill could leave half a lock);
+  a kill between the two steps leaves a `.dvc.lock.*` beside it, which git ignores.
 
 A lock this writer cannot reproduce exactly goes to DVC's own function: one with other top-level
 keys than `schema` and `stages` (`datasets`), an empty `stages`, a file system other than the local
