@@ -13,7 +13,7 @@ runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dv
 `LockWriter.modify`, which writes the same bytes:
 
 - the lock's data stays in memory between writes (parsed again, by the C parser, whenever the file
-  is not what this process last wrote: another process, a `git checkout`);
+  does not hold exactly the text this process last wrote: another process, a `git checkout`);
 - the file is the header and each stage's entry as text, in order; an entry's text is DVC's own
   dumper's (`dvc.utils.serialize._yaml._dump`) output for that entry alone, kept while the entry's
   value is unchanged, so one write dumps the entries that changed and joins strings. A YAML block
@@ -23,17 +23,18 @@ runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dv
 - the file is written atomically (DVC truncates and writes in place: a kill could leave half a lock);
   a kill between the two steps leaves a `.dvc.lock.*` beside it, which git ignores.
 
-A lock this writer cannot reproduce exactly goes to DVC's own function: one with other top-level
-keys than `schema` and `stages` (`datasets`), an empty `stages`, a file system other than the local
-one. If DVC's internals are not the ones this was written against, DVC runs unpatched, with a
-warning. Plain `dvc repro` and `dvc exp run` keep DVC's writer: the bytes are the same either way.
+A lock this writer cannot reproduce exactly goes to DVC's own function: a file that is not what
+DVC's dumper writes for its own data (a hand edit, a comment, an anchor: DVC's round trip keeps them),
+one with other top-level keys than `schema` and `stages` (`datasets`), an empty `stages`, an entry
+whose dump holds an anchor, a file system other than the local one. If DVC's internals are not the
+ones this was written against, DVC runs unpatched, with a warning. Plain `dvc repro` and `dvc exp
+run` keep DVC's writer: the bytes are the same either way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 import tempfile
@@ -51,8 +52,8 @@ class LockWriter:
         self.original = original  # DVC's modify_yaml, for every other file and case
         self.dump = dump  # DVC's dumper: dump(data, stream)
         self.data: dict | None = None  # the lock as last written by this process
-        self.written: tuple[int, int] | None = None  # (size, mtime_ns) of that write
-        self.texts: dict[tuple[str, str], str] = {}  # (stage, its value as JSON) -> its text
+        self.written: str | None = None  # the text of that write
+        self.texts: dict[tuple[str, str], str] = {}  # (stage, repr of its value) -> its text
         self.check = os.environ.get(CHECK_ENV) == "1"
 
     @contextlib.contextmanager
@@ -63,45 +64,52 @@ class LockWriter:
             return
         path = os.fspath(path)
         data = self._load(path)
+        if data is None:  # a file DVC's round trip must keep as it is (comments, anchors, hand edits)
+            with self.original(path, fs=fs) as data:
+                yield data
+            return
         try:
             yield data
+            text = self.text(data)
+            if text is None:  # a shape this writer does not reproduce: DVC's own dump
+                self.data = self.written = None
+                with open(path, "w+", encoding="utf-8") as fd:
+                    self.dump(data, fd)
+                return
+            if self.check:
+                whole = io.StringIO()
+                self.dump(data, whole)
+                if whole.getvalue() != text:
+                    raise AssertionError(f"{CHECK_ENV}: the entry-wise dvc.lock differs from DVC's dump of {path}")
+            _write_atomically(path, text)
         except BaseException:
-            self.data = None  # changed in memory but not written: read the file again next time
+            self.data = self.written = None  # changed in memory, maybe not written: read the file next time
             raise
-        text = self.text(data)
-        if text is None:  # a shape this writer does not reproduce: DVC's own dump
-            self.data = None
-            with open(path, "w+", encoding="utf-8") as fd:
-                self.dump(data, fd)
-            return
-        if self.check:
-            whole = io.StringIO()
-            self.dump(data, whole)
-            if whole.getvalue() != text:
-                raise AssertionError(f"{CHECK_ENV}: the entry-wise dvc.lock differs from DVC's dump of {path}")
-        _write_atomically(path, text)
-        st = os.stat(path)
-        self.data, self.written = data, (st.st_size, st.st_mtime_ns)
+        self.data, self.written = data, text
 
-    def _load(self, path: str) -> dict:
+    def _load(self, path: str) -> dict | None:
+        """The lock's data: kept from this process's last write when the file still holds exactly that
+        text, else parsed (the C parser where ruamel has it); None when the file is not what DVC's dumper
+        writes for its own data (a hand edit, a comment), which only DVC's round trip keeps."""
         try:
-            st = os.stat(path)
+            with open(path, encoding="utf-8") as fd:
+                text = fd.read()
         except FileNotFoundError:
-            self.data = None
+            self.data = self.written = None
             return {}
-        if self.data is not None and self.written == (st.st_size, st.st_mtime_ns):
+        except UnicodeDecodeError:  # DVC's reader names it
+            return None
+        if self.data is not None and text == self.written:
             return self.data
+        self.data = self.written = None
         from ruamel.yaml import YAML
 
-        with open(path, encoding="utf-8") as fd:
-            text = fd.read()
         try:
-            data = YAML(typ="safe").load(text) or {}  # the C parser where ruamel has it
-        except Exception:  # DVC's own reader names the problem (a corrupted lock)
-            from dvc.utils.serialize._yaml import parse_yaml_for_update
-
-            data = parse_yaml_for_update(text, path)
-        self.data = None
+            data = YAML(typ="safe").load(text) or {}
+        except Exception:  # a corrupted lock: DVC's reader names the problem
+            return None
+        if not isinstance(data, dict) or (data and self.text(data) != text):
+            return None
         return data
 
     def text(self, data: dict) -> str | None:
@@ -111,11 +119,11 @@ class LockWriter:
         header = self._dump({"schema": data["schema"]})
         parts, used = [header, "stages:\n"], set()
         for name, entry in data["stages"].items():
-            key = (name, json.dumps(entry, default=repr))
+            key = (name, repr(entry))  # repr keeps key types apart (1 and "1"), where JSON would not
             used.add(key)
             if key not in self.texts:
                 one = self._dump({"stages": {name: entry}})
-                if not one.startswith("stages:\n"):
+                if not one.startswith("stages:\n") or "&id" in one:  # anchors are numbered over the whole file
                     return None
                 self.texts[key] = one[len("stages:\n") :]
             parts.append(self.texts[key])

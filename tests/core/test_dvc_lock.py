@@ -95,6 +95,60 @@ def test_a_run_of_writes_gives_dvcs_bytes_and_heals_after_others_write(tmp_path)
         assert "d" not in data["stages"]
 
 
+def test_a_failed_write_forgets_what_it_did_not_write(tmp_path, monkeypatch):
+    """A write that fails after the block (a full disk) leaves the file as it was, and the next write
+    starts from the file, not from the entry that never reached it."""
+    path = tmp_path / "dvc.lock"
+    w = writer()
+    run_writes(w.modify, path, edits()[:1])
+    real = dvc_lock._write_atomically
+
+    def full_disk(p, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dvc_lock, "_write_atomically", full_disk)
+    with pytest.raises(OSError), w.modify(path) as data:
+        data["stages"]["b"] = {"cmd": "echo b"}
+    monkeypatch.setattr(dvc_lock, "_write_atomically", real)
+    with w.modify(path) as data:
+        data["stages"]["c"] = {"cmd": "echo c"}
+    assert list(YAML(typ="safe").load(path.read_text())["stages"]) == ["a", "c"]
+
+
+def test_what_only_dvcs_round_trip_keeps_goes_to_dvc(tmp_path):
+    """A hand-edited lock (a comment, a flow list, a hex number) is written by DVC's round trip, which
+    keeps them; the kept texts never mix an int key with its string (1 and '1')."""
+    text = "schema: '2.0'\nstages:\n  a:  # checked by hand\n    cmd: echo a\n    outs: [x.txt]\n    n: 0x1F\n"
+    ours, theirs = tmp_path / "ours" / "dvc.lock", tmp_path / "theirs" / "dvc.lock"
+    for p in (ours, theirs):
+        p.parent.mkdir()
+        p.write_text(text)
+
+    def edit(d):
+        d["stages"]["b"] = {"cmd": "echo b"}
+
+    assert run_writes(writer().modify, ours, [edit]) == run_writes(_yaml.modify_yaml, theirs, [edit])
+    assert "# checked by hand" in ours.read_text()
+    w = writer()
+    for key in (1, "1", True, "true"):
+        data = {"schema": "2.0", "stages": {"a": {"params": {"p.yaml": {key: 1}}}}}
+        assert w.text(data) == dvc_dump(data)
+
+
+def test_a_change_that_keeps_size_and_time_is_seen(tmp_path):
+    """Another writer's change of the same length within the same clock tick is read, not overwritten."""
+    path = tmp_path / "dvc.lock"
+    w = writer()
+    run_writes(w.modify, path, edits())
+    st = path.stat()
+    path.write_text(path.read_text().replace("md5: '3'", "md5: '4'"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size
+    with w.modify(path) as data:
+        data["stages"]["c"] = {"cmd": "echo c"}
+    assert "md5: '4'" in path.read_text()
+
+
 def test_other_files_go_to_dvcs_writer(tmp_path):
     calls = []
 
