@@ -31,8 +31,9 @@ import torch
 from bench.common import WORLD_MODEL, WORLD_QUESTIONS, emit, median, need, setup_threads, timed
 from halludetect.config import GenerateParams, ModelPreset
 from halludetect.lm.completions import generate_completions
-from halludetect.lm.generation import encode_prompt, generate
+from halludetect.lm.generation import generate
 from halludetect.lm.hf_models import load_config, load_generation_eos, load_model, load_tokenizer
+from halludetect.lm.model_inputs import encode_prompt
 from halludetect.qa.questions import read_questions
 
 REPO = Path(__file__).resolve().parents[1]
