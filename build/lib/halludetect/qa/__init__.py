@@ -1,1 +1,0 @@
-"""QA records: dataset loaders that write the questions table, and response ids."""
