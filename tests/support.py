@@ -292,6 +292,39 @@ def doc_blocks(doc: str, title: str) -> dict[str, list[str]]:
     return blocks
 
 
+def copy_of_the_code(dest: Path) -> Path:
+    """halludetect/, stages/ and params.yaml copied into `dest`: a test adds a part there as the docs say."""
+    import shutil
+
+    for part in ("halludetect", "stages"):
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", dest / "params.yaml")
+    return dest
+
+
+def register_in_copy(dest: Path, kind: str, line: str) -> None:
+    """One line added to `BUILTINS[kind]` of the copy's core/registry.py, as the docs tell a user to."""
+    reg = dest / "halludetect" / "core" / "registry.py"
+    text = reg.read_text()
+    opening = f'    "{kind}": {{\n'
+    assert opening in text, f"registry.py has no {opening!r}"
+    reg.write_text(text.replace(opening, opening + "        " + line.strip() + "\n", 1))
+
+
+def run_in_copy(dest: Path, code: str, *args: str) -> dict:
+    """`python -c code args` in the copy (its own halludetect first on the path); its last stdout line
+    read as JSON."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(dest)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 def pdflatex(tables, directory: Path) -> subprocess.CompletedProcess:
     """Compile `tables` (report Tables) into one LaTeX document in `directory`, as a paper would
     include them (booktabs, graphicx): the real check of their escaping."""

@@ -163,17 +163,23 @@ def plugin_modules(params_file: Path | None = None) -> list[str]:
 
 
 @_per_pass
-def _params_factories(params_file: Path | None = None) -> dict[str, str]:
-    """{method name: module} of params.yaml's detectors.<name>.factory keys."""
+def _params_section(key: str, params_file: Path | None = None) -> dict:
+    """params.yaml's mapping `key` as written, or {} (no or a broken params file: the stages say what
+    is wrong with it)."""
     from halludetect.core import yaml12
 
     path = ROOT / "params.yaml" if params_file is None else Path(params_file)
     try:
-        detectors = (yaml12.load(path.read_text()) or {}).get("detectors") or {}
+        section = (yaml12.load(path.read_text()) or {}).get(key) or {}
     except (OSError, yaml12.YAMLError, AttributeError):
-        detectors = {}  # no or a broken params file: the stages say what is wrong with it
-    if not isinstance(detectors, dict):
         return {}
+    return section if isinstance(section, dict) else {}
+
+
+@_per_pass
+def _params_factories(params_file: Path | None = None) -> dict[str, str]:
+    """{method name: module} of params.yaml's detectors.<name>.factory keys."""
+    detectors = _params_section("detectors", params_file)
     return {
         str(name): str(s["factory"]).partition(":")[0].strip()
         for name, s in detectors.items()
@@ -301,16 +307,9 @@ def kind_deps(kind: str) -> tuple[frozenset[str], frozenset[Path]]:
 @_per_pass
 def _params_readers(params_file: Path | None = None) -> list[str]:
     """The modules of params.yaml's datasets.<name>.format.reader keys ('module:function')."""
-    from halludetect.core import yaml12
-
-    path = ROOT / "params.yaml" if params_file is None else Path(params_file)
-    try:
-        presets = (yaml12.load(path.read_text()) or {}).get("datasets") or {}
-    except (OSError, yaml12.YAMLError, AttributeError):
-        return []  # no or a broken params file: the stages say what is wrong with it
     readers = [
         p["format"].get("reader")
-        for p in (presets.values() if isinstance(presets, dict) else [])
+        for p in _params_section("datasets", params_file).values()
         if isinstance(p, dict) and isinstance(p.get("format"), dict)
     ]
     return sorted({str(r).partition(":")[0].strip() for r in readers if r})

@@ -506,10 +506,11 @@ def _first(x):
     return x
 
 
-def load_format(preset: DatasetPreset, report: LoadReport, split: str | None = None) -> list[Located]:
-    """The validated records of a preset whose loader is a format: its local file (`path`: in the
+def load_format(
+    preset: DatasetPreset, fmt: DatasetFormat, report: LoadReport, split: str | None = None
+) -> list[Located]:
+    """The validated records of a preset read through its format: its local file (`path`: in the
     common schema, or read by the format's `reader`) or its hub rows, then the format's transforms."""
-    fmt = dataset_format(preset)
     name = preset.loader or "file"
     if preset.path:
         path = Path(preset.path)
@@ -541,8 +542,9 @@ def load_format(preset: DatasetPreset, report: LoadReport, split: str | None = N
 def load_records(preset: DatasetPreset, report: LoadReport, split: str | None = None) -> list[Located]:
     """The preset's validated records: its format's (above), or a plugin's Python loader's, which is
     called as loader(preset, report, split) and returns validated records (`validate_records`)."""
-    if preset.format is not None or registry.targets("dataset")[preset.loader or "file"].endswith(".yaml"):
-        return load_format(preset, report, split)
+    fmt = dataset_format(preset)  # None: the loader is a function, not a format
+    if fmt is not None:
+        return load_format(preset, fmt, report, split)
     return registry.resolve("dataset", preset.loader)(preset, report, split)
 
 

@@ -3,13 +3,7 @@ in a copy of the code."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-
-from support import doc_blocks
+from support import copy_of_the_code, doc_blocks, register_in_copy, run_in_copy
 
 from halludetect.core import code_deps
 
@@ -45,24 +39,11 @@ def test_adding_a_judge_backend_in_a_copy_of_the_code(tmp_path):
     """The docs' backend file and registry line make `judge.backend: exact` a judge: params accept it,
     it judges, a misspelling is refused with a did-you-mean, and the judge stage's digest (only) holds
     its file."""
-    for part in ("halludetect", "stages"):
-        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy = copy_of_the_code(tmp_path)
     module, line = doc_blocks("docs/labels.md", "Adding a judge backend")["python"]
-    (tmp_path / "halludetect" / "labels" / "judges" / "exact.py").write_text(module)
-    reg = tmp_path / "halludetect" / "core" / "registry.py"
-    text = reg.read_text()
-    assert '    "judge": {\n' in text
-    reg.write_text(text.replace('    "judge": {\n', '    "judge": {\n        ' + line.strip() + "\n", 1))
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout)
+    (copy / "halludetect" / "labels" / "judges" / "exact.py").write_text(module)
+    register_in_copy(copy, "judge", line)
+    got = run_in_copy(copy, CHECK)
     assert got["verdicts"] == ["yes", "no"] and got["name"] == "exact"
     assert "unknown judge backend (judge.backend) 'exactt'; did you mean 'exact'?" in got["refused"]
     assert got["judge_digest"] and not got["cluster_digest"]

@@ -3,13 +3,10 @@ params, the trait lists, the report and the code stage's digests follow from it.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import subprocess
 import sys
 
-from support import doc_blocks
+from support import copy_of_the_code, doc_blocks, run_in_copy
 
 from halludetect.config import DetectorsParams
 from halludetect.core import code_deps
@@ -65,20 +62,10 @@ def test_adding_a_method_is_one_file(tmp_path):
     code as written, is a method everywhere: grid.methods accepts it, its params section validates
     (an unknown key in it is refused), it builds, the report names it, and the code stage writes
     its own digest with its file (and no other method's digest holds it)."""
-    for part in ("halludetect", "stages"):
-        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy = copy_of_the_code(tmp_path)
     example = doc_blocks("docs/detectors.md", "Adding a detector")["python"][0]
-    (tmp_path / "halludetect" / "methods" / "wide_max.py").write_text(example)
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    (copy / "halludetect" / "methods" / "wide_max.py").write_text(example)
+    got = run_in_copy(copy, CHECK)
     assert got["shape"] == [2] and got["dim"] == 4 and not got["sp"]
     assert got["name"] == "Wide max pooling" and got["train_runs_it"]
     assert got["own_digest"] and not got["others_digest"]  # its train stage's digest, no other method's

@@ -4,12 +4,8 @@ params.yaml alone, or a format file and one registry line in a copy of the code.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
-from support import doc_blocks
+from support import copy_of_the_code, doc_blocks, register_in_copy, run_in_copy
 
 from halludetect.core import code_deps
 
@@ -70,26 +66,20 @@ def test_adding_a_dataset_in_a_copy_of_the_code(tmp_path):
     preset can name: prepare reads a local file of that shape, a misspelt loader is refused with a
     did-you-mean, and the code stage puts the file in prepare's digest (not the judge's). The docs'
     inline preset (params alone) reads its hub rows through its own field map."""
-    for part in ("halludetect", "stages"):
-        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy = copy_of_the_code(tmp_path)
     blocks = doc_blocks("docs/datasets.md", "Adding a dataset")
     inline, fmt = blocks["yaml"]
-    (tmp_path / "inline.yaml").write_text(inline)
-    (tmp_path / "halludetect" / "qa" / "formats" / "eli5.yaml").write_text(fmt)
-    reg = tmp_path / "halludetect" / "core" / "registry.py"
-    text = reg.read_text()
-    assert '    "dataset": {\n' in text
-    line = blocks["python"][0].strip()
-    reg.write_text(text.replace('    "dataset": {\n', '    "dataset": {\n        ' + line + "\n", 1))
+    (copy / "inline.yaml").write_text(inline)
+    (copy / "halludetect" / "qa" / "formats" / "eli5.yaml").write_text(fmt)
+    register_in_copy(copy, "dataset", blocks["python"][0])
     rows = [
         {"id": f"e{i}", "title": f"Why is the sky {i}?", "answer_texts": [f"light {i}", "Rayleigh"]} for i in range(10)
     ]
     # a preset's own format naming a reader of the repository: prepare runs it, its digest holds it
-    (tmp_path / "halludetect" / "qa" / "tsv_reader.py").write_text(TSV_READER)
-    (tmp_path / "qa.tsv").write_text("".join(f"t{i}\tWhat is {i} + 1?\t{i + 1}\n" for i in range(10)))
+    (copy / "halludetect" / "qa" / "tsv_reader.py").write_text(TSV_READER)
+    (copy / "qa.tsv").write_text("".join(f"t{i}\tWhat is {i} + 1?\t{i + 1}\n" for i in range(10)))
     params = (
-        (tmp_path / "params.yaml")
+        (copy / "params.yaml")
         .read_text()
         .replace(
             "\ndatasets:\n",
@@ -97,17 +87,9 @@ def test_adding_a_dataset_in_a_copy_of_the_code(tmp_path):
             1,
         )
     )
-    (tmp_path / "params.yaml").write_text(params)
-    (tmp_path / "eli5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK, str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout)
+    (copy / "params.yaml").write_text(params)
+    (copy / "eli5.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = run_in_copy(copy, CHECK, str(copy))
     assert got["local"] == sorted(r["title"] for r in rows)
     assert got["answers"] == ["light 0", "Rayleigh"]
     assert got["calls"] == [["trivia_qa", "rc.web.nocontext", "validation"]]
