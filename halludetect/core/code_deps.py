@@ -42,8 +42,9 @@ import re
 import sys
 from functools import cache
 from importlib.machinery import PathFinder
-from importlib.metadata import entry_points
 from pathlib import Path
+
+from halludetect.core.registry import group, installed
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding halludetect/ (and stages/ in a checkout)
 PACKAGES = ("halludetect", "stages")
@@ -157,7 +158,7 @@ def discovered(path: Path, package: str) -> frozenset[str]:
 def plugin_modules(params_file: Path | None = None) -> list[str]:
     """The modules that define plugin detectors, read without importing anything: the installed
     entry points of PLUGIN_GROUP and params.yaml's detectors.<name>.factory ('module:factory')."""
-    found = {ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
+    found = {ep.value.partition(":")[0].strip() for ep in installed(PLUGIN_GROUP)}
     found |= set(_params_factories(params_file).values())
     return sorted(m for m in found if m)
 
@@ -296,9 +297,7 @@ def kind_deps(kind: str) -> tuple[frozenset[str], frozenset[Path]]:
                 modules.add(reader.partition(":")[0])
         else:
             modules.add(target.partition(":")[0])
-    from halludetect.core.registry import group
-
-    modules |= {ep.value.partition(":")[0].strip() for ep in entry_points(group=group(kind))}
+    modules |= {ep.value.partition(":")[0].strip() for ep in installed(group(kind))}
     if kind == "dataset":  # a preset's own format may name a reader of the repository's (params.yaml)
         modules |= set(_params_readers())
     return frozenset(m for m in modules if module_file(m)), frozenset(p for p in files if p.is_file())
@@ -382,7 +381,7 @@ def builtin_methods() -> dict[str, str]:
 @_per_pass
 def plugin_methods(params_file: Path | None = None) -> dict[str, str]:
     """{method name: module} of the plugins (entry point names and params keys), without importing."""
-    found = {ep.name: ep.value.partition(":")[0].strip() for ep in entry_points(group=PLUGIN_GROUP)}
+    found = {ep.name: ep.value.partition(":")[0].strip() for ep in installed(PLUGIN_GROUP)}
     for name, module in _params_factories(params_file).items():
         found.setdefault(name, module)
     return found

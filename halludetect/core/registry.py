@@ -25,8 +25,9 @@ traits that config builds the params from.
 from __future__ import annotations
 
 import importlib
+import sys
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoints, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,25 @@ def _kind(kind: str) -> dict[str, str]:
     return BUILTINS[kind]
 
 
+def installed(group_name: str) -> EntryPoints:
+    """The installed entry points of `group_name`. Reading them scans every distribution's metadata
+    (10 ms with this environment's packages), and config checks a name a dozen times per process, so
+    the scan is kept per sys.path: a folder put on the path later (a test's fake distribution) is
+    scanned again."""
+    return _installed(tuple(sys.path)).select(group=group_name)
+
+
+@cache
+def _installed(path: tuple[str, ...]) -> EntryPoints:
+    return entry_points()
+
+
 def plugins(kind: str) -> dict[str, str]:
     """{name: target} of the installed entry points of the kind's group (no import). A plugin may not
     take a built-in's name: which of the two a params word meant would depend on what is installed."""
     builtins = _kind(kind)
     found = {}
-    for ep in entry_points(group=group(kind)):
+    for ep in installed(group(kind)):
         if ep.name in builtins:
             dist = f" (package {ep.dist.name})" if getattr(ep, "dist", None) is not None else ""
             raise TargetError(

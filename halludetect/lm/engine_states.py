@@ -52,13 +52,16 @@ APPEAR_S = 60.0  # how long a named file (or its lock) may take to appear: a sha
 WRITE_S = 600.0  # how long its writer may hold the lock
 
 
-def read_engine_file(path: str, appear_s: float = APPEAR_S, write_s: float = WRITE_S) -> dict[str, torch.Tensor]:
+def read_engine_file(path: str, appear_s: float | None = None, write_s: float | None = None) -> dict[str, torch.Tensor]:
     """vLLM's states file, read whole into memory once its writer has released the lock (if it takes
-    one). The lock or the file may take `appear_s` to show up (vLLM answers before it writes, and a
-    shared filesystem shows files late); the writer may hold the lock `write_s`: past either,
-    FileNotFoundError or TimeoutError naming the file, never a wait without end."""
+    one). The lock or the file may take `appear_s` (APPEAR_S) to show up (vLLM answers before it
+    writes, and a shared filesystem shows files late); the writer may hold the lock `write_s`
+    (WRITE_S): past either, FileNotFoundError or TimeoutError naming the file, never a wait without
+    end. The defaults are read at the call, so a test can shorten them."""
     from safetensors.torch import load
 
+    appear_s = APPEAR_S if appear_s is None else appear_s
+    write_s = WRITE_S if write_s is None else write_s
     lock, deadline = f"{path}.lock", time.monotonic() + appear_s
     while not os.path.exists(lock) and not os.path.exists(path):
         if time.monotonic() > deadline:

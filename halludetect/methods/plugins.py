@@ -27,9 +27,9 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import replace
-from importlib.metadata import entry_points
 
 from halludetect.core.errors import UserError
+from halludetect.core.registry import installed
 from halludetect.core.sections import Section
 from halludetect.methods.spec import METHODS, Method, Origin, register, registered
 
@@ -101,7 +101,7 @@ def load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+    for ep in sorted(installed(GROUP), key=lambda e: e.name):
         dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "no distribution"
         where = f"entry point '{ep.name} = {ep.value}' (group {GROUP}, {dist})"
         fix = f"fix the package or uninstall it (pip uninstall {ep.dist.name if ep.dist else 'it'})"

@@ -161,7 +161,13 @@ def test_a_server_whose_states_cannot_be_used_stops_generate_naming_why(
         sample_with_states(tiny_model_dir, params(srv.url, hidden_states=p_layers), tmp_path / "states")
 
 
-def test_a_states_file_the_stage_cannot_read_is_named(tiny_model_dir, tmp_path):
+def test_a_states_file_the_stage_cannot_read_is_named(tiny_model_dir, tmp_path, monkeypatch):
+    """A named file that never appears is waited for APPEAR_S (60 s: a shared filesystem's delay; here
+    0.2 s), then named."""
+    import halludetect.lm.engine_states as engine_states
+
+    monkeypatch.setattr(engine_states, "APPEAR_S", 0.2)
+
     def elsewhere(response, body, n):
         response["kv_transfer_params"]["hidden_states_path"] = "/nonexistent/shm/cmpl-1.safetensors"
         return response
