@@ -2,10 +2,10 @@
 validation and test responses with each seed's best weights (the layer's own evaluation).
 
 One stage per method (not per layer: docs/development.md#stage-granularity). On the CPU the layers
-train side by side in single-threaded worker processes, one per core (the seeds of a layer train
-together as one batched model in its worker: detectors/batched.py), so the stage keeps every core
-busy and holds at most one layer's states per worker; a layer gives the same bytes whatever the
-number of workers. On a GPU the layers train one after another in this process. `--layers` trains
+train side by side in single-threaded processes, one per core, this one among them (the seeds of
+a layer train together as one batched model in its process: detectors/batched.py), so the stage
+keeps every core busy and holds at most one layer's states per process; a layer gives the same
+bytes whatever the number of processes. On a GPU the layers train one after another in this process. `--layers` trains
 a subset into the same directories (what `halludetect train-layer` runs for a colleague who pulled
 one layer file).
 """
@@ -13,6 +13,7 @@ one layer file).
 import json
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -110,6 +111,55 @@ def setup(args, method_params, tp, device: str, workers: int) -> None:
     )
 
 
+def train_beside_workers(layers: list[int], n: int, args, method_params, tp, device: str) -> list[tuple[int, dict]]:
+    """`train_one_layer` of every layer on n processes: this one and n - 1 workers, each taking the
+    next layer when it is free. This process trains too because it has imported and read what a
+    layer needs already (a spawned worker spends about 2 s of CPU on its imports); every process is
+    single-threaded (core/numerics.py), so a layer's bytes do not depend on which one trains it.
+    The first error stops the handing out of layers and is raised once the running ones end."""
+    pending, lock = iter(layers), threading.Lock()
+    done: list[tuple[int, dict]] = []
+    errors: list[BaseException] = []
+
+    def take() -> int | None:
+        with lock:
+            return None if errors else next(pending, None)
+
+    def keep(result=None, error: BaseException | None = None) -> None:
+        with lock:
+            if error is None:
+                done.append(result)
+            else:
+                errors.append(error)
+
+    # spawn, not fork: this process has used polars' and HDF5's thread pools, and a forked child
+    # inherits their locks held (it hung). Each worker reads the labels itself.
+    context = multiprocessing.get_context("spawn")
+    init = (args, method_params, tp, device, n)
+    with ProcessPoolExecutor(n - 1, mp_context=context, initializer=setup, initargs=init) as pool:
+
+        def feed() -> None:  # one thread per worker: hands it layers, waits for each (no CPU)
+            while (k := take()) is not None:
+                try:
+                    keep(pool.submit(train_one_layer, k).result())
+                except BaseException as e:  # noqa: BLE001  (raised below, in the stage's thread)
+                    keep(error=e)
+
+        feeders = [threading.Thread(target=feed, daemon=True) for _ in range(n - 1)]
+        for t in feeders:
+            t.start()
+        try:
+            while (k := take()) is not None:
+                keep(train_one_layer(k))
+        except BaseException as e:
+            keep(error=e)
+        for t in feeders:
+            t.join()
+    if errors:
+        raise errors[0]
+    return sorted(done)
+
+
 def run(args, params):
     tp = params.train
     device = resolve_device(tp.device, "train.device")  # before any file is read
@@ -124,12 +174,7 @@ def run(args, params):
         if n <= 1:
             done = [train_one_layer(k) for k in layers]
         else:
-            # spawn, not fork: this process has used polars' and HDF5's thread pools, and a forked
-            # child inherits their locks held (it hung). Each worker reads the labels itself.
-            context = multiprocessing.get_context("spawn")
-            init = (args, method_params, tp, device, n)
-            with ProcessPoolExecutor(n, mp_context=context, initializer=setup, initargs=init) as pool:
-                done = list(pool.map(train_one_layer, layers))
+            done = train_beside_workers(layers, n, args, method_params, tp, device)
     finally:
         _JOB.clear()
     timing = {f"layer_{k}": t for k, t in done}
