@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 
-from halludetect.core import numerics
+from halludetect.core import allocator, numerics
 
 # The stages' numerics (halludetect/core/numerics.py), pinned before torch loads, so that what a test
-# computes in this process matches what a stage subprocess computes.
+# computes in this process matches what a stage subprocess computes; and their allocator settings.
 numerics.pin()
+allocator.keep_freed_memory()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
