@@ -12,13 +12,15 @@ changes where numbers live, never their values). Measured 2026-11-27 on the 2-co
 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 (what `keep_freed_memory` sets).
 
 The cost: a process keeps the heap of its peak (which it reached anyway); blocks above 32 MiB
-still come from mmap and go back when freed. Other allocators (musl, macOS) are left as they are.
+still come from mmap and go back when freed. Other allocators (musl, macOS) are left as they are,
+and HALLUDETECT_KEEP_FREED_MEMORY=0 leaves glibc's too (`python -m bench.allocator` compares both).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 M_TRIM_THRESHOLD = -1  # malloc.h: free memory at the heap's top kept before it is returned
@@ -30,11 +32,12 @@ _done = False
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds (module docstring) once per process; False where malloc is not glibc's."""
+    """Set glibc's thresholds (module docstring) once per process; False where malloc is not glibc's
+    or HALLUDETECT_KEEP_FREED_MEMORY is 0."""
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or os.environ.get("HALLUDETECT_KEEP_FREED_MEMORY", "1") == "0":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

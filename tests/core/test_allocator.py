@@ -35,3 +35,11 @@ def test_a_stage_process_keeps_freed_memory_from_its_first_import():
 @glibc
 def test_setting_it_again_is_a_no_op():
     assert allocator.keep_freed_memory() and allocator.keep_freed_memory()
+
+
+@glibc
+def test_the_variable_leaves_glibcs_defaults():
+    code = "import stages\nfrom halludetect.core import allocator\nprint(allocator._done)\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HALLUDETECT_KEEP_FREED_MEMORY": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
