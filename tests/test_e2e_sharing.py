@@ -288,12 +288,17 @@ def test_a_colleague_gets_the_sweep_table_from_the_remotes_as_the_readme_says(re
 
 
 # ------------------------------------------------------------------ sampling through the engine
-def generate_and_dump(repo: Path, out: Path, source: str = "hf") -> tuple[str, str]:
+def generate_and_dump(repo: Path, out: Path, source: str = "hf", questions: int | None = None) -> tuple[str, str]:
     """The generate stage into `out` (its own progress directory), then the dump of what it wrote
-    (`dump.source`: the teacher-forced pass, or the states the engine kept)."""
+    (`dump.source`: the teacher-forced pass, or the states the engine kept); of the world's first
+    `questions` questions only, when given."""
     params = out / "params.yaml"
     params.write_text((repo / "params.yaml").read_text())
     set_params(out, {"dump": {"source": source}})
+    asked = "data/questions/world.parquet"
+    if questions is not None:
+        asked = str(out / "questions.parquet")
+        pl.read_parquet(repo / "data/questions/world.parquet").head(questions).write_parquet(asked)
     gen = run(
         [
             sys.executable,
@@ -302,7 +307,7 @@ def generate_and_dump(repo: Path, out: Path, source: str = "hf") -> tuple[str, s
             "--model",
             "world",
             "--questions",
-            "data/questions/world.parquet",
+            asked,
             "--manifest",
             "data/models/world.json",
             "--progress",
@@ -322,7 +327,7 @@ def generate_and_dump(repo: Path, out: Path, source: str = "hf") -> tuple[str, s
             "--model",
             "world",
             "--questions",
-            "data/questions/world.parquet",
+            asked,
             "--generations",
             str(out / "gen.parquet"),
             "--manifest",
@@ -390,8 +395,8 @@ def test_the_dags_engine_dump_equals_the_hf_dump_of_its_answers(repo, tmp_path):
 def test_the_dump_fails_on_an_engine_that_serves_another_model_or_logprob_mode(repo, engine, tmp_path, change):
     _, srv = engine
     srv.reload(**change)
-    try:
-        _, dump = generate_and_dump(repo, tmp_path)
+    try:  # 24 of the 180 questions (about 90 answers) show either change
+        _, dump = generate_and_dump(repo, tmp_path, questions=24)
     finally:
         srv.reload(weight_noise=0.0, logprobs_mode="raw_logprobs")
     assert "error: the generations' log-probs are not those of models.world (data/world/model)" in dump
