@@ -5,7 +5,7 @@ import polars as pl
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.errors import UserError
-from halludetect.labels.nli import cluster_responses, get_nli, unusable_clustering
+from halludetect.labels.nli import cluster_responses, nli_from, unusable_clustering
 from halludetect.qa.questions import read_questions
 from stages import common
 
@@ -13,8 +13,7 @@ from stages import common
 def run(args, params):
     cp = params.cluster
     # Built first: a missing API key or classifier fails here, before any file is read.
-    section = getattr(cp, cp.backend, None)
-    nli = get_nli(cp.backend, **(section.model_dump() if section is not None else {}))
+    nli = nli_from(cp)
     gens = read_parquet(args.generations, "generate", "generations table")
     df, timings = cluster_responses(nli, read_questions(args.questions), gens, equivalence=cp.equivalence)
     write_parquet(args.out, df)

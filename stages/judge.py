@@ -3,7 +3,7 @@
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.errors import UserError
-from halludetect.labels.judges import get_judge, label_distribution, two_pass, unusable_splits
+from halludetect.labels.judges import judge_from, label_distribution, two_pass, unusable_splits
 from halludetect.qa.questions import read_questions
 from halludetect.qa.responses import select_answers
 from stages import common
@@ -12,8 +12,7 @@ from stages import common
 def run(args, params):
     jp = params.judge
     # Built first: a missing API key fails here, before any file is read.
-    section = getattr(jp, jp.backend, None)  # a plugin backend has no section here: it takes no settings
-    judge = get_judge(jp.backend, **(section.model_dump() if section is not None else {}))
+    judge = judge_from(jp)
     # The answers the detectors see: train sample 0, all val/test samples (as dump selects).
     selected, excluded = select_answers(read_parquet(args.generations, "generate", "generations table"))
     df = two_pass(judge, read_questions(args.questions), selected, second_pass=jp.two_pass)

@@ -11,7 +11,7 @@ from halludetect.core.atomic_io import write_json
 from halludetect.core.devices import resolve_device
 from halludetect.core.errors import UserError
 from halludetect.evaluation.latency import sequential_cost
-from halludetect.labels.nli import get_nli
+from halludetect.labels.nli import nli_from
 from halludetect.lm.hf_models import load_model, load_tokenizer
 from halludetect.qa.questions import read_questions
 from stages import common
@@ -25,8 +25,7 @@ def run(args, params):
         # Real NLI calls: an empty call cache of our own, so no cached reply passes for the API's latency
         # (the stage's own process only; the shared cache is never touched).
         os.environ["HALLUDETECT_CACHE"] = empty_cache
-        section = getattr(cp, cp.backend, None)
-        nli = get_nli(cp.backend, **(section.model_dump() if section is not None else {}))
+        nli = nli_from(cp)
         questions = read_questions(args.questions).filter(pl.col("split") == "test").sort("id").head(lp.questions)
         if questions.height == 0:
             raise UserError(f"{args.questions} has no test question to time")

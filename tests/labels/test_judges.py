@@ -217,3 +217,26 @@ def test_judge_stage_succeeds_with_partial_invalidity_and_counts_it(tmp_path):
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["invalid"]["pass1"] > 0 and all(s["kept"] > 0 for s in m["splits"].values())
     assert "invalid verdicts (dropped, never labels)" in res.stderr
+
+
+@pytest.mark.hostile
+def test_a_plugin_backend_named_like_a_key_of_its_section_gets_no_settings(monkeypatch):
+    """Installed plugins named `two_pass` (a key of the judge section) and `equivalence` (one of the
+    cluster section's) are built with no settings, not with that key's value (True, "paper")."""
+    from importlib.metadata import EntryPoint, EntryPoints
+
+    from halludetect.config import ClusterParams, JudgeParams
+    from halludetect.core import registry
+    from halludetect.labels.judges import judge_from
+    from halludetect.labels.judges.match import MatchJudge
+    from halludetect.labels.nli import nli_from
+    from halludetect.labels.nli.backends import ExactNLI
+
+    fake = {
+        "halludetect.judges": EntryPoint("two_pass", "halludetect.labels.judges.match:MatchJudge", "halludetect.judges"),
+        "halludetect.nli": EntryPoint("equivalence", "halludetect.labels.nli.backends:ExactNLI", "halludetect.nli"),
+    }
+    monkeypatch.setattr(registry, "installed", lambda group: EntryPoints([fake[group]] if group in fake else []))
+    assert isinstance(judge_from(JudgeParams(backend="two_pass")), MatchJudge)
+    assert isinstance(nli_from(ClusterParams(backend="equivalence")), ExactNLI)
+    assert judge_from(JudgeParams(match={"lenient_recall": 0.75})).lenient_recall == 0.75  # a section still is

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from pydantic import BaseModel
+
 from halludetect.core import registry
 
 VerdictValue = Literal["yes", "no", "invalid"]
@@ -40,3 +42,12 @@ def get_judge(name: str, **kwargs) -> Judge:
     """The judge backend `name` of core/registry.py (kind "judge": a built-in or a plugin's entry
     point), built with the settings of its params section."""
     return registry.resolve("judge", name)(**kwargs)
+
+
+def judge_from(jp) -> Judge:
+    """The judge `jp.backend` names (jp: the `judge` params), built with its section `judge.<backend>`.
+    A plugin has no section there, and a plugin named like one of the section's own keys
+    (`two_pass`) must not be handed that key's value: only a settings section (a mapping) is
+    passed on."""
+    section = getattr(jp, jp.backend, None)
+    return get_judge(jp.backend, **(section.model_dump() if isinstance(section, BaseModel) else {}))

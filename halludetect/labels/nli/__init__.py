@@ -1,6 +1,6 @@
 """Entailment backends (registry), semantic clustering, semantic probability and entropy."""
 
-from halludetect.labels.nli.backends import get_nli
+from halludetect.labels.nli.backends import get_nli, nli_from
 from halludetect.labels.nli.clustering import (
     CLUSTERS_SCHEMA,
     EQUIVALENCE,
@@ -19,5 +19,6 @@ __all__ = [
     "cluster_question",
     "cluster_responses",
     "get_nli",
+    "nli_from",
     "unusable_clustering",
 ]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
+from pydantic import BaseModel
+
 from halludetect.core import registry
 from halludetect.labels.text import RELATIONS, normalise, parse_choice
 
@@ -31,6 +33,14 @@ class NLI(Protocol):
 def get_nli(name: str, **kwargs) -> NLI:
     """The NLI backend `name` of core/registry.py (kind "nli": the three below, or a plugin's)."""
     return registry.resolve("nli", name)(**kwargs)
+
+
+def nli_from(cp) -> NLI:
+    """The NLI backend `cp.backend` names (cp: the `cluster` params), built with its section
+    `cluster.<backend>`; a plugin has none, and one named like a key of the section's own
+    (`equivalence`) is not handed that key's value (as `judges.base.judge_from`)."""
+    section = getattr(cp, cp.backend, None)
+    return get_nli(cp.backend, **(section.model_dump() if isinstance(section, BaseModel) else {}))
 
 
 class ExactNLI:
