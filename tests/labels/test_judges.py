@@ -232,9 +232,10 @@ def test_a_plugin_backend_named_like_a_key_of_its_section_gets_no_settings(monke
     from halludetect.labels.nli import nli_from
     from halludetect.labels.nli.backends import ExactNLI
 
+    judges, nli = "halludetect.judges", "halludetect.nli"
     fake = {
-        "halludetect.judges": EntryPoint("two_pass", "halludetect.labels.judges.match:MatchJudge", "halludetect.judges"),
-        "halludetect.nli": EntryPoint("equivalence", "halludetect.labels.nli.backends:ExactNLI", "halludetect.nli"),
+        judges: EntryPoint("two_pass", "halludetect.labels.judges.match:MatchJudge", judges),
+        nli: EntryPoint("equivalence", "halludetect.labels.nli.backends:ExactNLI", nli),
     }
     monkeypatch.setattr(registry, "installed", lambda group: EntryPoints([fake[group]] if group in fake else []))
     assert isinstance(judge_from(JudgeParams(backend="two_pass")), MatchJudge)
