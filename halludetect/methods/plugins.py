@@ -80,11 +80,38 @@ def _factory(spec: str, where: str, fix: str) -> Method:
     return made
 
 
+# Params keys DVC does not see: its run-cache hashes a stage's lock entry without any key named
+# `size` or `nfiles` (file metadata elsewhere in the entry), at every depth, params included, so a
+# stage whose only change is such a param is "cached" and gets its old outputs back
+# (treeverse/dvc#10296, DVC 3.67.1 here). No built-in section has one (tests/methods/test_plugins.py).
+DVC_BLIND_KEYS = ("size", "nfiles")
+
+
+def dvc_blind_keys(section: type[Section], prefix: str = "") -> list[str]:
+    """The dotted paths of `section`'s fields (nested sections too) that DVC_BLIND_KEYS names."""
+    found = []
+    for key, field in section.model_fields.items():
+        path = f"{prefix}{field.alias or key}"
+        if (field.alias or key) in DVC_BLIND_KEYS:
+            found.append(path)
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, Section):
+            found += dvc_blind_keys(kind, f"{path}.")
+    return found
+
+
 def _register(name: str, made: Method, origin: Origin, where: str, fix: str) -> Method:
     if made.name != name:
         raise PluginError(f"{where}: the factory returned the method '{made.name}', registered as '{name}'; {fix}")
     if not NAME.fullmatch(name):
         raise PluginError(f"{where}: '{name}' is not a method name (lower case letters, digits, _); {fix}")
+    if blind := dvc_blind_keys(made.params):
+        keys = ", ".join(f"detectors.{name}.{k}" for k in blind)
+        raise PluginError(
+            f"{where}: its params section has {keys}: DVC's run-cache ignores a param named "
+            f"{' or '.join(DVC_BLIND_KEYS)} (treeverse/dvc#10296), so changing it would give the stage's old "
+            "outputs back instead of re-running it; rename the field in the plugin's params class"
+        )
     existing = METHODS.get(name)
     if existing is not None:
         if existing.origin == origin:

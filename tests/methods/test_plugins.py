@@ -380,3 +380,54 @@ def test_show_summarises_a_params_key_plugins_bundle_without_the_plugin(bundle_p
     with pytest.raises(SystemExit) as e:  # scoring it still needs the plugin
         console.main(["score", "--bundle", str(out), "--input", "x.jsonl", "--out", str(tmp_path / "o.jsonl")])
     assert e.value.code == 2 and f"load_factory('wide_max', '{factory}') first" in capsys.readouterr().err
+
+
+def _section_keys(kind, prefix: str, seen: set) -> list[str]:
+    """Every dotted key of a params model, through nested sections, optionals, lists and dicts."""
+    import typing
+
+    from halludetect.core.sections import Section
+
+    out = []
+    if isinstance(kind, type) and issubclass(kind, Section):
+        if kind in seen:
+            return out
+        seen = seen | {kind}
+        for key, field in kind.model_fields.items():
+            name = field.alias or key
+            out.append(f"{prefix}{name}")
+            out += _section_keys(field.annotation, f"{prefix}{name}.", seen)
+    for arg in typing.get_args(kind):
+        out += _section_keys(arg, prefix, seen)
+    return out
+
+
+def test_no_params_key_is_one_dvcs_run_cache_ignores():
+    """DVC's run-cache drops keys named size or nfiles from a stage's entry, params included
+    (treeverse/dvc#10296): a change to such a param would give a stage its old outputs back. No
+    built-in section has one (every method's section is in Params through its detectors section)."""
+    from halludetect.config import Params
+    from halludetect.methods import METHODS
+    from halludetect.methods.plugins import DVC_BLIND_KEYS
+
+    keys = _section_keys(Params, "", set())
+    for name, m in METHODS.items():
+        keys += _section_keys(m.params, f"detectors.{name}.", set())
+    assert len(keys) > 200 and any(k.startswith("detectors.hami.") for k in keys)
+    assert [k for k in keys if k.rsplit(".", 1)[-1] in DVC_BLIND_KEYS] == []
+
+
+@pytest.mark.hostile
+def test_a_plugin_with_a_param_dvc_cannot_see_is_refused(tmp_path, monkeypatch):
+    from halludetect.methods import METHODS, PluginError
+    from halludetect.methods.plugins import load_factory
+
+    (tmp_path / "blind_plugin.py").write_text(
+        DOC["python"][0].replace("dim: PositiveInt = 1024", "dim: PositiveInt = 1024\n    size: PositiveInt = 3")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as e:
+        load_factory("wide_max", "blind_plugin:make")
+    assert "detectors.wide_max.factory: its params section has detectors.wide_max.size" in str(e.value)
+    assert "treeverse/dvc#10296" in str(e.value) and "rename the field" in str(e.value)
+    assert "wide_max" not in METHODS
