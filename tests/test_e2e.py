@@ -515,6 +515,7 @@ def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_pat
     run([sys.executable, "-m", "stages.generate", *stage_args(repo, tmp_path, "generate")], repo)
     resumed = (repo / "data/generations/world/world.parquet").read_bytes()
     assert resumed == (tmp_path / "gen.parquet").read_bytes()
+    restore(repo)  # the committed params (batch_size) and outputs for the tests after this one
 
 
 def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
