@@ -6,7 +6,8 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from support import cell, random_bags, train_stage
+import yaml
+from support import ROOT, cell, random_bags, train_stage
 
 from halludetect.activations.bags import pad_bags
 from halludetect.activations.layer_format import layer_filename
@@ -80,18 +81,33 @@ def test_train_names_a_garbage_layer_file(tmp_path):
 
 
 @pytest.mark.hostile
-def test_train_rejects_offsets_past_the_end_of_states_before_any_training(tmp_path):
-    def overrun(path):
-        with h5py.File(path, "r") as f:
-            states, offsets, ids, attrs = f["states"][:], f["offsets"][:], f["response_id"][:], dict(f.attrs)
-        offsets[-1] += 7
-        with h5py.File(path, "w") as f:
-            f["states"], f["offsets"], f["response_id"] = states, offsets, ids
-            f.attrs.update(attrs)
+@pytest.mark.hostile
+def test_a_layer_that_fails_beside_others_stops_the_stage_naming_its_file(tmp_path):
+    """Every grid layer at once (this process and, with a second core, a spawned worker: the failing
+    layer may be either's): the one damaged file stops the stage with its message, no traceback."""
+    layers = tuple(yaml.safe_load((ROOT / "params.yaml").read_text())["grid"]["layers"])
+    acts, labels, params = cell(tmp_path, layers=layers)
+    labels.write_parquet(tmp_path / "judgments.parquet")
+    _overrun(acts / layer_filename(layers[-1]))
+    res = train_stage(tmp_path, acts, tmp_path / "judgments.parquet", params, layer=None)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"{acts / layer_filename(layers[-1])}: not a readable HDF5 layer file" in res.stderr
 
+
+def _overrun(path):
+    """Offsets past the end of the states: the file opens, its reading fails."""
+    with h5py.File(path, "r") as f:
+        states, offsets, ids, attrs = f["states"][:], f["offsets"][:], f["response_id"][:], dict(f.attrs)
+    offsets[-1] += 7
+    with h5py.File(path, "w") as f:
+        f["states"], f["offsets"], f["response_id"] = states, offsets, ids
+        f.attrs.update(attrs)
+
+
+def test_train_rejects_offsets_past_the_end_of_states_before_any_training(tmp_path):
     acts, labels, params = cell(tmp_path)
     labels.write_parquet(tmp_path / "judgments.parquet")
-    overrun(acts / layer_filename(1))
+    _overrun(acts / layer_filename(1))
     res = train_stage(tmp_path, acts, tmp_path / "judgments.parquet", params)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert (
