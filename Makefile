@@ -29,9 +29,10 @@ repro: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/halludetect repro
 
 # Two workers, a test module each at a time (an end-to-end module keeps one DVC repository and
-# runs its tests in order), in collection order: tests/conftest.py puts the two end-to-end
-# modules first, so each worker starts with one. Every test process runs single-threaded
-# (tests/conftest.py pins numerics).
+# runs its tests in order), in collection order: tests/conftest.py starts building the end-to-end
+# modules' DAG in the background once collected and puts those two modules last, so the unit
+# modules run beside the build and each worker ends with one of them. Every test process runs
+# single-threaded (tests/conftest.py pins numerics).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder

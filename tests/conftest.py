@@ -6,7 +6,8 @@ The tests mirror the library: tests/<folder>/test_<module>.py checks halludetect
 (every test file has a unique basename, no tests/ folder is a package); tests/stages/ checks the
 stages' own plumbing. Two markers cut across them:
 
-- `e2e`: the end-to-end modules (test_e2e.py, test_e2e_sharing.py), run first (see below).
+- `e2e`: the end-to-end modules (test_e2e.py, test_e2e_sharing.py), run last, on one DAG built in
+  the background beside the unit modules (see below).
 - `hostile`: issue 13, the cases a hostile new user tried, one test each, named after the case
   (`pytest -m hostile`). Bad input never becomes a result, damaged state never blocks a re-run, and
   nothing is paid twice across processes; each asserts the message a user sees (the file, line,
@@ -165,7 +166,31 @@ def no_loading(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The end-to-end modules first. Each takes minutes; under `make test` (xdist, a module per
-    worker at a time, in collection order) each of the two workers starts with one of them and
-    the unit modules fill in around them, instead of one worker ending with both."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable: file order otherwise
+    """The end-to-end modules last. Their DAG builds in the background from the end of collection
+    (below) while the unit modules run; under `make test` (xdist, a module per worker at a time, in
+    collection order) each of the two workers then ends with one of them, on its own copy of the DAG.
+    (Placed after 60% of the unit modules instead, so that unit modules would fill in after them,
+    both waited 50 to 80 s for the build, which runs slower beside two workers: 531 s of pytest
+    against 484 s, docs/benchmarks.md.)"""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable: file order otherwise
+
+
+def pytest_collection_finish(session):
+    """Start building the end-to-end modules' DAG (tests/e2e_support.py) once a session has collected
+    one of their tests: one worker of the session builds it, in a process of its own."""
+    if session.config.option.collectonly or not any(i.get_closest_marker("e2e") for i in session.items):
+        return
+    from e2e_support import start_shared_build
+
+    session.config._e2e_build = start_shared_build(session.config._tmp_path_factory.getbasetemp())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The worker that started the build waits for it (the other worker's module may still need it),
+    unless the session was interrupted."""
+    build = getattr(session.config, "_e2e_build", None)
+    if build is None:
+        return
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        build.terminate()
+    build.wait()

@@ -1,9 +1,12 @@
-"""What the end-to-end modules share: a temporary copy of the repository with its own git and
-DVC repo, a very small world's params, and helpers to run commands in it and read DVC's plan.
+"""What the end-to-end modules share: the small world's whole DAG, built once per test session in a
+temporary copy of the repository with its own git and DVC repo, and helpers to run commands in it
+and read DVC's plan.
 
-Two modules build such a repository, each its own (test_e2e.py: the whole DAG and the
-recompute contract; test_e2e_sharing.py: the remote and the sweeps, on a smaller grid), so
-that the two test workers of `make test` run them side by side.
+One DAG serves both end-to-end modules (test_e2e.py: the whole DAG and the recompute contract;
+test_e2e_sharing.py: the remote, the sweeps and sampling through a serving engine). Its build is
+most of their time, so it starts in the background as soon as a test session has collected an
+end-to-end test (`start_shared_build`, called by tests/conftest.py), while the unit modules run
+beside it; each module then works on its own copy (`shared_dag`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -54,7 +58,7 @@ SMALL = {
         "sp_methods": ["hami_sp"],
         "layers": [1, 2],
         "baselines": ["p_sem", "semantic_entropy", "logprob", "length"],
-        "model_baselines": [],  # test_e2e.py adds the field's baselines; the sharing module needs none
+        "model_baselines": [],  # FIELD adds the field's baselines
         "transfer": ["world"],  # the diagonal alone: transfer@world-world-world
     },
     "detectors": {m: {"dim": 16} for m in ("hami", "hami_sp", "max")},
@@ -118,3 +122,99 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "results"], repo)
     return repo
+
+
+# ------------------------------------------------------------------ the DAG both modules share
+# The paper's two kinds of detector, two of the field's baselines that take paths of their own
+# (EigenScore: a question's answers together, nothing fitted; the SE probe: fitted in closed form
+# to the semantic entropy, in train_sp), and the plugin of docs/detectors.md "Your own detector",
+# registered by an entry point of a package in the repository's root.
+LAYERS = (1, 2)
+METHODS = ("hami", "max", "eigenscore", "wide_max")
+SP_METHODS = ("hami_sp", "sep_slt")
+FIELD = {
+    "grid": {
+        "methods": list(METHODS),
+        "sp_methods": list(SP_METHODS),
+        "baselines": ["p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets"],
+        "model_baselines": ["p_true"],
+    },
+    "detectors": {"wide_max": {"dim": 16}},
+}
+
+
+def add_plugin(repo: Path) -> None:
+    """The docs' plugin as an installed distribution in the repository's root (on the stages' path),
+    then `make deps`: its file is code of the stages that run methods/."""
+    from support import doc_blocks
+
+    (repo / "my_detectors").mkdir()
+    (repo / "my_detectors" / "__init__.py").write_text("")
+    (repo / "my_detectors" / "wide.py").write_text(doc_blocks("docs/detectors.md", "Your own detector")["python"][0])
+    dist = repo / "my_detectors-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-detectors\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[halludetect.detectors]\nwide_max = my_detectors.wide:make\n")
+    run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
+
+
+SHARED = "e2e-dag"  # under the session's temporary root, which every xdist worker of the session shares
+BUILD_S = 1800  # how long a module waits for the build (about 2 minutes alone, 3 beside two workers)
+
+
+def session_root(basetemp: Path) -> Path:
+    """The session's temporary root: xdist gives each worker a folder of it as its basetemp."""
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
+def start_shared_build(basetemp: Path) -> subprocess.Popen | None:
+    """Start building the shared DAG in a process of its own, unless a worker of this session already
+    did: the first to create the claim file builds. Its environment is this process's before any test
+    ran (tests change os.environ). Returns the build process of this worker, to wait for at its end."""
+    root = session_root(basetemp) / SHARED
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(root / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return None
+    with open(root / "build.log", "w") as log:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, __file__, str(root)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def shared_dag(basetemp: Path, into: Path) -> Path:
+    """A copy of the shared DAG (built and committed, results included) in `into`/repo, once the build
+    has finished; the build's error if it failed."""
+    root = session_root(basetemp) / SHARED
+    done, deadline = root / "done", time.monotonic() + BUILD_S
+    if not (root / "claim").exists():  # a session that collected no end-to-end test, as `pytest -p no:...` may
+        start_shared_build(basetemp)
+    while not done.exists():
+        assert time.monotonic() < deadline, f"the shared DAG was not built in {BUILD_S} s: {root / 'build.log'}"
+        time.sleep(0.5)
+    if done.read_text() != "ok":
+        raise AssertionError(f"the shared DAG's build failed ({root / 'build.log'}):\n{done.read_text()[-6000:]}")
+    repo = into / "repo"
+    shutil.copytree(root / "repo", repo, symlinks=True)
+    return repo
+
+
+def _build(root: Path) -> None:
+    """The build process: the DAG into root/repo, then root/done ("ok" or the error), atomically."""
+    status = "ok"
+    try:
+        (root / "repo").mkdir()
+        build_repo(root / "repo", FIELD, prepare=add_plugin)
+    except BaseException as e:  # the modules waiting for it raise it
+        status = f"{type(e).__name__}: {e}"
+    (root / "done.tmp").write_text(status)
+    (root / "done.tmp").rename(root / "done")
+
+
+if __name__ == "__main__":
+    _build(Path(sys.argv[1]))

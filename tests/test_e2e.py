@@ -3,12 +3,11 @@
 Runs in a temporary copy of the repository (its own git and DVC repo, tests/e2e_support.py), so
 it never touches the working tree's data/ or metrics/. The tests run in file order: the ones
 that read the DAG's first results (the tables, the bundle) come before those that change params.
-What each needs, and what it repeats: the fixture runs the whole DAG once (about half of the
-module's time); the recompute tests re-run only what a change re-runs, and two of them (a
-sampling and a dump change, which re-run nearly everything) check DVC's plan with
-`dvc status` after re-running only the changed stage instead of repeating the DAG. Sharing
-through a remote and sweeps have their own module (test_e2e_sharing.py), which the other
-test worker runs at the same time.
+What each needs, and what it repeats: the DAG is built once per session, beside the unit
+modules, and shared with the sharing module (test_e2e_sharing.py, which the other test worker
+runs at the same time; each works on a copy of it). The recompute tests re-run only what a change
+re-runs, and two of them (a sampling and a dump change, which re-run nearly everything) check
+DVC's plan with `dvc status` after re-running only the changed stage instead of repeating the DAG.
 """
 
 from __future__ import annotations
@@ -24,50 +23,20 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from e2e_support import build_repo, changed, ran, run, set_params
+from e2e_support import LAYERS, METHODS, SP_METHODS, changed, ran, run, set_params, shared_dag
 
 pytestmark = pytest.mark.e2e
 
-LAYERS = (1, 2)
-# The paper's two kinds of detector, two of the field's baselines that take paths of their own
-# (EigenScore: a question's answers together, nothing fitted; the SE probe: fitted in closed form
-# to the semantic entropy, in train_sp), and the plugin of docs/detectors.md "Your own detector",
-# registered by an entry point of a package in the repository's root.
-METHODS = ("hami", "max", "eigenscore", "wide_max")
-SP_METHODS = ("hami_sp", "sep_slt")
 DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in METHODS for kind in ("train", "evaluate")} | {
     f"{kind}@world-world-{m}" for m in SP_METHODS for kind in ("train_sp", "evaluate_sp")
 }
 SP_STAGES = {s for s in DETECTOR_STAGES if any(m in s for m in SP_METHODS)}
-FIELD = {
-    "grid": {
-        "methods": list(METHODS),
-        "sp_methods": list(SP_METHODS),
-        "baselines": ["p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets"],
-        "model_baselines": ["p_true"],
-    },
-    "detectors": {"wide_max": {"dim": 16}},
-}
-
-
-def add_plugin(repo: Path) -> None:
-    """The docs' plugin as an installed distribution in the repository's root (on the stages' path),
-    then `make deps`: its file is code of the stages that run methods/."""
-    from support import doc_blocks
-
-    (repo / "my_detectors").mkdir()
-    (repo / "my_detectors" / "__init__.py").write_text("")
-    (repo / "my_detectors" / "wide.py").write_text(doc_blocks("docs/detectors.md", "Your own detector")["python"][0])
-    dist = repo / "my_detectors-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-detectors\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[halludetect.detectors]\nwide_max = my_detectors.wide:make\n")
-    run([sys.executable, "-m", "halludetect.core.code_deps", "--write"], repo)
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    return build_repo(tmp_path_factory.mktemp("repo"), FIELD, prepare=add_plugin)
+    """A copy of the session's DAG (tests/e2e_support.py): the field's methods, the plugin, hf sampling."""
+    return shared_dag(tmp_path_factory.getbasetemp(), tmp_path_factory.mktemp("e2e"))
 
 
 def test_dag_writes_the_comparison_table(repo):
@@ -457,14 +426,15 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     restore(repo)
 
 
-def stage_args(repo: Path, tmp: Path, stage: str) -> list[str]:
-    """The stage's own command from dvc.yaml, with outputs redirected under tmp."""
+def stage_args(repo: Path, tmp: Path, stage: str, questions: str = "data/questions/world.parquet") -> list[str]:
+    """The stage's own command from dvc.yaml, with outputs redirected under tmp (the dump reads the
+    generations there) and, when given, other questions."""
     if stage == "generate":
         return [
             "--model",
             "world",
             "--questions",
-            "data/questions/world.parquet",
+            questions,
             "--manifest",
             "data/models/world.json",
             "--progress",
@@ -478,9 +448,9 @@ def stage_args(repo: Path, tmp: Path, stage: str) -> list[str]:
         "--model",
         "world",
         "--questions",
-        "data/questions/world.parquet",
+        questions,
         "--generations",
-        "data/generations/world/world.parquet",
+        str(tmp / "gen.parquet"),
         "--manifest",
         "data/models/world.json",
         "--out",
@@ -519,14 +489,19 @@ def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_pat
 
 
 def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
-    """`HALLUDETECT_PROCESSES=2` relaunches the stage under `accelerate launch` (gloo on CPU)."""
+    """`HALLUDETECT_PROCESSES=2` relaunches the stage under `accelerate launch` (gloo on CPU): the
+    world's first 24 questions, generated and dumped by one process and by two."""
     one, two = tmp_path / "one", tmp_path / "two"
     for d in (one, two):
         d.mkdir()
+    questions = str(tmp_path / "questions.parquet")
+    pl.read_parquet(repo / "data/questions/world.parquet").head(24).write_parquet(questions)
     for stage in ("generate", "dump"):
-        run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, one, stage)], repo)
+        run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, one, stage, questions)], repo)
         log = run(
-            [sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage)], repo, HALLUDETECT_PROCESSES="2"
+            [sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage, questions)],
+            repo,
+            HALLUDETECT_PROCESSES="2",
         )
         assert stage == "generate" or "process 1: dumped" in log
     assert (one / "gen.parquet").read_bytes() == (two / "gen.parquet").read_bytes()
