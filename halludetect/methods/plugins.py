@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import typing
 from dataclasses import replace
 
 from halludetect.core.errors import UserError
@@ -87,16 +88,21 @@ def _factory(spec: str, where: str, fix: str) -> Method:
 DVC_BLIND_KEYS = ("size", "nfiles")
 
 
-def dvc_blind_keys(section: type[Section], prefix: str = "") -> list[str]:
-    """The dotted paths of `section`'s fields (nested sections too) that DVC_BLIND_KEYS names."""
+def dvc_blind_keys(kind, prefix: str = "", seen: frozenset = frozenset()) -> list[str]:
+    """The dotted paths of the fields that DVC_BLIND_KEYS names, in a params section and in every
+    section it holds: nested, optional (`Sub | None`), in a list or a dict's values."""
     found = []
-    for key, field in section.model_fields.items():
-        path = f"{prefix}{field.alias or key}"
-        if (field.alias or key) in DVC_BLIND_KEYS:
-            found.append(path)
-        kind = field.annotation
-        if isinstance(kind, type) and issubclass(kind, Section):
-            found += dvc_blind_keys(kind, f"{path}.")
+    if isinstance(kind, type) and issubclass(kind, Section):
+        if kind in seen:  # a section that holds itself
+            return found
+        seen = seen | {kind}
+        for key, field in kind.model_fields.items():
+            name = field.alias or key
+            if name in DVC_BLIND_KEYS:
+                found.append(f"{prefix}{name}")
+            found += dvc_blind_keys(field.annotation, f"{prefix}{name}.", seen)
+    for arg in typing.get_args(kind):  # Optional, Union, list[...], dict[..., ...], Annotated
+        found += dvc_blind_keys(arg, prefix, seen)
     return found
 
 

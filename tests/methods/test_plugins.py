@@ -431,3 +431,33 @@ def test_a_plugin_with_a_param_dvc_cannot_see_is_refused(tmp_path, monkeypatch):
     assert "detectors.wide_max.factory: its params section has detectors.wide_max.size" in str(e.value)
     assert "treeverse/dvc#10296" in str(e.value) and "rename the field" in str(e.value)
     assert "wide_max" not in METHODS
+
+
+def test_a_blind_key_inside_an_optional_a_list_or_a_dict_of_sections_is_found():
+    """The plugin check walks what a params section holds, not only its nested sections."""
+    from typing import Optional
+
+    from halludetect.core.sections import Section
+    from halludetect.methods.plugins import dvc_blind_keys
+
+    class Window(Section):
+        size: int = 3
+
+    class Pool(Section):
+        nfiles: int = 1
+
+    class Params(Section):
+        window: Optional[Window] = None  # noqa: UP045 (the spelling a plugin may use)
+        windows: list[Window] = []
+        pools: dict[str, Pool] = {}
+        either: Window | Pool | None = None
+        nested: dict[str, list[Window]] = {}
+
+    assert dvc_blind_keys(Params) == [
+        "window.size",
+        "windows.size",
+        "pools.nfiles",
+        "either.size",
+        "either.nfiles",
+        "nested.size",
+    ]
