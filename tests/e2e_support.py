@@ -75,6 +75,30 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **extra_env: str) -> str:
     return res.stdout + res.stderr
 
 
+def stage_cmd(
+    stage: str,
+    out: Path,
+    questions: str | Path = "data/questions/world.parquet",
+    generations: Path | None = None,
+    params: Path | None = None,
+) -> list[str]:
+    """The world's generate or dump command as dvc.yaml writes it, its outputs under `out` (the dump
+    reads `generations`, by default what generate wrote there), with other questions or params."""
+    args = ["--model", "world", "--questions", str(questions), "--manifest", "data/models/world.json"]
+    if stage == "generate":
+        args += [
+            "--progress",
+            str(out / "progress"),
+            "--out",
+            str(out / "gen.parquet"),
+            "--metrics",
+            str(out / "gen.json"),
+        ]
+    else:
+        args += ["--generations", str(generations or out / "gen.parquet"), "--out", str(out / "acts")]
+    return [sys.executable, "-m", f"stages.{stage}", *args, *(["--params", str(params)] if params else [])]
+
+
 def set_params(repo: Path, updates: dict) -> None:
     path = repo / "params.yaml"
     data = yaml.safe_load(path.read_text())
@@ -192,7 +216,7 @@ def shared_dag(basetemp: Path, into: Path) -> Path:
     has finished; the build's error if it failed."""
     root = session_root(basetemp) / SHARED
     done, deadline = root / "done", time.monotonic() + BUILD_S
-    if not (root / "claim").exists():  # a session that collected no end-to-end test, as `pytest -p no:...` may
+    if not (root / "claim").exists():  # conftest's hook did not start it (a session run without it)
         start_shared_build(basetemp)
     while not done.exists():
         assert time.monotonic() < deadline, f"the shared DAG was not built in {BUILD_S} s: {root / 'build.log'}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from e2e_support import LAYERS, METHODS, SP_METHODS, changed, ran, run, set_params, shared_dag
+from e2e_support import LAYERS, METHODS, SP_METHODS, changed, ran, run, set_params, shared_dag, stage_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -426,38 +426,6 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     restore(repo)
 
 
-def stage_args(repo: Path, tmp: Path, stage: str, questions: str = "data/questions/world.parquet") -> list[str]:
-    """The stage's own command from dvc.yaml, with outputs redirected under tmp (the dump reads the
-    generations there) and, when given, other questions."""
-    if stage == "generate":
-        return [
-            "--model",
-            "world",
-            "--questions",
-            questions,
-            "--manifest",
-            "data/models/world.json",
-            "--progress",
-            str(tmp / "progress"),
-            "--out",
-            str(tmp / "gen.parquet"),
-            "--metrics",
-            str(tmp / "gen.json"),
-        ]
-    return [
-        "--model",
-        "world",
-        "--questions",
-        questions,
-        "--generations",
-        str(tmp / "gen.parquet"),
-        "--manifest",
-        "data/models/world.json",
-        "--out",
-        str(tmp / "acts"),
-    ]
-
-
 def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_path):
     set_params(repo, {"generate": {"batch_size": 4}})  # many small units, so the kill lands mid-way
     env = {**os.environ, "PYTHONPATH": str(repo), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -482,7 +450,7 @@ def test_killed_generate_resumes_under_dvc_repro_to_the_same_bytes(repo, tmp_pat
     log = run([sys.executable, "-m", "dvc", "repro", "generate@world-world"], repo)
     assert 3 <= kept < n_units and f"resuming: {kept} of {n_units} units already done" in log
     assert not progress.exists()  # removed once the output is written
-    run([sys.executable, "-m", "stages.generate", *stage_args(repo, tmp_path, "generate")], repo)
+    run(stage_cmd("generate", tmp_path), repo)
     resumed = (repo / "data/generations/world/world.parquet").read_bytes()
     assert resumed == (tmp_path / "gen.parquet").read_bytes()
     restore(repo)  # the committed params (batch_size) and outputs for the tests after this one
@@ -497,12 +465,8 @@ def test_two_processes_give_the_one_process_bytes(repo, tmp_path):
     questions = str(tmp_path / "questions.parquet")
     pl.read_parquet(repo / "data/questions/world.parquet").head(24).write_parquet(questions)
     for stage in ("generate", "dump"):
-        run([sys.executable, "-m", f"stages.{stage}", *stage_args(repo, one, stage, questions)], repo)
-        log = run(
-            [sys.executable, "-m", f"stages.{stage}", *stage_args(repo, two, stage, questions)],
-            repo,
-            HALLUDETECT_PROCESSES="2",
-        )
+        run(stage_cmd(stage, one, questions), repo)
+        log = run(stage_cmd(stage, two, questions), repo, HALLUDETECT_PROCESSES="2")
         assert stage == "generate" or "process 1: dumped" in log
     assert (one / "gen.parquet").read_bytes() == (two / "gen.parquet").read_bytes()
     assert json.loads((two / "gen.json").read_text())["processes"] == 2

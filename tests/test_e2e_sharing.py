@@ -26,7 +26,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from e2e_support import ran, run, set_params, shared_dag
+from e2e_support import ran, run, set_params, shared_dag, stage_cmd
 from support import doc_blocks
 
 from halludetect.testing.fake_vllm import FakeVLLM
@@ -288,23 +288,12 @@ def engine_params(repo: Path, srv: FakeVLLM, out: Path, source: str) -> Path:
 
 def generate(repo: Path, out: Path, params: Path) -> str:
     """The generate stage's command on the world's first questions, into `out` (its own progress)."""
-    return run(
-        [sys.executable, "-m", "stages.generate", "--model", "world", "--questions", str(out / "questions.parquet"),
-         "--manifest", "data/models/world.json", "--progress", str(out / "progress"), "--out", str(out / "gen.parquet"),
-         "--metrics", str(out / "gen.json"), "--params", str(params)],
-        repo,
-    )  # fmt: skip
+    return run(stage_cmd("generate", out, out / "questions.parquet", params=params), repo)
 
 
-def dump(repo: Path, out: Path, params: Path, generations: Path, acts: str = "acts") -> str:
-    """The dump stage's command on what `generate` wrote (or `generations`), into out/acts; its log."""
-    return run(
-        [sys.executable, "-m", "stages.dump", "--model", "world", "--questions", str(out / "questions.parquet"),
-         "--generations", str(generations), "--manifest", "data/models/world.json", "--out", str(out / acts),
-         "--params", str(params)],
-        repo,
-        check=False,
-    )  # fmt: skip
+def dump(repo: Path, out: Path, params: Path, generations: Path) -> str:
+    """The dump stage's command on `generations`, into out/acts; its log, whether or not it failed."""
+    return run(stage_cmd("dump", out, out / "questions.parquet", generations, params), repo, check=False)
 
 
 def test_sampling_through_the_engine_dumps_its_states_as_the_hf_dump_and_again_gives_the_same_bytes(
