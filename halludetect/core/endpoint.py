@@ -67,6 +67,19 @@ class Stop(Exception):
     """Raised inside tasks that were not started because the run is stopping."""
 
 
+async def settled(*aws) -> list:
+    """The results of `aws` run together, in order, raised from only once every one has finished:
+    the first error that is not a `Stop`, else the first `Stop`. A caller that fans requests out
+    must use this, not a bare `asyncio.gather`, which raises the first error at once and leaves the
+    others running unawaited: a request in flight beside one that stopped would be cut off as the
+    run closes, and its reply, received and paid for, asked again by the next run."""
+    out = await asyncio.gather(*aws, return_exceptions=True)
+    errors = [x for x in out if isinstance(x, BaseException)]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, Stop)), errors[0])
+    return out
+
+
 def retry_after(headers) -> float | None:
     """Seconds the server asks to wait (`retry-after-ms`, or `Retry-After` in seconds or as an
     HTTP date), or None when it says nothing readable."""

@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 from halludetect.config import GenerateParams
 from halludetect.core.call_cache import CallCache
-from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count
+from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count, settled
 from halludetect.core.errors import UserError
 from halludetect.core.unit_store import UnitStore
 from halludetect.lm.engine_states import AnswerStates, StatesProblem
@@ -299,7 +299,7 @@ class CompletionsSampler:
             choices, secs = await self.ask(q, k, request_seed(p.seed, q["id"], "all", 0), "the request")
             seconds = [secs / k] * k
         else:
-            asked = await asyncio.gather(
+            asked = await settled(
                 *(self.ask(q, 1, request_seed(p.seed, q["id"], s, 0), f"answer {s}") for s in range(k))
             )
             choices, seconds = [c for cs, _ in asked for c in cs], [secs for _, secs in asked]
@@ -310,7 +310,7 @@ class CompletionsSampler:
             empty = [s for s in range(k) if not rows[s][0].token_ids]
             if not empty:
                 break
-            again = await asyncio.gather(
+            again = await settled(
                 *(
                     self.ask(q, 1, request_seed(p.seed, q["id"], s, attempt), f"answer {s}, attempt {attempt}")
                     for s in empty
@@ -349,7 +349,7 @@ class CompletionsSampler:
         return t, choice["logprobs"][: len(t.token_ids)]
 
     async def unit(self, unit: list[dict]) -> pl.DataFrame:
-        rows = await asyncio.gather(*(self.question(q) for q in unit))
+        rows = await settled(*(self.question(q) for q in unit))  # a stop waits for the unit's requests in flight
         return pl.DataFrame([r for qs in rows for r in qs], schema=GENERATIONS_SCHEMA)
 
     async def run(self, units: list[list[dict]], todo: list[int], store: UnitStore | None, show: bool) -> dict:
