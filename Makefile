@@ -42,7 +42,7 @@ test-fast: $(STAMP)
 
 # Benchmarks print one JSON object each (last line); they need the demo world's model, questions
 # and generations.
-BENCHES := generation logprob_check dump engine_dump judge nli detectors training allocator score evidence
+BENCHES := generation logprob_check dump engine_dump judge nli detectors training allocator world_threads score evidence
 bench: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/dvc repro prepare@world generate@world-world dump@world-world judge@world-world cluster@world-world
 	@for b in $(BENCHES); do \

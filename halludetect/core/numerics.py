@@ -65,6 +65,13 @@ from pathlib import Path
 THREADS = 1  # intra-op threads of a stage process, on every machine
 WORLD_THREADS = 2  # the world model's training: its matrix products are worth two threads
 MKL_BRANCH = {"reproducible": "AVX2", "portable": "COMPATIBLE"}
+# How long an OpenMP thread spins before it sleeps (GNU OpenMP, which torch's wheels use). libgomp's
+# default, 300,000 spins where a process has no more threads than the machine has cores, assumes the
+# cores are its own; the world model's two threads beside other busy processes (the tests' workers, a
+# second queued stage) then spin through most of their time slices: 3 epochs of the tests' world took
+# 26 s instead of 3 beside two busy processes, and 8 to 10 s with this count, which costs nothing alone
+# (python -m bench.world_threads). Only when to sleep changes, never the arithmetic: the same bytes.
+SPIN_COUNT = "3000"
 PINNED = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # mkl_serv_cbwr_get(MKL_CBWR_BRANCH)'s answer when MKL runs the branch asked for (mkl_cbwr.h).
 MKL_BRANCH_CODE = {"COMPATIBLE": 3, "AVX2": 10}
@@ -109,6 +116,8 @@ def pin(threads: int = THREADS) -> None:
     if "torch" in sys.modules:
         raise RuntimeError("numerics.pin() must run before torch is imported (the kernel choices are made then)")
     os.environ.update(pins)
+    if "OMP_WAIT_POLICY" not in os.environ:  # a user's own wait policy or spin count stands
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     shim = mkl_intel_shim()
     if shim is not None:
         ctypes.CDLL(str(shim), mode=os.RTLD_GLOBAL)
