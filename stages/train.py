@@ -5,7 +5,9 @@ One stage per method (not per layer: docs/development.md#stage-granularity). On 
 train side by side in single-threaded processes, one per core, this one among them (the seeds of
 a layer train together as one batched model in its process: detectors/batched.py), so the stage
 keeps every core busy and holds at most one layer's states per process; a layer gives the same
-bytes whatever the number of processes. On a GPU the layers train one after another in this process. `--layers` trains
+bytes whatever the number of processes. A layer too small to be worth a worker's start trains here
+(`workers_for`); HALLUDETECT_TRAIN_PROCESSES=N fixes the count. On a GPU the layers train one after
+another in this process. `--layers` trains
 a subset into the same directories (what `halludetect train-layer` runs for a colleague who pulled
 one layer file).
 """
@@ -18,6 +20,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from halludetect.activations.layer_format import layer_filename
 from halludetect.activations.layer_reader import open_layer, read_layer
 from halludetect.core.atomic_io import write_json
@@ -27,24 +31,29 @@ from halludetect.detectors.build import build_detector, section
 from halludetect.detectors.data import SPLITS, entropy_for, p_sem_for, split_data
 from halludetect.detectors.training import train_layer, training_time
 from halludetect.labels.readers import read_judgments
+from halludetect.methods import method
 from stages import common
 
 _JOB: dict = {}  # what a layer's training reads besides its file: set in each worker by `setup`
 
 
-def check_layer_files(activations: Path, layers: list[int]) -> None:
-    """Every layer file there, well formed and of its layer, before any training (states unread)."""
+def check_layer_files(activations: Path, layers: list[int]) -> int:
+    """Every layer file there, well formed and of its layer, before any training (states unread);
+    returns the largest layer's tokens x dimensions."""
     if missing := [layer_filename(k) for k in layers if not (activations / layer_filename(k)).exists()]:
         raise DataError(
             f"{activations} has no {', '.join(missing)}: dump.layers must cover grid.layers "
             "(the dump stage writes them; `dvc pull` fetches a pushed one)"
         )
+    size = 0
     for k in layers:
         path = activations / layer_filename(k)
         f, _, _ = open_layer(path)
         with f:
             if "layer" in f.attrs and int(f.attrs["layer"]) != k:
                 raise DataError(f"{path} holds layer {int(f.attrs['layer'])}, not layer {k}: re-run dump")
+            size = max(size, int(np.prod(f["states"].shape)))
+    return size
 
 
 def train_one_layer(k: int) -> tuple[int, dict]:
@@ -88,9 +97,29 @@ def train_one_layer(k: int) -> tuple[int, dict]:
     return k, training_time(results, wall, job["workers"], job["device"])
 
 
-def workers_for(device: str, n_layers: int) -> int:
-    """One worker per core on the CPU (never more than layers); the GPU trains in this process."""
+# A spawned worker spends 2 to 3 s of CPU importing torch and the pipeline before its first layer;
+# a layer whose training is estimated below that trains in this process instead.
+WORKER_START_S = 2.0
+# What one core trains a second, in tokens x dimensions x epochs x seeds: the world's `max` layer
+# (44,748 tokens x 128 x 100 epochs x 3 seeds) took about 29 s on the 2-core AMD EPYC, 2026-11-27
+# (metrics/timing/world/world/max.json). The methods differ by a few times, which is close enough to
+# tell a layer of seconds from one of minutes; the bytes never depend on the choice.
+TRAIN_RATE = 6e7
+PROCESSES_ENV = "HALLUDETECT_TRAIN_PROCESSES"
+
+
+def workers_for(device: str, n_layers: int, layer_work: float) -> int:
+    """How many processes train the layers: on the CPU one per core, never more than layers, and one
+    where a layer's training (`layer_work`: tokens x dimensions x epochs x seeds) is estimated to take
+    less than a worker's start; $HALLUDETECT_TRAIN_PROCESSES, where set, instead. The GPU trains in
+    this process."""
     if device != "cpu":
+        return 1
+    if fixed := os.environ.get(PROCESSES_ENV):
+        if not fixed.isdigit() or int(fixed) < 1:
+            raise DataError(f"{PROCESSES_ENV}={fixed!r}: a count of processes, 1 or more, is expected")
+        return min(int(fixed), n_layers)
+    if layer_work / TRAIN_RATE < WORKER_START_S:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, n_layers))
@@ -167,9 +196,10 @@ def run(args, params):
     layers = args.layers if args.layers is not None else params.grid.layers
     if unknown := sorted(set(layers) - set(params.grid.layers)):
         raise DataError(f"--layers {unknown}: not in grid.layers {params.grid.layers}")
-    n = workers_for(device, len(layers))
-    setup(args, method_params, tp, device, n)  # here too: its checks stop the stage before any worker starts
-    check_layer_files(Path(args.activations), layers)
+    setup(args, method_params, tp, device, 1)  # here too: its checks stop the stage before any file is read
+    size = check_layer_files(Path(args.activations), layers)
+    passes = tp.epochs if method(args.method).fit == "sgd" else 1  # a closed-form fit reads its data once
+    n = _JOB["workers"] = workers_for(device, len(layers), size * passes * len(tp.seeds))
     try:
         if n <= 1:
             done = [train_one_layer(k) for k in layers]

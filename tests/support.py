@@ -113,11 +113,21 @@ def cell(tmp_path: Path, layers=(0, 1)) -> tuple[Path, pl.DataFrame, Path]:
 
 
 def train_stage(
-    out: Path, acts, judgments: Path, params: Path, layer: int | None = 1, timing: bool = False
+    out: Path,
+    acts,
+    judgments: Path,
+    params: Path,
+    layer: int | None = 1,
+    timing: bool = False,
+    processes: int | str | None = None,
 ) -> subprocess.CompletedProcess:
     """The train stage on the dump directory `acts`, on one layer (`--layers`; None: grid.layers), its
     outputs under `out` (dets/layer_<L>/, scores/layer_<L>.parquet, layers/layer_<L>.json, and with
-    `timing` timing.json)."""
+    `timing` timing.json); `processes` sets HALLUDETECT_TRAIN_PROCESSES (these layers are too small to
+    be worth a worker otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k != "HALLUDETECT_TRAIN_PROCESSES"}
+    if processes is not None:
+        env["HALLUDETECT_TRAIN_PROCESSES"] = str(processes)
     outs = {"--out": out / "dets", "--scores": out / "scores", "--metrics": out / "layers"}
     if timing:
         outs["--timing"] = out / "timing.json"
@@ -133,6 +143,7 @@ def train_stage(
         "--judgments",
         str(judgments),
         *(x for flag, path in outs.items() for x in (flag, str(path))),
+        env=env,
     )
 
 

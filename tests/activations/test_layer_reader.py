@@ -83,13 +83,13 @@ def test_train_names_a_garbage_layer_file(tmp_path):
 @pytest.mark.hostile
 @pytest.mark.hostile
 def test_a_layer_that_fails_beside_others_stops_the_stage_naming_its_file(tmp_path):
-    """Every grid layer at once (this process and, with a second core, a spawned worker: the failing
-    layer may be either's): the one damaged file stops the stage with its message, no traceback."""
+    """Every grid layer at once (this process and a spawned worker: the failing layer may be either's):
+    the one damaged file stops the stage with its message, no traceback."""
     layers = tuple(yaml.safe_load((ROOT / "params.yaml").read_text())["grid"]["layers"])
     acts, labels, params = cell(tmp_path, layers=layers)
     labels.write_parquet(tmp_path / "judgments.parquet")
     _overrun(acts / layer_filename(layers[-1]))
-    res = train_stage(tmp_path, acts, tmp_path / "judgments.parquet", params, layer=None)
+    res = train_stage(tmp_path, acts, tmp_path / "judgments.parquet", params, layer=None, processes=2)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert f"{acts / layer_filename(layers[-1])}: not a readable HDF5 layer file" in res.stderr
 

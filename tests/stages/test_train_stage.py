@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from support import D, stage, synthetic, write_layers
 
@@ -98,9 +99,10 @@ def test_stages_refuse_an_unknown_method_and_missing_p_sem_before_reading_data(t
 
 
 def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
-    """The stage trains its layers side by side (one worker per core) or one after another; a layer's
-    weights, scores and figures are the same bytes either way, and `--layers` trains only its layers
-    into the directories (what train-layer runs)."""
+    """The stage trains its layers side by side (HALLUDETECT_TRAIN_PROCESSES=2: this process and a
+    worker) or one after another (these layers are too small to be worth a worker: the default); a
+    layer's weights, scores and figures are the same bytes either way, and `--layers` trains only its
+    layers into the directories (what train-layer runs)."""
     from support import cell, train_stage
 
     acts, labels, params = cell(tmp_path)
@@ -109,13 +111,16 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
     data["grid"]["layers"] = [0, 1]
     params.write_text(yaml.safe_dump(data))
 
-    def train(out: Path, layer: int | None) -> subprocess.CompletedProcess:
-        return train_stage(out, acts, tmp_path / "judgments.parquet", params, layer, timing=True)
+    def train(out: Path, layer: int | None, processes=None) -> subprocess.CompletedProcess:
+        return train_stage(out, acts, tmp_path / "judgments.parquet", params, layer, timing=True, processes=processes)
 
     both, alone = tmp_path / "both", tmp_path / "alone"
-    assert train(both, None).returncode == 0
+    assert train(both, None, processes=2).returncode == 0
     res = train(alone, 1)
     assert res.returncode == 0, res.stderr
+    workers = {k: t["parallel_workers"] for k, t in json.loads((both / "timing.json").read_text()).items()}
+    assert workers == {"layer_0": 2, "layer_1": 2}
+    assert json.loads((alone / "timing.json").read_text())["layer_1"]["parallel_workers"] == 1
     assert not (alone / "scores" / "layer_0.parquet").exists()
     files = [p.relative_to(alone) for p in sorted(alone.rglob("*")) if p.is_file() and p.name != "timing.json"]
     assert {str(f) for f in files} >= {
@@ -126,3 +131,24 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
     for f in files:
         assert (alone / f).read_bytes() == (both / f).read_bytes(), f
     assert set(json.loads((both / "timing.json").read_text())) == {"layer_0", "layer_1"}
+
+
+def test_a_layer_too_small_for_a_worker_trains_in_the_stage_process(monkeypatch):
+    """A spawned worker's start (2 to 3 s of CPU) is paid only for layers estimated to train longer;
+    HALLUDETECT_TRAIN_PROCESSES fixes the count (checked), and a GPU trains in the stage's process."""
+    from halludetect.core.errors import DataError
+    from stages import train
+
+    monkeypatch.delenv(train.PROCESSES_ENV, raising=False)
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    world_layer = 44_748 * 128 * 100 * 3  # the world's `max` layer: about 29 s on one core
+    assert train.workers_for("cpu", 5, world_layer) == 4
+    assert train.workers_for("cpu", 2, world_layer) == 2
+    assert train.workers_for("cpu", 2, 4_000 * 64 * 8) == 1  # the tests' world: a fraction of a second
+    assert train.workers_for("cuda", 5, world_layer) == 1
+    monkeypatch.setenv(train.PROCESSES_ENV, "3")
+    assert train.workers_for("cpu", 5, 1) == 3 and train.workers_for("cpu", 2, 1) == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(train.PROCESSES_ENV, bad)
+        with pytest.raises(DataError, match=f"HALLUDETECT_TRAIN_PROCESSES='{bad}': a count of processes"):
+            train.workers_for("cpu", 5, 1)
