@@ -136,7 +136,7 @@ def test_a_metric_with_a_bare_key_is_not_taken_for_a_param(tmp_path, monkeypatch
     monkeypatch.setattr(sweeps, "_exp_show", lambda repo, revs, config, hidden: rows)
     monkeypatch.setattr(sweeps, "exp_refs", lambda repo: [])
     evaluation = {("world", "world", "max"): {"best_layer": 2, "test": {"auroc": {"mean": 0.7}}}}
-    monkeypatch.setattr(sweeps, "evaluations", lambda repo, rev, remotes: (evaluation, {}))
+    monkeypatch.setattr(sweeps, "evaluations", lambda repo, rev, remotes, cache=None: (evaluation, {}))
     monkeypatch.setattr(sweeps, "baselines", lambda *a: ["HEAD"])
     monkeypatch.setattr(sharing, "workspace_remotes", lambda repo: None)
     exps = sweeps.experiments(tmp_path)
@@ -222,3 +222,40 @@ def test_an_experiment_whose_ref_cannot_be_read_is_a_note_naming_the_ref_and_why
         git(repo, "update-ref", "-d", f"refs/exps/{base[:2]}/{base[2:]}/{name}")
     with pytest.raises(SweepError, match=r"^no experiment varies .* And 1 could not be read: experiment dim-64 is not"):
         sweeps.sweep(repo, "detectors.max.dim", GRID)
+
+
+def test_an_experiments_evaluations_come_from_the_local_cache_and_dvc_opens_a_commit_only_for_the_rest(
+    tmp_path, monkeypatch
+):
+    """Each file by the md5 the commit's dvc.lock records, from the local cache; DVC's filesystem at
+    that commit (about 0.5 s to open: it builds the commit's index) only for a file the cache lacks,
+    read from the remote, and its error is the row's note."""
+    import json
+
+    import dvc.api
+
+    cached, remote, gone = (f"metrics/eval/world/world/{m}.json" for m in ("max", "hami", "mean"))
+    monkeypatch.setattr(sweeps, "recorded_evaluations", lambda repo, rev: {cached: "aa11", remote: "bb22", gone: None})
+    (tmp_path / "aa11").write_text(json.dumps({"best_layer": 1}))
+
+    class Cache:
+        def oid_to_path(self, md5):
+            return str(tmp_path / md5)
+
+    opened, read = [], []
+
+    class FS:
+        def __init__(self, repo, rev, config):
+            opened.append(rev)
+
+        def read_text(self, path):
+            read.append(path)
+            if path == gone:
+                raise FileNotFoundError(path)
+            return json.dumps({"best_layer": 2})
+
+    monkeypatch.setattr(dvc.api, "DVCFileSystem", FS)
+    found, unread = sweeps.evaluations(tmp_path, "abc123", None, Cache())
+    assert found == {("world", "world", "max"): {"best_layer": 1}, ("world", "world", "hami"): {"best_layer": 2}}
+    assert opened == ["abc123"] and read == [remote, gone]  # opened once, for the two the cache lacks
+    assert list(unread) == [gone] and "FileNotFoundError" in unread[gone]
