@@ -133,6 +133,7 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
     assert set(json.loads((both / "timing.json").read_text())) == {"layer_0", "layer_1"}
 
 
+@pytest.mark.hostile
 def test_a_layer_too_small_for_a_worker_trains_in_the_stage_process(monkeypatch):
     """A spawned worker's start (2 to 3 s of CPU) is paid only for layers estimated to train longer;
     HALLUDETECT_TRAIN_PROCESSES fixes the count (checked), and a GPU trains in the stage's process."""
