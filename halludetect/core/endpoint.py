@@ -19,8 +19,8 @@ needs and none should write twice, on top of the official `openai` client:
 - replies are stored as they arrive in a `CallCache` (SQLite), under a key the caller derives
   from the request: a re-run asks nothing it has, and processes running at once claim a
   request before sending it and wait for another's reply rather than send it twice;
-- SIGINT and SIGTERM stop the run cleanly: no request is started after, the ones in flight are
-  awaited and stored. An error that retries cannot fix does the same.
+- SIGINT and SIGTERM stop the run cleanly: no request is started after, retries included, and the
+  ones in flight are awaited and stored. An error that retries cannot fix does the same.
 """
 
 from __future__ import annotations
@@ -251,6 +251,16 @@ class Endpoint:
     def _interrupt(self, sig) -> None:
         self.stopping = f"interrupted by {signal.Signals(sig).name}"
 
+    async def _before_retry(self, seconds: float) -> None:
+        """Wait `seconds` before a retry, unless the run is stopping, before or during the wait: a
+        retry is a request started after the stop, so the request gives up (Stop, its claim
+        released: the next run asks for it) rather than keep the stop waiting on a failing replica."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+        if self.stopping:
+            raise Stop
+
     def _pick(self, avoid: int | None = None) -> int:
         """The replica with the fewest requests in flight (another than `avoid` when there is one)."""
         order = sorted(range(len(self.base_urls)), key=lambda i: (i == avoid, self._in_flight[i], i))
@@ -349,7 +359,7 @@ class Endpoint:
                     raise self.error(
                         f"{where}: {url} kept returning malformed replies ({self.max_retries + 1} tries): {e}"
                     ) from None
-                await asyncio.sleep(backoff(malformed))
+                await self._before_retry(backoff(malformed))
                 malformed += 1
                 replica = self._pick(avoid=replica)
                 continue
@@ -401,6 +411,6 @@ class Endpoint:
                 self._in_flight[sent] -= 1
             if failures == self.max_retries:
                 raise self.error(final) from None
-            await asyncio.sleep(wait if wait is not None else backoff(failures))
+            await self._before_retry(wait if wait is not None else backoff(failures))
             failures += 1
             replica = self._pick(avoid=replica)

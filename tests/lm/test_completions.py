@@ -517,6 +517,35 @@ def test_a_stop_awaits_the_request_in_flight_beside_a_question_that_stopped(tiny
 
 
 @pytest.mark.hostile
+def test_a_stop_sends_no_retry_of_a_request_that_failed_after_it(tiny_model_dir, tmp_path):
+    """A retry is a request started after the stop: the request that failed (a 500) as the run was
+    interrupted is not sent again by that run, but by the next one, once."""
+    from halludetect.core.unit_store import UnitStore
+
+    q1 = request_seed(GenerateParams().seed, "q1", "all", 0)
+    failed = []
+
+    def fault(body, n):
+        if body["seed"] == q1 and not failed:
+            failed.append(n)
+            os.kill(os.getpid(), signal.SIGINT)
+            return Fault(500)  # retried after a backoff, unless the run is stopping
+        return None
+
+    store = UnitStore(tmp_path / "progress", {"run": 1}, schema=GENERATIONS_SCHEMA)
+    store.prepare()
+    with FakeVLLM(tiny_model_dir, fault=fault) as srv:
+        p = params(srv.url, endpoint={"concurrency": 2, "max_retries": 3})
+        with pytest.raises(KeyboardInterrupt, match="interrupted by SIGINT"):
+            sample(tiny_model_dir, p, questions(6), store=store)
+        first = [b["seed"] for b in srv.requests]
+        sample(tiny_model_dir, p, questions(6), store=store)
+        again = [b["seed"] for b in srv.requests[len(first) :]]
+    assert first.count(q1) == 1, "the interrupted run retried a request after the stop"
+    assert again.count(q1) == 1 and len(set(first) - {q1}) + len(again) == 6
+
+
+@pytest.mark.hostile
 def test_sigint_stops_sending_keeps_every_reply_and_a_rerun_asks_only_the_rest(tiny_model_dir, tmp_path):
     """Ctrl-C on `dvc repro`: no request is started after it, the ones in flight are awaited and kept,
     and the re-run sends only what was never answered."""
