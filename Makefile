@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # dvc.yaml's commands call `python`: the venv's, whether or not it is activated. `halludetect repro` is
-# `dvc repro` with a line per stage: running k of N, elapsed, about how long left (core/repro.py).
+# `dvc repro` with a line per stage: running k of N, elapsed, about how long left (core/repro.py);
+# --jobs auto runs independent stages side by side, one per core (core/parallel_repro.py).
 repro: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/halludetect repro
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/halludetect repro --jobs auto
 
 # Two workers, a test module each at a time (an end-to-end module keeps one DVC repository and
 # runs its tests in order), in collection order: tests/conftest.py starts building the end-to-end

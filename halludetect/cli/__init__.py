@@ -45,10 +45,12 @@ def parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add(sub)
     # Listed for --help only: main() hands `repro` and every argument after it to core/repro.py,
-    # which passes them to `dvc repro` as they are (argparse would take DVC's options for its own).
+    # which takes -j/--jobs and passes the rest to `dvc repro` as they are (argparse would take DVC's
+    # options for its own).
     sub.add_parser(
         "repro",
-        help="`dvc repro` (any of its arguments) with a progress line: stage k of N, elapsed, about how long left",
+        help="`dvc repro` (any of its arguments) with a progress line: stage k of N, elapsed, about how long "
+        "left; -j N runs up to N independent stages at once",
     )
     return p
 

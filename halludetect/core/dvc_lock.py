@@ -43,6 +43,7 @@ from pathlib import Path
 
 LOCK_NAME = "dvc.lock"
 CHECK_ENV = "HALLUDETECT_CHECK_LOCK"
+JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # stages at once (core/parallel_repro.py); set by `halludetect repro --jobs`
 
 
 class LockWriter:
@@ -55,6 +56,12 @@ class LockWriter:
         self.written: str | None = None  # the text of that write
         self.texts: dict[tuple[str, str], str] = {}  # (stage, repr of its value) -> its text
         self.check = os.environ.get(CHECK_ENV) == "1"
+        # Stages run side by side (core/parallel_repro.py) finish in no fixed order, and DVC appends
+        # an entry new to the lock as its stage finishes: `order` (stage -> its place in the run's
+        # plan) puts the entries new since this process first read the lock after the others, in
+        # plan order, which is where a serial run, finishing in plan order, puts them.
+        self.order: dict[str, int] | None = None
+        self.initial: set[str] | None = None  # the stages the lock held when this process first read it
 
     @contextlib.contextmanager
     def modify(self, path, fs=None):
@@ -68,8 +75,12 @@ class LockWriter:
             with self.original(path, fs=fs) as data:
                 yield data
             return
+        if self.initial is None:
+            self.initial = set(data.get("stages") or {}) if isinstance(data, dict) else set()
         try:
             yield data
+            if self.order is not None:
+                _plan_order(data, self.initial, self.order)
             text = self.text(data)
             if text is None:  # a shape this writer does not reproduce: DVC's own dump
                 self.data = self.written = None
@@ -137,6 +148,20 @@ class LockWriter:
         return buf.getvalue()
 
 
+def _plan_order(data: dict, initial: set[str], order: dict[str, int]) -> None:
+    """Reorder data["stages"] in place: the entries in `initial` as they are, then the others by
+    their place in `order` (those it does not name last, as they came)."""
+    stages = data.get("stages")
+    if not isinstance(stages, dict):
+        return
+    new = [k for k in stages if k not in initial]
+    want = [k for k in stages if k in initial] + sorted(new, key=lambda k: order.get(k, len(order)))  # stable
+    if want != list(stages):
+        entries = {k: stages[k] for k in want}
+        stages.clear()
+        stages.update(entries)
+
+
 def _write_atomically(path: str, text: str) -> None:
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(prefix=".dvc.lock.", dir=directory)
@@ -175,7 +200,11 @@ def install() -> LockWriter | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    install()
+    writer = install()
+    if jobs := os.environ.get(JOBS_ENV):  # halludetect repro --jobs N
+        from halludetect.core import parallel_repro
+
+        parallel_repro.install(parallel_repro.jobs_from(jobs), writer)
     from dvc.cli import main as dvc_main
 
     return dvc_main(sys.argv[1:] if argv is None else argv)

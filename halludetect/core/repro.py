@@ -15,6 +15,10 @@ directory, ignored by git), else the median of this run's stages of its family (
 `@`), else of all this run's stages; it is blank until something is known. Every byte DVC and the
 stages write passes through unchanged, on stdout (DVC's stderr joined to it so that their order
 is kept), and the exit status is DVC's.
+
+`-j N` / `--jobs N` (the one argument that is not DVC's) runs up to N independent stages at once
+(core/parallel_repro.py); each stage's end is then a line of its own, which gives its time, and
+"left" divides the work still expected among the N.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from pathlib import Path
 
 # DVC's own lines as a stage starts, or is skipped (unchanged, or restored from its run cache)
 VISIT = re.compile(r"^(?:Running stage '(?P<run>[^']+)':|Stage '(?P<skip>[^']+)' (?:didn't change|is cached))")
+# what --jobs N > 1 prints as a stage ends (core/parallel_repro.py): stages end in no fixed order
+FINISHED = re.compile(r"^Finished stage '(?P<stage>[^']+)' in (?P<seconds>[0-9.]+) s$")
 HISTORY = Path(".dvc/tmp/halludetect-stage-seconds.json")
+JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # read by core/dvc_lock.py, which runs DVC
 
 
 def dvc(*args: str) -> list[str]:
@@ -69,6 +76,36 @@ def plan(args: list[str]) -> list[tuple[str, bool]] | None:
         return None
 
 
+JOBS_HELP = """  -j N, --jobs N        run up to N stages at once, each as soon as the stages it
+                        reads from have ended ('auto': one per core this process
+                        may use; default 1, DVC's one at a time). Same outputs
+                        and dvc.lock; timings measured beside other stages
+                        (docs/pipeline.md#stages-side-by-side)"""
+
+
+def split_jobs(args: list[str]) -> tuple[list[str], int]:
+    """(dvc repro's arguments, the stage count of -j/--jobs) from `halludetect repro`'s; DVC's repro
+    has no -j. A bad count is a ValueError naming it."""
+    from halludetect.core.parallel_repro import jobs_from
+
+    rest, value, i = [], "1", 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-j", "--jobs"):
+            if i + 1 >= len(args):
+                raise ValueError(f"{a} needs a count of stages at once (or 'auto')")
+            value, i = args[i + 1], i + 2
+            continue
+        if a.startswith("--jobs="):
+            value = a.split("=", 1)[1]
+        elif a.startswith("-j") and len(a) > 2 and not a.startswith("--"):
+            value = a[2:]
+        else:
+            rest.append(a)
+        i += 1
+    return rest, jobs_from(value)
+
+
 def hms(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
@@ -86,21 +123,32 @@ class Progress:
         self.seconds: dict[str, float] = {}  # stages of this run that finished
         self.current: tuple[str, float] | None = None
         self.started = 0  # stages DVC ran so far
+        self.jobs = 1  # stages at once; above 1 each stage's end is a line of its own (`end`)
+        self.running: dict[str, float] = {}  # with jobs > 1: the stages started and not ended
 
     def visit(self, stage: str, runs: bool) -> str | None:
         """The progress line for a stage DVC starts (None for one it skips: DVC's line says so);
-        finishes the previous one."""
-        self.finish()
+        finishes the previous one (one stage at a time)."""
+        if self.jobs == 1:
+            self.finish()
         self.seen.add(stage)
         if not runs:
             return None
-        self.current = (stage, time.monotonic())
+        if self.jobs == 1:
+            self.current = (stage, time.monotonic())
+        else:
+            self.running[stage] = time.monotonic()
         self.started += 1
         left = self.left() if self.known else None
         eta = f" | about {hms(left)} left" if left is not None else ""
         of = f" of {max(len(self.to_run), self.started)}" if self.known else ""
         visited = f"stage {len(self.seen)} of {len(self.planned) or '?'}"
         return f"[running {self.started}{of} | {visited} | {hms(time.monotonic() - self.start)} elapsed{eta}]"
+
+    def end(self, stage: str, seconds: float) -> None:
+        """A stage run beside others ended, after `seconds` (its own count)."""
+        self.running.pop(stage, None)
+        self.seconds[stage] = seconds
 
     def finish(self) -> None:
         if self.current is not None:
@@ -116,7 +164,9 @@ class Progress:
         return statistics.median(pool) if pool else None
 
     def left(self) -> float | None:
-        """Seconds expected for the planned stages not started yet, plus the rest of the current one."""
+        """Seconds expected for the planned stages not started yet, plus the rest of the running
+        ones; with jobs > 1 that work divided among the jobs (a rough figure: a stage may use more
+        than one core, and what depends on what leaves slots idle)."""
         pending = [s for s in self.to_run if s not in self.seen]
         total = 0.0
         for stage in pending:
@@ -124,11 +174,14 @@ class Progress:
             if t is None:
                 return None
             total += t
+        running = dict(self.running)
         if self.current is not None:
-            if (t := self.expected(self.current[0])) is None:
-                return None  # the stage now running: nothing known of it yet (not "0 left")
-            total += max(0.0, t - (time.monotonic() - self.current[1]))
-        return total
+            running[self.current[0]] = self.current[1]
+        for stage, t0 in running.items():
+            if (t := self.expected(stage)) is None:
+                return None  # a stage now running: nothing known of it yet (not "0 left")
+            total += max(0.0, t - (time.monotonic() - t0))
+        return total / self.jobs
 
 
 def read_history(path: Path) -> dict[str, float]:
@@ -152,8 +205,13 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
     asked when DVC cannot plan the run, it may name the cause (the CLI passes the params check);
     then that is printed and nothing runs (exit status 2)."""
     if {"-h", "--help"} & set(args):
-        print(__doc__.split("\n\n")[0] + " Every argument is dvc repro's:\n", flush=True)
+        print(__doc__.split("\n\n")[0] + f" Every argument but one is dvc repro's:\n\n{JOBS_HELP}\n", flush=True)
         return subprocess.run(dvc("repro", "--help")).returncode
+    try:
+        args, jobs = split_jobs(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     planned = plan(args)
     if planned is None and why_unplannable is not None and (problem := why_unplannable()):
@@ -163,11 +221,15 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
         return 2
     history = read_history(HISTORY)
     progress = Progress(planned, history, start)
+    progress.jobs = jobs
     if planned is not None:
         to_run = len(progress.to_run)
         head = f"dvc repro {' '.join(args)}".rstrip()
         print(f"{head}: {len(planned)} stages, {to_run} to run, {len(planned) - to_run} unchanged", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they are written, not at exit
+    env.pop(JOBS_ENV, None)
+    if jobs > 1:
+        env[JOBS_ENV] = str(jobs)
     proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out, line = sys.stdout.buffer, b""
 
@@ -191,7 +253,10 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
             line += chunk
             *complete, line = line.split(b"\n")
             for text in complete:
-                m = VISIT.match(text.decode(errors="replace").strip("\r"))
+                text = text.decode(errors="replace").strip("\r")
+                if end := FINISHED.match(text):
+                    progress.end(end["stage"], float(end["seconds"]))
+                m = VISIT.match(text)
                 if m and (msg := progress.visit(m["run"] or m["skip"], bool(m["run"]))):
                     show(msg.encode() + b"\n")
         code = proc.wait()

@@ -1,0 +1,284 @@
+"""`dvc repro` running independent stages side by side: `halludetect repro --jobs N`.
+
+DVC runs a pipeline's stages one after another (its feature request for parallel stages,
+iterative/dvc#755, is open since 2018), and its locks make two `dvc repro` processes in one
+workspace fail or corrupt each other's bookkeeping. On the demo world that leaves a core idle
+whenever a one-process stage runs (evaluate, figures, transfer, analyze, the report) or a train
+stage's last layer trains alone on one of two workers: one `make repro` was 1,077 s of stages, and
+a schedule of those durations over two slots takes about 800.
+
+This runs DVC's own reproduction with one change: the stages DVC plans (`dvc/repo/reproduce.py`,
+in its order) start as soon as every stage they read from has finished, up to N commands at a
+time. Everything DVC does around a command (the changed check, the run cache, removing and saving
+outputs, committing them to the cache, the lock entry) runs as DVC runs it, under one mutex, so
+DVC's state is never touched by two threads at once; only the commands themselves overlap, each
+waited on by a thread of its own. So:
+
+- each stage's outputs and its `dvc.lock` entry are the ones a serial run writes (the commands
+  are the same, and nothing they compute depends on what runs beside them); the entries keep
+  DVC's order: entries new to the lock are placed in plan order (core/dvc_lock.py), not in the
+  order the stages happened to finish;
+- a failing stage stops new stages from starting; the stages already running finish and are
+  recorded (their work is kept), then the run fails naming the stage, as DVC's does
+  (`--keep-going` skips only what depends on it; `--ignore-errors` as in DVC);
+- Ctrl-C reaches every running command (one process group), none starts after it, and the ones
+  that finished are recorded; a kill at any moment leaves what a serial run leaves (every entry
+  is written atomically when its stage ends);
+- DVC's repository lock is held for the whole run, where a serial `dvc repro` lets it go while a
+  command runs: another DVC command in this workspace waits for the run to end instead;
+- each command's output lines are prefixed with its stage's name (`train@world-world-max | ...`);
+  a progress bar's redraws (carriage returns) print as its final line only.
+
+What runs beside a stage can change its *timings* (the throughput, latency and training-time
+tables read wall time), never its numbers: run with `--jobs 1`, DVC's own order, for timing tables
+that are measured alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+
+class _Run:
+    """The state shared by one parallel reproduction's threads."""
+
+    def __init__(self, jobs: int, writer=None):
+        self.jobs = jobs
+        self.writer = writer  # core/dvc_lock.py's LockWriter: told the plan, it keeps new entries in its order
+        self.mutex = threading.Lock()  # held by a thread whenever it touches DVC
+        self.stopping = False  # a stage failed (and the run stops) or SIGINT arrived
+        self.interrupted = False
+        self.out_lock = threading.Lock()  # one line at a time on stdout
+        self.local = threading.local()  # .stage: the stage this worker thread reproduces
+
+
+_RUN: _Run | None = None
+
+
+class Stopped(Exception):
+    """A stage not started because the run is stopping."""
+
+
+def jobs_from(value: str) -> int:
+    """`--jobs` (or HALLUDETECT_REPRO_JOBS): a count >= 1, or `auto` (the cores this process may use)."""
+    if value == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        jobs = int(value)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ValueError(f"--jobs takes a count of stages at once (1 or more) or 'auto', not {value!r}")
+    return jobs
+
+
+# ---------------------------------------------------------------------------- the schedule
+def _reproduce_parallel(
+    stages, graph=None, force_downstream=False, on_error="fail", force=False, repro_fn=None, **kwargs
+):
+    """dvc.repo.reproduce._reproduce with the planned stages started as their upstream stages end
+    (module docstring); the same arguments, results and errors."""
+    from dvc.repo import reproduce as dvc_reproduce
+
+    repro_fn = repro_fn or dvc_reproduce._reproduce_stage
+    serial = graph is None or _RUN is None or _RUN.jobs < 2 or kwargs.get("dry") or kwargs.get("interactive")
+    if serial:  # DVC's own loop: a single item (no graph), a dry run, questions asked at each stage
+        return _ORIGINAL(
+            stages,
+            graph=graph,
+            force_downstream=force_downstream,
+            on_error=on_error,
+            force=force,
+            repro_fn=repro_fn,
+            **kwargs,
+        )
+    run = _RUN
+    assert on_error in ("fail", "keep-going", "ignore")
+    plan = list(stages)
+    planned = set(plan)
+    upstream = {s: [u for u in graph.successors(s) if u in planned] for s in plan}  # an edge: stage -> what it reads
+    if run.writer is not None:
+        run.writer.order = {s.addressing: i for i, s in enumerate(plan)}
+    force_state = dict.fromkeys(plan, force)
+    result, failed, errors = [], [], []
+    to_skip: dict = {}
+    done: set = set()
+    running: dict[Future, object] = {}
+
+    def task(stage, force_stage):
+        with run.mutex:
+            if run.stopping:
+                raise Stopped
+            run.local.stage = stage
+            up, _ = dvc_reproduce._get_upstream_downstream_nodes(graph, stage)
+            t0 = time.monotonic()
+            ret = repro_fn(stage, upstream=up, force=force_stage, **kwargs)
+            if ret:
+                dvc_reproduce.logger.info("Finished stage '%s' in %.1f s", stage.addressing, time.monotonic() - t0)
+            return ret
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)  # the commands get Ctrl-C from the terminal themselves
+    try:
+        with ThreadPoolExecutor(run.jobs, thread_name_prefix="stage") as pool:
+            while True:
+                for stage in plan:  # start, in plan order, what is ready
+                    if run.stopping or len(running) >= run.jobs:
+                        break
+                    if stage in done or stage in running.values():
+                        continue
+                    if stage in to_skip:
+                        done.add(stage)
+                        continue
+                    if all(u in done for u in upstream[stage]):
+                        running[pool.submit(task, stage, force_state[stage])] = stage
+                if not running:
+                    break
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    stage = running.pop(future)
+                    done.add(stage)
+                    try:
+                        ret = future.result()
+                    except Stopped:
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - as DVC's loop: every stage error is reported
+                        failed.append(stage)
+                        if on_error == "fail":
+                            run.stopping = True
+                            errors.append(exc)
+                            dvc_reproduce.logger.warning("%s", exc)
+                            continue
+                        to_skip.update(dict.fromkeys(dvc_reproduce.handle_error(graph, on_error, exc, stage), stage))
+                        continue
+                    if force_downstream and (ret or force_state[stage]):
+                        _, downstream = dvc_reproduce._get_upstream_downstream_nodes(graph, stage)
+                        force_state.update(dict.fromkeys(downstream, True))
+                    if ret:
+                        result.append(ret)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if run.interrupted and not failed:
+        raise KeyboardInterrupt
+    if errors:
+        dvc_reproduce._raise_error(errors[0], *failed)
+    if on_error != "ignore" and failed:
+        dvc_reproduce._raise_error(None, *failed)
+    return result
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: no stage starts after it; the running commands got it too and stop themselves."""
+    if _RUN is not None:
+        _RUN.stopping = _RUN.interrupted = True
+
+
+# ---------------------------------------------------------------------------- around a command
+def _unlocked_repo(f):
+    """dvc/stage/run.py runs a command with the repository unlocked (another DVC command may run
+    meanwhile). Here the lock stays held (the other stages' bookkeeping needs it) and the mutex is
+    let go instead, so that the other stages' bookkeeping and commands go on while this one runs."""
+    original = _ORIGINAL_UNLOCKED(f)
+
+    def wrapper(stage, *args, **kwargs):
+        run = _RUN
+        if run is None or getattr(run.local, "stage", None) is None:
+            return original(stage, *args, **kwargs)
+        if run.stopping:
+            raise Stopped
+        stage.repo._reset()  # as DVC before a command: what the command writes is read afresh after it
+        run.mutex.release()
+        try:
+            return f(stage, *args, **kwargs)
+        finally:
+            run.mutex.acquire()
+
+    return wrapper
+
+
+def _run_command(executable, cmd, **kwargs):
+    """dvc/stage/run.py's `_run` in a worker thread: the command's output (stderr joined) printed
+    line by line, each line prefixed with the stage's name."""
+    run = _RUN
+    stage = getattr(run.local, "stage", None) if run is not None else None
+    if stage is None:
+        return _ORIGINAL_RUN(executable, cmd, **kwargs)
+    from dvc.stage.exceptions import StageCmdFailedError
+    from dvc.stage.run import _make_cmd
+
+    prefix = f"{stage.addressing} | ".encode()
+    proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
+    pending = b""
+    while chunk := proc.stdout.read1(1 << 16):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            _emit(run, prefix, line)
+    if pending:
+        _emit(run, prefix, pending)
+    if proc.wait() != 0:
+        raise StageCmdFailedError(cmd, proc.returncode)
+
+
+def _emit(run: _Run, prefix: bytes, line: bytes) -> None:
+    """One line of a command's output: a progress bar's redraws (`\\r`) print as their last state."""
+    line = line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
+    with run.out_lock:
+        out = sys.stdout.buffer
+        out.write(prefix + line + b"\n")
+        out.flush()
+
+
+# ---------------------------------------------------------------------------- installing
+_ORIGINAL = _ORIGINAL_UNLOCKED = _ORIGINAL_RUN = None
+
+
+def install(jobs: int, writer=None) -> bool:
+    """Make DVC's reproduction run up to `jobs` stages at once in this process (False, with DVC
+    unchanged and a warning, when DVC's internals are not the ones this was written against).
+    `writer`: the LockWriter (core/dvc_lock.py) that writes dvc.lock, to keep new entries in plan order."""
+    global _RUN, _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN
+    if jobs < 2:
+        return False
+    try:
+        from dvc.repo import reproduce as dvc_reproduce
+        from dvc.stage import run as dvc_run
+
+        needed = (dvc_reproduce._reproduce, dvc_reproduce._get_upstream_downstream_nodes, dvc_reproduce.handle_error)
+        needed += (dvc_reproduce._raise_error, dvc_run.unlocked_repo, dvc_run._run, dvc_run._make_cmd)
+        del needed
+    except (ImportError, AttributeError) as e:
+        import warnings
+
+        warnings.warn(f"stages run one at a time: DVC's reproduction is not the one --jobs knows ({e})", stacklevel=2)
+        return False
+    _RUN = _Run(jobs, writer)
+    _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN = dvc_reproduce._reproduce, dvc_run.unlocked_repo, dvc_run._run
+    dvc_reproduce._reproduce = _reproduce_parallel
+    dvc_run.unlocked_repo = _unlocked_repo
+    dvc_run._run = _run_command
+    return True
+
+
+@contextlib.contextmanager
+def installed(jobs: int, writer=None):
+    """`install` for the duration of a block (tests)."""
+    global _RUN
+    ok = install(jobs, writer)
+    try:
+        yield ok
+    finally:
+        if ok:
+            from dvc.repo import reproduce as dvc_reproduce
+            from dvc.stage import run as dvc_run
+
+            dvc_reproduce._reproduce, dvc_run.unlocked_repo, dvc_run._run = _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN
+            _RUN = None
+            if writer is not None:
+                writer.order = None
