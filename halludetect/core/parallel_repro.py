@@ -27,7 +27,11 @@ waited on by a thread of its own. So:
 - DVC's repository lock is held for the whole run, where a serial `dvc repro` lets it go while a
   command runs: another DVC command in this workspace waits for the run to end instead;
 - each command's output lines are prefixed with its stage's name (`train@world-world-max | ...`);
-  a progress bar's redraws (carriage returns) print as its final line only.
+  a progress bar's redraws (carriage returns) print as its final line only;
+- the stages take turns on the GPUs: each command is given a lock file (HALLUDETECT_GPU_LOCK, in
+  DVC's scratch directory) that a stage process takes before its first use of CUDA
+  (core/devices.py `hold_gpu`), so two stages never hold models on the GPUs at once, while the
+  stages on the CPU run beside them.
 
 What runs beside a stage can change its *timings* (the throughput, latency and training-time
 tables read wall time), never its numbers: run with `--jobs 1`, DVC's own order, for timing tables
@@ -44,6 +48,8 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+GPU_LOCK_ENV = "HALLUDETECT_GPU_LOCK"  # core/devices.py's (not imported here: it imports torch)
 
 
 class _Run:
@@ -213,6 +219,7 @@ def _run_command(executable, cmd, **kwargs):
     from dvc.stage.run import _make_cmd
 
     prefix = f"{stage.addressing} | ".encode()
+    kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir)
     proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
     pending = b""
     while chunk := proc.stdout.read1(1 << 16):
@@ -224,6 +231,12 @@ def _run_command(executable, cmd, **kwargs):
         _emit(run, prefix, pending)
     if proc.wait() != 0:
         raise StageCmdFailedError(cmd, proc.returncode)
+
+
+def command_env(env: dict, tmp_dir: str) -> dict:
+    """A command's environment: with the GPU lock the stages take turns on (core/devices.py
+    `hold_gpu`) in DVC's scratch directory, unless the caller named one (or none: empty)."""
+    return env if GPU_LOCK_ENV in env else {**env, GPU_LOCK_ENV: os.path.join(tmp_dir, "halludetect-gpu.lock")}
 
 
 def _emit(run: _Run, prefix: bytes, line: bytes) -> None:

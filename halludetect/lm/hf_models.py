@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from halludetect.config import ModelPreset
-from halludetect.core.devices import resolve_device
+from halludetect.core.devices import hold_gpu, resolve_device
 from halludetect.core.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +125,8 @@ def model_kwargs(preset: ModelPreset, device: str = "auto") -> tuple[str, dict]:
         kw["attn_implementation"] = preset.attn_implementation
     if preset.device_map:
         kw["device_map"] = preset.device_map
+        if torch.cuda.is_available():
+            hold_gpu()  # a device_map places the model on the GPUs
         if preset.max_memory:
             kw["max_memory"] = dict(preset.max_memory)
     elif quant is not None:

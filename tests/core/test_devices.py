@@ -37,3 +37,83 @@ def test_the_device_spelling_is_the_params_one():
     from halludetect.core import devices
 
     assert devices.DEVICE.pattern == config.DEVICE.pattern
+
+
+HOLDER = """
+import os, sys, time
+import torch
+torch.cuda.is_available = lambda: True  # this machine's CUDA, faked: resolve_device takes the lock
+torch.cuda.device_count = lambda: 1
+from halludetect.core.devices import resolve_device
+assert resolve_device(sys.argv[1], "dump.device") == "cuda"
+if sys.argv[1] == "auto":  # a worker of this stage (the dump's processes) shares its turn, never waits for it
+    import subprocess
+    worker = "import torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1; " \
+        "from halludetect.core.devices import resolve_device; resolve_device('cuda')"
+    subprocess.run([sys.executable, "-c", worker], check=True, timeout=60)
+open(sys.argv[2], "w").close()  # holding the lock
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.02)
+"""
+
+
+def test_stages_side_by_side_take_turns_on_the_gpu(tmp_path):
+    """core/parallel_repro.py names a lock file (HALLUDETECT_GPU_LOCK) for every command it runs: a
+    stage process takes it at its first CUDA device and keeps it until it exits; another waits,
+    saying for whom; a CPU stage and a process without the variable never touch it."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    from halludetect.core import parallel_repro
+    from halludetect.core.devices import GPU_LOCK_ENV
+
+    assert parallel_repro.GPU_LOCK_ENV == GPU_LOCK_ENV  # the runner's name for it is this module's
+    lock = tmp_path / "gpu.lock"
+    env = {**os.environ, GPU_LOCK_ENV: str(lock), "DVC_STAGE": "dump@m-d"}
+
+    def start(name: str, device: str = "auto"):
+        args = [sys.executable, "-c", HOLDER, device, str(tmp_path / f"{name}.holds"), str(tmp_path / f"{name}.go")]
+        return subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+
+    def held() -> bool:
+        with open(lock) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    procs = []
+    try:
+        first = start("first")
+        procs.append(first)
+        while not (tmp_path / "first.holds").exists():
+            assert first.poll() is None, first.communicate()[1]
+        assert held() and lock.read_text() == f"stage dump@m-d (pid {first.pid})"
+        second = start("second", "cuda")
+        procs.append(second)
+        assert (
+            second.stderr.readline() == f"waiting for the GPU: stage dump@m-d (pid {first.pid}) is using it "
+            "(stages side by side take turns)\n"
+        )
+        assert not (tmp_path / "second.holds").exists()  # it waits while the first holds the GPU
+        (tmp_path / "first.go").touch()
+        assert first.wait(timeout=60) == 0
+        while not (tmp_path / "second.holds").exists():
+            assert second.poll() is None, second.communicate()[1]
+        assert held()  # the second has it now
+        (tmp_path / "second.go").touch()
+        assert second.wait(timeout=60) == 0 and not held()  # released at exit
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    # the runner's commands get the lock in DVC's scratch directory, unless the caller chose one
+    assert parallel_repro.command_env({"A": "1"}, "/r/.dvc/tmp") == {
+        "A": "1",
+        GPU_LOCK_ENV: "/r/.dvc/tmp/halludetect-gpu.lock",
+    }
+    assert parallel_repro.command_env({GPU_LOCK_ENV: ""}, "/r/.dvc/tmp") == {GPU_LOCK_ENV: ""}
