@@ -57,11 +57,11 @@ class LockWriter:
         self.texts: dict[tuple[str, str], str] = {}  # (stage, repr of its value) -> its text
         self.check = os.environ.get(CHECK_ENV) == "1"
         # Stages run side by side (core/parallel_repro.py) finish in no fixed order, and DVC appends
-        # an entry new to the lock as its stage finishes: `order` (stage -> its place in the run's
-        # plan) puts the entries new since this process first read the lock after the others, in
-        # plan order, which is where a serial run, finishing in plan order, puts them.
-        self.order: dict[str, int] | None = None
-        self.initial: set[str] | None = None  # the stages the lock held when this process first read it
+        # an entry new to a lock as its stage finishes: `order` ((lock path, stage) -> its place in
+        # the run's plan) puts the entries new since this process first read that lock after the
+        # others, in plan order, which is where a serial run, finishing in plan order, puts them.
+        self.order: dict[tuple[str, str], int] | None = None
+        self.initial: dict[str, set[str]] = {}  # lock path -> the stages it held when this process first read it
 
     @contextlib.contextmanager
     def modify(self, path, fs=None):
@@ -70,17 +70,18 @@ class LockWriter:
                 yield data
             return
         path = os.fspath(path)
+        key = os.path.abspath(path)
         data = self._load(path)
         if data is None:  # a file DVC's round trip must keep as it is (comments, anchors, hand edits)
             with self.original(path, fs=fs) as data:
+                self._first_read(key, data)
                 yield data
+                self._plan_order(key, data)
             return
-        if self.initial is None:
-            self.initial = set(data.get("stages") or {}) if isinstance(data, dict) else set()
+        self._first_read(key, data)
         try:
             yield data
-            if self.order is not None:
-                _plan_order(data, self.initial, self.order)
+            self._plan_order(key, data)
             text = self.text(data)
             if text is None:  # a shape this writer does not reproduce: DVC's own dump
                 self.data = self.written = None
@@ -97,6 +98,15 @@ class LockWriter:
             self.data = self.written = None  # changed in memory, maybe not written: read the file next time
             raise
         self.data, self.written = data, text
+
+    def _first_read(self, key: str, data) -> None:
+        if key not in self.initial:
+            stages = data.get("stages") if isinstance(data, dict) else None
+            self.initial[key] = set(stages or {})
+
+    def _plan_order(self, key: str, data) -> None:
+        if self.order is not None:
+            _plan_order(data, self.initial[key], {name: i for (lock, name), i in self.order.items() if lock == key})
 
     def _load(self, path: str) -> dict | None:
         """The lock's data: kept from this process's last write when the file still holds exactly that
@@ -150,16 +160,20 @@ class LockWriter:
 
 def _plan_order(data: dict, initial: set[str], order: dict[str, int]) -> None:
     """Reorder data["stages"] in place: the entries in `initial` as they are, then the others by
-    their place in `order` (those it does not name last, as they came)."""
-    stages = data.get("stages")
+    their place in `order` (those it does not name last, as they came). Keys are moved, never
+    rebuilt, so a round-trip mapping (DVC's own writer's) keeps the comments attached to them."""
+    stages = data.get("stages") if isinstance(data, dict) else None
     if not isinstance(stages, dict):
         return
     new = [k for k in stages if k not in initial]
     want = [k for k in stages if k in initial] + sorted(new, key=lambda k: order.get(k, len(order)))  # stable
-    if want != list(stages):
-        entries = {k: stages[k] for k in want}
-        stages.clear()
-        stages.update(entries)
+    if want == list(stages):
+        return
+    for k in want[want.index(next(k for k, w in zip(stages, want) if k != w)) :]:  # from the first misplaced one
+        if hasattr(stages, "move_to_end"):
+            stages.move_to_end(k)
+        else:
+            stages[k] = stages.pop(k)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -25,7 +25,8 @@ waited on by a thread of its own. So:
   that finished are recorded; a kill at any moment leaves what a serial run leaves (every entry
   is written atomically when its stage ends);
 - DVC's repository lock is held for the whole run, where a serial `dvc repro` lets it go while a
-  command runs: another DVC command in this workspace waits for the run to end instead;
+  command runs: another DVC command in this workspace is refused ("Unable to acquire lock") until
+  the run ends;
 - each command's output lines are prefixed with its stage's name (`train@world-world-max | ...`);
   a progress bar's redraws (carriage returns) print as its final line only;
 - the stages take turns on the GPUs: each command is given a lock file (HALLUDETECT_GPU_LOCK, in
@@ -61,8 +62,7 @@ class _Run:
         self.mutex = threading.Lock()  # held by a thread whenever it touches DVC
         self.stopping = False  # a stage failed (and the run stops) or SIGINT arrived
         self.interrupted = False
-        self.out_lock = threading.Lock()  # one line at a time on stdout
-        self.local = threading.local()  # .stage: the stage this worker thread reproduces
+        self.local = threading.local()  # .stage: the stage this worker thread reproduces; .ran: its command ran
 
 
 _RUN: _Run | None = None
@@ -106,12 +106,13 @@ def _reproduce_parallel(
             **kwargs,
         )
     run = _RUN
+    run.stopping = run.interrupted = False  # a process may reproduce more than once (tests, embedding)
     assert on_error in ("fail", "keep-going", "ignore")
     plan = list(stages)
     planned = set(plan)
     upstream = {s: [u for u in graph.successors(s) if u in planned] for s in plan}  # an edge: stage -> what it reads
-    if run.writer is not None:
-        run.writer.order = {s.addressing: i for i, s in enumerate(plan)}
+    if run.writer is not None:  # each lock file's entries by plan order (a plan may span several dvc.yaml)
+        run.writer.order = {(_lock_path(s), s.name): i for i, s in enumerate(plan) if _lock_path(s)}
     force_state = dict.fromkeys(plan, force)
     result, failed, errors = [], [], []
     to_skip: dict = {}
@@ -122,11 +123,11 @@ def _reproduce_parallel(
         with run.mutex:
             if run.stopping:
                 raise Stopped
-            run.local.stage = stage
+            run.local.stage, run.local.ran = stage, False
             up, _ = dvc_reproduce._get_upstream_downstream_nodes(graph, stage)
             t0 = time.monotonic()
             ret = repro_fn(stage, upstream=up, force=force_stage, **kwargs)
-            if ret:
+            if ret and run.local.ran:  # its command ran (not a restore from the run cache)
                 dvc_reproduce.logger.info("Finished stage '%s' in %.1f s", stage.addressing, time.monotonic() - t0)
             return ret
 
@@ -153,6 +154,11 @@ def _reproduce_parallel(
                     try:
                         ret = future.result()
                     except Stopped:
+                        dvc_reproduce.logger.warning(
+                            "Stage '%s' did not run: the run is stopping (its outputs are in the cache; the next run "
+                            "makes them again)",
+                            stage.addressing,
+                        )
                         continue
                     except Exception as exc:  # noqa: BLE001 - as DVC's loop: every stage error is reported
                         failed.append(stage)
@@ -170,13 +176,21 @@ def _reproduce_parallel(
                         result.append(ret)
     finally:
         signal.signal(signal.SIGINT, previous)
-    if run.interrupted and not failed:
-        raise KeyboardInterrupt
+    if run.interrupted and (not failed or on_error == "ignore"):
+        raise KeyboardInterrupt  # the commands that failed failed of it; in ignore mode it wins
     if errors:
         dvc_reproduce._raise_error(errors[0], *failed)
     if on_error != "ignore" and failed:
         dvc_reproduce._raise_error(None, *failed)
     return result
+
+
+def _lock_path(stage) -> str | None:
+    """The dvc.lock a pipeline stage's entry is written to (None for a .dvc file's stage)."""
+    path = getattr(getattr(stage, "dvcfile", None), "path", None)
+    if not path or not str(path).endswith((".yaml", ".yml")):
+        return None
+    return os.path.abspath(os.path.splitext(path)[0] + ".lock")
 
 
 def _on_sigint(signum, frame) -> None:
@@ -198,6 +212,7 @@ def _unlocked_repo(f):
             return original(stage, *args, **kwargs)
         if run.stopping:
             raise Stopped
+        run.local.ran = True
         stage.repo._reset()  # as DVC before a command: what the command writes is read afresh after it
         run.mutex.release()
         try:
@@ -210,7 +225,8 @@ def _unlocked_repo(f):
 
 def _run_command(executable, cmd, **kwargs):
     """dvc/stage/run.py's `_run` in a worker thread: the command's output (stderr joined) printed
-    line by line, each line prefixed with the stage's name."""
+    line by line, each line prefixed with the stage's name. The stage ends when its command exits
+    (a process it left in the background may hold the pipe open: its output keeps coming)."""
     run = _RUN
     stage = getattr(run.local, "stage", None) if run is not None else None
     if stage is None:
@@ -218,34 +234,73 @@ def _run_command(executable, cmd, **kwargs):
     from dvc.stage.exceptions import StageCmdFailedError
     from dvc.stage.run import _make_cmd
 
-    prefix = f"{stage.addressing} | ".encode()
     kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir)
     proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
+    pump = threading.Thread(target=_pump, args=(proc.stdout, f"{stage.addressing} | ".encode()), daemon=True)
+    pump.start()
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # this thread was interrupted: the command goes with it
+            proc.kill()
+            proc.wait()
+    pump.join(timeout=PUMP_GRACE_S)  # what the command wrote before it exited
+    if code != 0:
+        raise StageCmdFailedError(cmd, code)
+
+
+PUMP_GRACE_S = 5.0  # after a command exits, how long its output may take to reach the end of the pipe
+LINE_CAP = 1 << 20  # a "line" longer than this is printed in pieces
+
+
+def _pump(pipe, prefix: bytes) -> None:
+    """Forward a command's output: complete lines prefixed, each chunk's lines in one write; a
+    progress bar's redraws (carriage returns) keep their last state only."""
     pending = b""
-    while chunk := proc.stdout.read1(1 << 16):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            _emit(run, prefix, line)
-    if pending:
-        _emit(run, prefix, pending)
-    if proc.wait() != 0:
-        raise StageCmdFailedError(cmd, proc.returncode)
+    try:
+        while chunk := pipe.read1(1 << 16):
+            head, nl, tail = chunk.rpartition(b"\n")
+            if not nl:  # no line ends in this chunk
+                pending = _last_redraw(pending + chunk)
+                if len(pending) > LINE_CAP:
+                    _write(prefix + pending + b"\n")
+                    pending = b""
+                continue
+            lines = (pending + head).split(b"\n")
+            _write(b"".join(prefix + _last_redraw(line) + b"\n" for line in lines))
+            pending = _last_redraw(tail)
+        if pending:
+            _write(prefix + pending + b"\n")
+    except (OSError, ValueError):  # our stdout closed: the command still runs to its end, unread
+        with contextlib.suppress(OSError, ValueError):
+            while pipe.read1(1 << 16):
+                pass
+
+
+def _last_redraw(text: bytes) -> bytes:
+    """What a terminal would show of text: after its last carriage return (a trailing one aside)."""
+    return text.rstrip(b"\r").rsplit(b"\r", 1)[-1]
+
+
+def _write(data: bytes) -> None:
+    """Whole lines to stdout under the lock DVC's own log lines take (tqdm's write lock, which its
+    logger writes through), so that neither cuts the other's line."""
+    from dvc.progress import Tqdm
+
+    with Tqdm.get_lock():
+        sys.stdout.flush()
+        out = sys.stdout.buffer
+        view = memoryview(data)
+        while view:  # unbuffered (PYTHONUNBUFFERED): a write may take part of it
+            n = out.write(view)
+            view = view[n if n is not None else len(view) :]
+        out.flush()
 
 
 def command_env(env: dict, tmp_dir: str) -> dict:
     """A command's environment: with the GPU lock the stages take turns on (core/devices.py
     `hold_gpu`) in DVC's scratch directory, unless the caller named one (or none: empty)."""
     return env if GPU_LOCK_ENV in env else {**env, GPU_LOCK_ENV: os.path.join(tmp_dir, "halludetect-gpu.lock")}
-
-
-def _emit(run: _Run, prefix: bytes, line: bytes) -> None:
-    """One line of a command's output: a progress bar's redraws (`\\r`) print as their last state."""
-    line = line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
-    with run.out_lock:
-        out = sys.stdout.buffer
-        out.write(prefix + line + b"\n")
-        out.flush()
 
 
 # ---------------------------------------------------------------------------- installing

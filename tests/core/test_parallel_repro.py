@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from halludetect.core.dvc_lock import LockWriter, _plan_order
+from halludetect.core.dvc_lock import LockWriter
 from halludetect.core.repro import split_jobs
 
 WAIT = 60  # seconds a stage waits for the other's mark before it fails (never reached when they overlap)
@@ -153,8 +153,50 @@ def test_jobs_is_halludetects_argument_and_a_bad_count_is_refused_before_anythin
     assert res.returncode == 2 and "--jobs takes a count" in res.stderr and not (repo / "a.txt").exists()
 
 
-def test_entries_new_to_the_lock_are_written_in_plan_order_whatever_order_stages_end_in():
-    data = {"schema": "2.0", "stages": {"old2": 1, "old1": 2, "c": 3, "a": 4}}
-    _plan_order(data, {"old1", "old2"}, {"a": 0, "b": 1, "c": 2})
-    assert list(data["stages"]) == ["old2", "old1", "a", "c"]  # kept entries as they were, new in plan order
+def test_entries_new_to_a_lock_are_written_in_plan_order_whatever_order_stages_end_in(tmp_path):
+    """Stages that end as c, b, a are written a, b, c after the entries the lock held, per lock file
+    (a plan may span two dvc.yaml files), by the entry-wise writer and by DVC's own (a hand-edited lock)."""
+    from dvc.utils.serialize import _yaml
+
+    root, sub = tmp_path / "dvc.lock", tmp_path / "sub" / "dvc.lock"
+    sub.parent.mkdir()
+    root.write_text("schema: '2.0'\nstages:\n  z:\n    cmd: echo z\n  y:\n    cmd: echo y\n")
+    sub.write_text(
+        "schema: '2.0'\nstages:\n  old:  # kept by hand: DVC's own writer keeps this file\n    cmd: echo o\n"
+    )
+    w = LockWriter(_yaml.modify_yaml, _yaml._dump)
+    plan = [(sub, "a"), (root, "a"), (root, "b"), (sub, "b"), (root, "c"), (sub, "c")]
+    w.order = {(str(path), name): i for i, (path, name) in enumerate(plan)}
+    for path, name in [(sub, "c"), (root, "c"), (root, "b"), (sub, "b"), (sub, "a"), (root, "a")]:  # as they end
+        with w.modify(path) as data:
+            data["stages"][name] = {"cmd": f"echo {name}"}
+    names = [
+        line.strip(" :")
+        for line in root.read_text().splitlines()
+        if line.startswith("  ") and not line.startswith("   ")
+    ]
+    assert names == ["z", "y", "a", "b", "c"]  # the entries it held stay as they were, first
+    text = sub.read_text()
+    assert "# kept by hand" in text and [text.index(f"  {n}:") for n in ("old", "a", "b", "c")] == sorted(
+        text.index(f"  {n}:") for n in ("old", "a", "b", "c")
+    )
     assert LockWriter(None, None).order is None  # one stage at a time: DVC's order, untouched
+
+
+def test_a_stage_ends_when_its_command_exits_though_a_process_it_left_holds_its_output(tmp_path):
+    """Stage a leaves a background process holding its stdout, which ends only once b has started:
+    b reads a, so b starts only if a counted as ended when its command exited (not at the end of
+    its output, which the background process holds)."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=repo, check=True)
+    wait_for_go = f"i=0; while [ ! -e go ] && [ $i -lt {WAIT * 10} ]; do i=$((i+1)); sleep 0.1; done"
+    background = f"{wait_for_go}; [ -e go ] && echo ok > bg.txt"
+    (repo / "dvc.yaml").write_text(
+        "stages:\n"
+        f"  a:\n    cmd: ( {background} ) & echo a > a.txt\n    outs: [a.txt]\n"
+        "  b:\n    cmd: touch go && cat a.txt > b.txt\n    deps: [a.txt]\n    outs: [b.txt]\n"
+    )
+    res = repro(repo, "-j", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (repo / "bg.txt").read_text() == "ok\n"  # b started while a's background process was alive
