@@ -106,22 +106,30 @@ WORKER_START_S = 2.0
 # tell a layer of seconds from one of minutes; the bytes never depend on the choice.
 TRAIN_RATE = 6e7
 PROCESSES_ENV = "HALLUDETECT_TRAIN_PROCESSES"
+# The cores this stage may count on, where it shares the machine: `halludetect repro --jobs N` gives
+# each command its share (core/parallel_repro.py, which names it too), so that stages side by side
+# do not each spawn a worker per core.
+CORES_ENV = "HALLUDETECT_CORES"
 
 
 def workers_for(device: str, n_layers: int, layer_work: float) -> int:
-    """How many processes train the layers: on the CPU one per core, never more than layers, and one
-    where a layer's training (`layer_work`: tokens x dimensions x epochs x seeds) is estimated to take
-    less than a worker's start; $HALLUDETECT_TRAIN_PROCESSES, where set, instead. The GPU trains in
-    this process."""
+    """How many processes train the layers: on the CPU one per core (of $HALLUDETECT_CORES, the stage's
+    share, where set), never more than layers, and one where a layer's training (`layer_work`: tokens x
+    dimensions x epochs x seeds) is estimated to take less than a worker's start;
+    $HALLUDETECT_TRAIN_PROCESSES, where set, instead. The GPU trains in this process."""
     if device != "cpu":
         return 1
     if fixed := os.environ.get(PROCESSES_ENV):
         if not fixed.isdigit() or int(fixed) < 1:
             raise DataError(f"{PROCESSES_ENV}={fixed!r}: a count of processes, 1 or more, is expected")
         return min(int(fixed), n_layers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if share := os.environ.get(CORES_ENV):
+        if not share.isdigit() or int(share) < 1:
+            raise DataError(f"{CORES_ENV}={share!r}: a count of cores, 1 or more, is expected")
+        cores = min(cores, int(share))
     if layer_work / TRAIN_RATE < WORKER_START_S:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, n_layers))
 
 

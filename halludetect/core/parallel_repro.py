@@ -29,6 +29,9 @@ waited on by a thread of its own. So:
   the run ends;
 - each command's output lines are prefixed with its stage's name (`train@world-world-max | ...`);
   a progress bar's redraws (carriage returns) print as its final line only;
+- each command is told its share of the cores (HALLUDETECT_CORES: the usable cores over N), so a
+  train stage beside another spawns no more layer workers than its share (on 2 cores with 2 jobs,
+  none: its layers train in its own process, with the same bytes);
 - the stages take turns on the GPUs: each command is given a lock file (HALLUDETECT_GPU_LOCK, in
   DVC's scratch directory) that a stage process takes before its first use of CUDA
   (core/devices.py `hold_gpu`), so two stages never hold models on the GPUs at once, while the
@@ -51,6 +54,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 GPU_LOCK_ENV = "HALLUDETECT_GPU_LOCK"  # core/devices.py's (not imported here: it imports torch)
+CORES_ENV = "HALLUDETECT_CORES"  # stages/train.py's: the cores a command may count on
 
 
 class _Run:
@@ -58,6 +62,7 @@ class _Run:
 
     def __init__(self, jobs: int, writer=None):
         self.jobs = jobs
+        self.cores = max(1, _usable_cores() // jobs)  # each command's share of the machine
         self.writer = writer  # core/dvc_lock.py's LockWriter: told the plan, it keeps new entries in its order
         self.mutex = threading.Lock()  # held by a thread whenever it touches DVC
         self.stopping = False  # a stage failed (and the run stops) or SIGINT arrived
@@ -72,10 +77,14 @@ class Stopped(Exception):
     """A stage not started because the run is stopping."""
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def jobs_from(value: str) -> int:
     """`--jobs` (or HALLUDETECT_REPRO_JOBS): a count >= 1, or `auto` (the cores this process may use)."""
     if value == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return _usable_cores()
     try:
         jobs = int(value)
     except ValueError:
@@ -234,7 +243,7 @@ def _run_command(executable, cmd, **kwargs):
     from dvc.stage.exceptions import StageCmdFailedError
     from dvc.stage.run import _make_cmd
 
-    kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir)
+    kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir, run.cores)
     proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
     pump = threading.Thread(target=_pump, args=(proc.stdout, f"{stage.addressing} | ".encode()), daemon=True)
     pump.start()
@@ -297,10 +306,12 @@ def _write(data: bytes) -> None:
         out.flush()
 
 
-def command_env(env: dict, tmp_dir: str) -> dict:
-    """A command's environment: with the GPU lock the stages take turns on (core/devices.py
-    `hold_gpu`) in DVC's scratch directory, unless the caller named one (or none: empty)."""
-    return env if GPU_LOCK_ENV in env else {**env, GPU_LOCK_ENV: os.path.join(tmp_dir, "halludetect-gpu.lock")}
+def command_env(env: dict, tmp_dir: str, cores: int) -> dict:
+    """A command's environment: the GPU lock the stages take turns on (core/devices.py `hold_gpu`)
+    in DVC's scratch directory, and its share of the cores (HALLUDETECT_CORES: the usable cores over
+    the jobs, so that a train stage beside another spawns no more workers than its share), each
+    unless the caller set it (the lock: empty for none)."""
+    return {GPU_LOCK_ENV: os.path.join(tmp_dir, "halludetect-gpu.lock"), CORES_ENV: str(cores), **env}
 
 
 # ---------------------------------------------------------------------------- installing

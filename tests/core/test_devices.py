@@ -112,8 +112,6 @@ def test_stages_side_by_side_take_turns_on_the_gpu(tmp_path):
             p.kill()
             p.communicate()
     # the runner's commands get the lock in DVC's scratch directory, unless the caller chose one
-    assert parallel_repro.command_env({"A": "1"}, "/r/.dvc/tmp") == {
-        "A": "1",
-        GPU_LOCK_ENV: "/r/.dvc/tmp/halludetect-gpu.lock",
-    }
-    assert parallel_repro.command_env({GPU_LOCK_ENV: ""}, "/r/.dvc/tmp") == {GPU_LOCK_ENV: ""}
+    env = parallel_repro.command_env({"A": "1"}, "/r/.dvc/tmp", 1)
+    assert env["A"] == "1" and env[GPU_LOCK_ENV] == "/r/.dvc/tmp/halludetect-gpu.lock"
+    assert parallel_repro.command_env({GPU_LOCK_ENV: ""}, "/r/.dvc/tmp", 1)[GPU_LOCK_ENV] == ""

@@ -136,7 +136,8 @@ def test_a_layer_gives_the_same_bytes_alone_and_beside_the_others(tmp_path):
 @pytest.mark.hostile
 def test_a_layer_too_small_for_a_worker_trains_in_the_stage_process(monkeypatch):
     """A spawned worker's start (2 to 3 s of CPU) is paid only for layers estimated to train longer;
-    HALLUDETECT_TRAIN_PROCESSES fixes the count (checked), and a GPU trains in the stage's process."""
+    HALLUDETECT_TRAIN_PROCESSES fixes the count (checked), HALLUDETECT_CORES (a stage's share beside
+    others) caps it, and a GPU trains in the stage's process."""
     from halludetect.core.errors import DataError
     from stages import train
 
@@ -153,3 +154,18 @@ def test_a_layer_too_small_for_a_worker_trains_in_the_stage_process(monkeypatch)
         monkeypatch.setenv(train.PROCESSES_ENV, bad)
         with pytest.raises(DataError, match=f"HALLUDETECT_TRAIN_PROCESSES='{bad}': a count of processes"):
             train.workers_for("cpu", 5, 1)
+    # beside other stages (halludetect repro --jobs): no more workers than the stage's share of the cores
+    monkeypatch.delenv(train.PROCESSES_ENV)
+    from halludetect.core import parallel_repro
+
+    assert parallel_repro.CORES_ENV == train.CORES_ENV  # the runner's name for it is the stage's
+    monkeypatch.setenv(train.CORES_ENV, "2")
+    assert train.workers_for("cpu", 5, world_layer) == 2
+    monkeypatch.setenv(train.CORES_ENV, "1")
+    assert train.workers_for("cpu", 5, world_layer) == 1
+    monkeypatch.setenv(train.CORES_ENV, "8")
+    assert train.workers_for("cpu", 5, world_layer) == 4  # never more than it has
+    for bad in ("0", "x"):
+        monkeypatch.setenv(train.CORES_ENV, bad)
+        with pytest.raises(DataError, match=f"HALLUDETECT_CORES='{bad}': a count of cores"):
+            train.workers_for("cpu", 5, 1)  # checked for small layers too
