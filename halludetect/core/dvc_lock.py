@@ -169,7 +169,8 @@ def _plan_order(data: dict, initial: set[str], order: dict[str, int]) -> None:
     want = [k for k in stages if k in initial] + sorted(new, key=lambda k: order.get(k, len(order)))  # stable
     if want == list(stages):
         return
-    for k in want[want.index(next(k for k, w in zip(stages, want) if k != w)) :]:  # from the first misplaced one
+    first = next(i for i, (k, w) in enumerate(zip(stages, want)) if k != w)
+    for k in want[first:]:  # from the first misplaced one on, each to the end in turn
         if hasattr(stages, "move_to_end"):
             stages.move_to_end(k)
         else:

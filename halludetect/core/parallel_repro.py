@@ -121,11 +121,11 @@ def _reproduce_parallel(
     planned = set(plan)
     upstream = {s: [u for u in graph.successors(s) if u in planned] for s in plan}  # an edge: stage -> what it reads
     if run.writer is not None:  # each lock file's entries by plan order (a plan may span several dvc.yaml)
-        run.writer.order = {(_lock_path(s), s.name): i for i, s in enumerate(plan) if _lock_path(s)}
+        run.writer.order = {(lock, s.name): i for i, s in enumerate(plan) if (lock := _lock_path(s))}
     force_state = dict.fromkeys(plan, force)
     result, failed, errors = [], [], []
     to_skip: dict = {}
-    done: set = set()
+    done, started = set(), set()
     running: dict[Future, object] = {}
 
     def task(stage, force_stage):
@@ -147,12 +147,14 @@ def _reproduce_parallel(
                 for stage in plan:  # start, in plan order, what is ready
                     if run.stopping or len(running) >= run.jobs:
                         break
-                    if stage in done or stage in running.values():
+                    if stage in started:
                         continue
                     if stage in to_skip:
+                        started.add(stage)
                         done.add(stage)
                         continue
                     if all(u in done for u in upstream[stage]):
+                        started.add(stage)
                         running[pool.submit(task, stage, force_state[stage])] = stage
                 if not running:
                     break
@@ -343,21 +345,3 @@ def install(jobs: int, writer=None) -> bool:
     dvc_run.unlocked_repo = _unlocked_repo
     dvc_run._run = _run_command
     return True
-
-
-@contextlib.contextmanager
-def installed(jobs: int, writer=None):
-    """`install` for the duration of a block (tests)."""
-    global _RUN
-    ok = install(jobs, writer)
-    try:
-        yield ok
-    finally:
-        if ok:
-            from dvc.repo import reproduce as dvc_reproduce
-            from dvc.stage import run as dvc_run
-
-            dvc_reproduce._reproduce, dvc_run.unlocked_repo, dvc_run._run = _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN
-            _RUN = None
-            if writer is not None:
-                writer.order = None
