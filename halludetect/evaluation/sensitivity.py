@@ -117,13 +117,18 @@ def _fold(model: HaMI, projected: torch.Tensor) -> _Folded:
 def _topk_mean_by(keys: torch.Tensor, values: torch.Tensor, bags: Bags, k_ratio: float) -> torch.Tensor:
     """keys, values [S, N] per token -> [S, B]: the mean of `values` over each bag's top-k tokens
     ranked by `keys` (the token logits), for S path steps at once."""
-    steps = keys.shape[0]
-    flat = lambda u: bags.pad(u.T).permute(2, 0, 1).reshape(steps * len(bags), -1)  # noqa: E731  [S*B, T]
-    mask = bags.mask.repeat(steps, 1)  # [S*B, T]
+    steps, n_bags = keys.shape[0], len(bags)
+    slots = torch.nonzero(bags.mask.flatten()).squeeze(1)  # [N] each token's place in a bag-major [B*T]
+    # [S, N] -> [S*B, T] with -inf at padding (never in a top k: k <= n), laid out as is, no transpose
+    padded = keys.new_full((steps, bags.mask.numel()), float("-inf")).index_copy_(1, slots, keys)
     k = topk_count(bags.lengths, k_ratio).repeat(steps)  # [S*B]
-    top = torch.topk(flat(keys).masked_fill(~mask, float("-inf")), int(k.max()), dim=1).indices  # [S*B, kmax]
+    top = torch.topk(padded.view(steps * n_bags, -1), int(k.max()), dim=1).indices  # [S*B, kmax]
     keep = torch.arange(top.shape[1], device=keys.device)[None, :] < k[:, None]
-    return ((flat(values).gather(1, top) * keep).sum(1) / k.to(values.dtype)).reshape(steps, len(bags))
+    # the values at those tokens, read from the packed [S, N] (token t of bag b is row start_b + t)
+    starts = (torch.cumsum(bags.lengths, 0) - bags.lengths).repeat(steps)  # [S*B]
+    rows = (starts[:, None] + top).view(steps, -1)  # [S, B*kmax]
+    picked = values.gather(1, rows.clamp(max=values.shape[1] - 1)).view(steps * n_bags, -1)  # [S*B, kmax]
+    return ((picked * keep).sum(1) / k.to(values.dtype)).reshape(steps, n_bags)
 
 
 def _path_slopes(f: _Folded, bags: Bags, k_ratio: float, p: torch.Tensor) -> torch.Tensor:
