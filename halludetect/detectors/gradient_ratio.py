@@ -27,6 +27,8 @@ them; it uses no random numbers, so training gives the same weights with or with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -56,20 +58,76 @@ def gram(bags: Bags) -> torch.Tensor:
     return (hp @ hp.transpose(1, 2) + 1) * (mask[:, :, None] & mask[:, None, :])
 
 
+# A batch's quadratic forms run on groups of its bags of similar length (the longest of a group at
+# most WIDTH_RATIO x its shortest), each padded to its own longest: a [B, T, T] form over the whole
+# batch costs B T_max^2, so one long answer among short ones multiplies the work of every bag (the
+# world's traced bags: 3 to 32 tokens, half of them 12 to 14).
+WIDTH_RATIO = 1.25
+
+
+@dataclass
+class WidthGroup:
+    """Bags of one batch of similar length, padded to the longest of them (W)."""
+
+    bags: torch.Tensor  # [n] their positions in the batch
+    mask: torch.Tensor  # [n, W] real tokens
+    rows: torch.Tensor  # [R] their tokens' packed rows in the batch, bag after bag (where mask is True)
+    gram: torch.Tensor  # [n, W, W] their `gram`, cut to W: the batch's own entries
+
+
+@dataclass
+class TracedBatch:
+    """A batch of traced bags with what depends on their states only, computed once for all epochs."""
+
+    bags: Bags
+    tokens64: torch.Tensor  # [N, d] the states in float64
+    gram: torch.Tensor  # [B, T, T]
+    groups: list[WidthGroup]
+
+    @classmethod
+    def of(cls, bags: Bags) -> TracedBatch:
+        g = gram(bags)
+        starts = torch.cumsum(bags.lengths, 0) - bags.lengths  # [B] first packed row of each bag
+        groups = []
+        for members in _similar_lengths(bags.lengths):
+            lengths = bags.lengths[members]
+            width = int(lengths.max())
+            mask = torch.arange(width)[None, :] < lengths[:, None]  # [n, W]
+            rows = (starts[members][:, None] + torch.arange(width)[None, :])[mask]  # [R]
+            groups.append(WidthGroup(members, mask, rows, g[members][:, :width, :width]))
+        return cls(bags, bags.tokens.double(), g, groups)
+
+
+def _similar_lengths(lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Positions of `lengths` [B] in groups whose longest is at most WIDTH_RATIO x their shortest."""
+    order = torch.argsort(lengths, stable=True)
+    ranked = lengths[order].tolist()
+    groups, start = [], 0
+    for i, n in enumerate(ranked):
+        if n > WIDTH_RATIO * ranked[start]:
+            groups.append(order[start:i])
+            start = i
+    return [*groups, order[start:]] if len(ranked) else []
+
+
 @torch.no_grad()
-def squared_gradient_norms(net: PoolingNet, bags: Bags, grams: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def squared_gradient_norms(net: PoolingNet, bags: Bags | TracedBatch) -> dict[str, torch.Tensor]:
     """{"max": [B], "mean": [B]}: ||grad_theta z_B||^2 of `net`'s parameters with max pooling and
-    with mean pooling in place of its own, in eval mode (dropout off), in float64. `grams`: the
-    bags' `gram`, when it is at hand."""
+    with mean pooling in place of its own, in eval mode (dropout off), in float64. `bags` may come
+    as a TracedBatch, with what depends on their states already computed."""
+    batch = bags if isinstance(bags, TracedBatch) else TracedBatch.of(bags)
+    bags, g = batch.bags, batch.gram  # g [B, T, T]
     linear = net.feature[0]
-    pre = bags.tokens.double() @ linear.weight.double().T + linear.bias.double()  # [N, D]
+    pre = batch.tokens64 @ linear.weight.double().T + linear.bias.double()  # [N, D]
     u, on = pre.clamp(min=0), pre > 0
     w2 = net.head.weight[0].double() ** 2  # [D]
-    g = gram(bags) if grams is None else grams  # [B, T, T]
     out = {}
     for pool, reduce in (("max", segment_max), ("mean", segment_mean)):
         v = reduce(u, bags)  # [B, D]
-        quad = _max_quad(u, on, v, bags, g) if pool == "max" else _quad(_weights(u, bags, pool) * on, bags, g)
+        if pool == "max":
+            quad = _max_quad(u, on, v, bags, g)
+        else:
+            quad = _grouped_quad(_weights(u, bags, pool) * on, batch.groups)
         out[pool] = 1 + (v**2).sum(1) + quad @ w2
     return out
 
@@ -79,6 +137,16 @@ def _quad(qa: torch.Tensor, bags: Bags, g: torch.Tensor) -> torch.Tensor:
     bags' Gram matrices g [B, T, T]."""
     qp = bags.pad(qa)  # [B, T, D]
     return (torch.bmm(g, qp) * qp).sum(1)
+
+
+def _grouped_quad(qa: torch.Tensor, groups: list[WidthGroup]) -> torch.Tensor:
+    """`_quad` group by group, each at its own width (the padding adds zeros to the sums either way)."""
+    quad = qa.new_empty((sum(len(grp.bags) for grp in groups), qa.shape[1]))  # [B, D]
+    for grp in groups:
+        qp = qa.new_zeros((*grp.mask.shape, qa.shape[1]))  # [n, W, D]
+        qp[grp.mask] = qa[grp.rows]
+        quad[grp.bags] = (torch.bmm(grp.gram, qp) * qp).sum(1)
+    return quad
 
 
 def _max_quad(u: torch.Tensor, on: torch.Tensor, peak: torch.Tensor, bags: Bags, g: torch.Tensor) -> torch.Tensor:
@@ -109,8 +177,7 @@ class GradientRatioTrace:
     """Theorem 2's quantities per epoch for a PoolingNet under training (module docstring)."""
 
     def __init__(self, bags: list[Bags]):
-        self.bags = bags
-        self.grams = [gram(b) for b in bags]  # the states' part of the norms: the same every epoch
+        self.batches = [TracedBatch.of(b) for b in bags]  # the states' part of the norms: the same every epoch
         self.epochs: list[dict] = []
         self.per_bag: dict[int, dict[str, np.ndarray]] = {}
 
@@ -130,7 +197,7 @@ class GradientRatioTrace:
         """A fresh trace of `other`'s bags, sharing their Gram matrices (another seed of one training:
         batched.py), so that they are computed once."""
         trace = cls.__new__(cls)
-        trace.bags, trace.grams = other.bags, other.grams
+        trace.batches = other.batches
         trace.epochs, trace.per_bag = [], {}
         return trace
 
@@ -142,9 +209,10 @@ class GradientRatioTrace:
         net.eval()
         try:
             cols: dict[str, list] = {k: [] for k in ("T", "max_norm2", "mean_norm2", "s50", "s90", "s_paper")}
-            for bags, grams in zip(self.bags, self.grams):
+            for batch in self.batches:
+                bags = batch.bags
                 cols["T"].append(bags.lengths.double())
-                norms = squared_gradient_norms(net, bags, grams)
+                norms = squared_gradient_norms(net, batch)
                 cols["max_norm2"].append(norms["max"])
                 cols["mean_norm2"].append(norms["mean"])
                 c = evidence(net, bags).contributions

@@ -16,7 +16,10 @@ from halludetect.activations.bags import Bags
 from halludetect.detectors.build import build_detector
 from halludetect.detectors.data import split_data
 from halludetect.detectors.gradient_ratio import (
+    WIDTH_RATIO,
     GradientRatioTrace,
+    TracedBatch,
+    _grouped_quad,
     _max_quad,
     _quad,
     _weights,
@@ -70,6 +73,27 @@ def test_max_norms_take_the_peak_tokens_gram_entry_with_the_bits_of_the_full_for
     g = gram(bags)
     full = _quad(_weights(u, bags, "max") * on, bags, g)
     assert torch.equal(_max_quad(u, on, segment_max(u, bags), bags, g), full)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12), seed=st.integers(0, 999))
+def test_the_mean_form_by_groups_of_similar_length_is_the_whole_batchs_form(lengths, seed):
+    """Each group of bags is padded to its own longest (its longest at most WIDTH_RATIO x its
+    shortest), every bag in exactly one group; the quadratic forms are the whole padded batch's,
+    to the rounding of the shorter sums."""
+    bags = random_bags(lengths, seed)
+    batch = TracedBatch.of(bags)
+    members = torch.cat([grp.bags for grp in batch.groups])
+    assert sorted(members.tolist()) == list(range(len(bags)))
+    for grp in batch.groups:
+        n = bags.lengths[grp.bags]
+        assert int(n.max()) <= WIDTH_RATIO * int(n.min()) and grp.mask.shape[1] == int(n.max())
+        assert torch.equal(grp.mask.sum(1), n)
+    net = model("mean", seed)
+    linear = net.feature[0]
+    pre = bags.tokens.double() @ linear.weight.double().T + linear.bias.double()
+    qa = _weights(pre.clamp(min=0), bags, "mean") * (pre > 0)
+    torch.testing.assert_close(_grouped_quad(qa, batch.groups), _quad(qa, bags, gram(bags)), rtol=1e-12, atol=0)
 
 
 def test_a_sparse_positive_bag_gets_the_larger_ratio():
