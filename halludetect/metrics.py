@@ -190,15 +190,40 @@ def bootstrap_auroc_ci(
         raise ValueError(f"groups must name the question of every response: {groups.shape} for {y.shape}")
     n_groups = int(groups.max()) + 1
     rng = np.random.default_rng(seed)
-    stats = []
-    for _ in range(n):
-        counts = np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)
-        idx = np.repeat(np.arange(len(y)), counts[groups])  # each response as often as its question is drawn
-        if y[idx].min() == y[idx].max():
-            continue  # a one-class resample has no AUROC; it is skipped, not scored
-        stats.append(np.mean([auroc(y[idx], s[idx]) for s in scores]))
+    # [n, N] how often each resample draws each response (its question's draw count): the draws one
+    # resample at a time, as they always were (one call for all would consume the stream otherwise)
+    weights = np.stack([np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups) for _ in range(n)])
+    weights = weights[:, groups]
+    y = np.asarray(y).astype(bool)
+    per_seed = np.stack([_resampled_aurocs(y, np.asarray(s, dtype=np.float64), weights) for s in scores])  # [S, n]
+    # a one-class resample has no AUROC (nan): it is skipped, not scored
+    stats = [np.mean([float(a) for a in col]) for col in per_seed.T if not np.isnan(col[0])]
     lo, hi = np.percentile(stats, [2.5, 97.5])
     return [float(lo), float(hi)]
+
+
+def _resampled_aurocs(y: np.ndarray, s: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """[n] `auroc` of every resample, each response counted as often as `weights` [n, N] says, without
+    building the resamples: Mann-Whitney's U summed over the distinct scores from the weights of the
+    positives and negatives at each (ties count one half). U is exact in integers (2U), so each value
+    has the bits `auroc` gives the resample built out; nan for a one-class resample."""
+    if np.isnan(s).any():  # NaN scores rank as `auroc`'s sort ranks them: the resamples built out
+        out = []
+        for w in weights:
+            idx = np.repeat(np.arange(len(y)), w)
+            out.append(np.nan if len(idx) == 0 or y[idx].min() == y[idx].max() else auroc(y[idx], s[idx]))
+        return np.asarray(out)
+    order = np.argsort(s, kind="mergesort")
+    starts = np.r_[0, np.flatnonzero(np.diff(s[order])) + 1]  # first position of each distinct score
+    w = weights[:, order]  # [n, N] in score order
+    pos = y[order]
+    wp = np.add.reduceat(np.where(pos, w, 0), starts, axis=1)  # [n, L] positives drawn at each score
+    wn = np.add.reduceat(np.where(pos, 0, w), starts, axis=1)  # [n, L] negatives
+    below = np.cumsum(wn, axis=1) - wn  # negatives drawn at lower scores
+    u2 = (wp * (2 * below + wn)).sum(1)  # [n] 2U
+    n_pos, n_neg = wp.sum(1), wn.sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((n_pos > 0) & (n_neg > 0), (u2 / 2) / (n_pos * n_neg), np.nan)
 
 
 # ------------------------------------------------------------------------- per split

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score
 
 from halludetect.metrics import (
+    _resampled_aurocs,
     auroc,
     average_precision,
     bootstrap_auroc_ci,
@@ -99,6 +100,32 @@ def test_margin_by_length_buckets():
 
 def test_question_groups_are_dense_and_ordered():
     assert question_groups(["q9", "q9", "q1", "q5", "q1"]).tolist() == [0, 0, 1, 2, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 60),
+    seed=st.integers(0, 10_000),
+    decimals=st.sampled_from([0, 1, 6]),
+    nan=st.booleans(),
+)
+def test_each_resamples_auroc_has_the_bits_of_the_resample_built_out(n, seed, decimals, nan):
+    """The bootstrap counts each response as often as its question is drawn, without building the
+    resample: every AUROC equals `auroc` on the resample built out, bit for bit (ties, one-class
+    resamples as nan, NaN scores)."""
+    rng = np.random.default_rng(seed)
+    y = rng.random(n) < 0.4
+    s = np.round(rng.normal(size=n) + y, decimals)
+    if nan:
+        s[rng.random(n) < 0.2] = np.nan
+    weights = rng.integers(0, 3, (25, n))
+    got = _resampled_aurocs(y, s, weights)
+    for w, value in zip(weights, got, strict=True):
+        idx = np.repeat(np.arange(n), w)
+        if len(idx) == 0 or y[idx].min() == y[idx].max():
+            assert np.isnan(value)
+        else:
+            assert value == auroc(y[idx], s[idx])
 
 
 def test_bootstrap_resamples_questions_not_responses():
