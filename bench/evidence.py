@@ -5,6 +5,10 @@ and the evidence against a plain forward pass.
             with the gradient-ratio trace after every epoch and without it, best of `--repeats`
   evidence  every registered method on that layer's test bags, randomly initialised (the cost is
             the network's, not its weights'): bag logits alone against token evidence, best of 5
+  forms     one epoch's trace (`GradientRatioTrace.measure`, the max network at its initial weights)
+            with mean pooling's quadratic forms by groups of bags of similar length (as training
+            runs it) against on each whole batch padded to its longest bag (the layout before),
+            alternating, best of 20 each, and the largest relative difference of the norms
   pieces    decoding the world's test answers token by token (lm/token_text.py), per answer
 
     python -m bench.evidence [--layer 4] [--epochs 100] [--repeats 2]
@@ -20,6 +24,7 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
@@ -30,6 +35,7 @@ from halludetect.config import ModelPreset, load_params  # noqa: E402
 from halludetect.detectors.build import DETECTORS, build_detector, section  # noqa: E402
 from halludetect.detectors.data import split_data  # noqa: E402
 from halludetect.detectors.evidence import evidence, has_evidence  # noqa: E402
+from halludetect.detectors.gradient_ratio import GradientRatioTrace, WidthGroup  # noqa: E402
 from halludetect.detectors.training import train_detector  # noqa: E402
 from halludetect.lm.hf_models import load_tokenizer  # noqa: E402
 from halludetect.lm.token_text import char_spans, token_pieces  # noqa: E402
@@ -48,6 +54,39 @@ def best_of(n: int, fn) -> float:
         fn()
         out.append(time.perf_counter() - t0)
     return min(out)
+
+
+def trace_forms(net, train) -> dict:
+    """One epoch's trace by length groups (as training runs it) against each batch as one group
+    padded to its longest bag (the former layout), the same weights."""
+    net.eval()
+    grouped = GradientRatioTrace.for_training(net, train)
+    whole = GradientRatioTrace.sharing(grouped)
+    whole.batches = [
+        type(b)(
+            b.bags,
+            b.tokens64,
+            b.gram,
+            [WidthGroup(torch.arange(len(b.bags)), b.bags.mask, torch.arange(len(b.bags.tokens)), b.gram)],
+        )
+        for b in grouped.batches
+    ]
+    times = {"grouped": [], "whole_batch": []}
+    for _ in range(20):
+        for name, trace in (("grouped", grouped), ("whole_batch", whole)):
+            t0 = time.perf_counter()
+            trace.measure(net)
+            times[name].append(time.perf_counter() - t0)
+    a, b = grouped.measure(net), whole.measure(net)
+    rel = max(float(np.max(np.abs(a[k] - b[k]) / np.abs(b[k]))) for k in ("max_norm2", "mean_norm2"))
+    return {
+        "traced_bags": len(a["T"]),
+        "groups": sum(len(batch.groups) for batch in grouped.batches),
+        "grouped_ms": min(times["grouped"]) * 1e3,
+        "whole_batch_ms": min(times["whole_batch"]) * 1e3,
+        "ratio_whole_over_grouped": min(times["whole_batch"]) / min(times["grouped"]),
+        "max_relative_difference": rel,
+    }
 
 
 def main() -> None:
@@ -75,6 +114,8 @@ def main() -> None:
     for _ in range(args.repeats):  # alternating, so that a busy moment hits both
         plain_s.append(best_of(1, run(False)))
         traced_s.append(best_of(1, run(True)))
+
+    forms = trace_forms(build_detector("max", train.tokens.shape[1], mp), train)
 
     per_method = {}
     for method in DETECTORS:
@@ -109,6 +150,7 @@ def main() -> None:
             "positive_train_bags": int(train.y.sum()),
             "max_training_s": {"plain": min(plain_s), "with_trace": min(traced_s)},
             "trace_overhead": min(traced_s) / min(plain_s) - 1,
+            "trace_forms": forms,
             "test_bags": len(test),
             "test_tokens": int(test.lengths.sum()),
             "per_method": per_method,
