@@ -68,6 +68,7 @@ class _Run:
         self.stopping = False  # a stage failed (and the run stops) or SIGINT arrived
         self.interrupted = False
         self.local = threading.local()  # .stage: the stage this worker thread reproduces; .ran: its command ran
+        self.zygote = None  # core/zygote.py: forks the stage commands it can, during a run
 
 
 _RUN: _Run | None = None
@@ -140,6 +141,7 @@ def _reproduce_parallel(
                 dvc_reproduce.logger.info("Finished stage '%s' in %.1f s", stage.addressing, time.monotonic() - t0)
             return ret
 
+    run.zygote = _start_zygote(plan)
     previous = signal.signal(signal.SIGINT, _on_sigint)  # the commands get Ctrl-C from the terminal themselves
     try:
         with ThreadPoolExecutor(run.jobs, thread_name_prefix="stage") as pool:
@@ -187,6 +189,9 @@ def _reproduce_parallel(
                         result.append(ret)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if run.zygote is not None:
+            run.zygote.close()
+            run.zygote = None
     if run.interrupted and (not failed or on_error == "ignore"):
         raise KeyboardInterrupt  # the commands that failed failed of it; in ignore mode it wins
     if errors:
@@ -194,6 +199,17 @@ def _reproduce_parallel(
     if on_error != "ignore" and failed:
         dvc_reproduce._raise_error(None, *failed)
     return result
+
+
+def _start_zygote(plan):
+    """The stage zygote for this run's commands (core/zygote.py), started in the background, or None."""
+    from halludetect.core.zygote import Zygote
+
+    root = plan[0].repo.root_dir if plan else None
+    zygote = Zygote.for_run(dict(os.environ), root) if root else None
+    if zygote is not None:
+        zygote.start()
+    return zygote
 
 
 def _lock_path(stage) -> str | None:
@@ -246,7 +262,9 @@ def _run_command(executable, cmd, **kwargs):
     from dvc.stage.run import _make_cmd
 
     kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir, run.cores)
-    proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
+    proc = _forked(run.zygote, cmd, kwargs) if run.zygote is not None else None
+    if proc is None:
+        proc = subprocess.Popen(_make_cmd(executable, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)  # noqa: S603
     pump = threading.Thread(target=_pump, args=(proc.stdout, f"{stage.addressing} | ".encode()), daemon=True)
     pump.start()
     try:
@@ -258,6 +276,32 @@ def _run_command(executable, cmd, **kwargs):
     pump.join(timeout=PUMP_GRACE_S)  # what the command wrote before it exited
     if code != 0:
         raise StageCmdFailedError(cmd, code)
+
+
+def _forked(zygote, cmd: str, kwargs: dict):
+    """`cmd` forked by the stage zygote (core/zygote.py) with its output on a pipe (`.stdout`), or
+    None when it runs as DVC runs it: not a plain `python -m stages.<name>`, another environment,
+    or the zygote unavailable."""
+    argv = zygote.accepts(cmd, kwargs["env"], kwargs.get("cwd") or os.getcwd())
+    if argv is None:
+        return None
+    read, write = os.pipe()
+    try:
+        proc = zygote.spawn(argv, kwargs["env"], kwargs.get("cwd") or os.getcwd(), write)
+    except OSError as e:
+        os.close(read)
+        dvc_logger().warning("%s; running it as DVC does", e)
+        return None
+    finally:
+        os.close(write)
+    proc.stdout = os.fdopen(read, "rb")
+    return proc
+
+
+def dvc_logger():
+    from dvc.repo import reproduce as dvc_reproduce
+
+    return dvc_reproduce.logger
 
 
 PUMP_GRACE_S = 5.0  # after a command exits, how long its output may take to reach the end of the pipe
