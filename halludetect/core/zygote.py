@@ -1,10 +1,10 @@
 """Stage commands forked from a process that has already imported their libraries.
 
 A stage process spends about a second importing torch, transformers, h5py, sklearn and the rest
-before its work starts: the world's 85 stages pay about 80 s of CPU for it, a sixth of what the
-train stages beside them leave to the rest. `halludetect repro --jobs N` (parallel_repro.py) therefore
-starts one process that pins the stages' numerics (`import stages`), imports those libraries and
-waits; a command of the form `python -m stages.<name> <args>` is then run by forking it (the
+before its work starts: the world's 85 stages pay about 80 s of CPU for it (`python -c "import
+stages.<name>"` of each). `halludetect repro --jobs N` (parallel_repro.py) therefore starts one
+process that pins the stages' numerics (it imports the `stages` package), imports those libraries
+and waits; a command of the form `python -m stages.<name> <args>` is then run by forking it (the
 "zygote" of Android and of Chromium), in the command's own directory, environment, arguments and
 output pipe. What the stage computes is what a fresh `python -m stages.<name>` computes: the same
 interpreter, the same pinned kernels (chosen at torch's import, which both do under the same
@@ -51,6 +51,7 @@ import threading
 import traceback
 
 ENV = "HALLUDETECT_ZYGOTE"
+PACKAGE = "stages"  # the repository's entry points: importing it pins the numerics (stages/__init__.py)
 # Read by a stage while it runs, never at import: a command may differ from the zygote in these.
 RUNTIME_ENV = ("HALLUDETECT_CORES", "HALLUDETECT_GPU_LOCK")
 RUNTIME_PREFIXES = ("DVC_",)
@@ -84,18 +85,19 @@ class Zygote:
     @classmethod
     def for_run(cls, env: dict, cwd: str) -> Zygote | None:
         """A zygote for a run in `cwd` with environment `env`, or None where it would not apply
-        (turned off, no `python` on PATH, a torch with CUDA, no stages package)."""
+        (turned off, no `python` on PATH, no stages package). A zygote that finds a GPU build of
+        torch answers so, and every command then runs as DVC runs it."""
         if env.get(ENV, "1") == "0":
             return None
         python = shutil.which("python", path=env.get("PATH"))
-        if python is None or not os.path.isfile(os.path.join(cwd, "stages", "__init__.py")):
+        if python is None or not os.path.isfile(os.path.join(cwd, PACKAGE, "__init__.py")):
             return None
         return cls(os.path.abspath(python), env, cwd)
 
     def start(self) -> None:
         """Start the zygote; `ready` is set once it has imported everything (in the background)."""
         self.proc = subprocess.Popen(  # noqa: S603
-            [self.python, "-m", "halludetect.core.zygote", self.path],
+            [self.python, "-m", "halludetect.core.zygote", self.path, PACKAGE],
             cwd=self.cwd,
             env=self.env,
             stdin=subprocess.PIPE,
@@ -115,7 +117,7 @@ class Zygote:
         if SHELL_SYNTAX & set(cmd):
             return None
         argv = cmd.split()
-        if len(argv) < 3 or argv[:2] != ["python", "-m"] or not argv[2].startswith("stages."):
+        if len(argv) < 3 or argv[:2] != ["python", "-m"] or not argv[2].startswith(PACKAGE + "."):
             return None
         if os.path.abspath(cwd) != os.path.abspath(self.cwd):
             return None
@@ -183,13 +185,17 @@ class Forked:
 
 
 # ---------------------------------------------------------------------------- the zygote
-def serve(path: str) -> None:
-    """Import, then fork a child per request until stdin closes (module docstring)."""
+def serve(path: str, package: str) -> None:
+    """Import `package` (the repository's stages, found in the working directory as `python -m`
+    finds them; it pins the numerics before torch loads, as every stage process does) and the
+    libraries, then fork a child per request until stdin closes (module docstring)."""
+    import importlib
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     before = dict(os.environ)
-    import stages  # noqa: F401 - pins the numerics before torch loads, as every stage process does
+    importlib.import_module(package)
 
-    # what `import stages` set (numerics.pin: the kernels, MKL's branch, the threads): a stage process
+    # what importing the stages set (numerics.pin: the kernels, MKL's branch, the threads): a stage process
     # sets it in its own environment, which its child processes inherit; a forked child gets it too
     pinned = {k: v for k, v in os.environ.items() if before.get(k) != v}
     for name in PRELOAD:
@@ -342,4 +348,4 @@ def _finish() -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2])
