@@ -282,26 +282,23 @@ def _forked(zygote, cmd: str, kwargs: dict):
     """`cmd` forked by the stage zygote (core/zygote.py) with its output on a pipe (`.stdout`), or
     None when it runs as DVC runs it: not a plain `python -m stages.<name>`, another environment,
     or the zygote unavailable."""
-    argv = zygote.accepts(cmd, kwargs["env"], kwargs.get("cwd") or os.getcwd())
+    from dvc.repo import reproduce as dvc_reproduce
+
+    cwd = kwargs.get("cwd") or os.getcwd()
+    argv = zygote.accepts(cmd, kwargs["env"], cwd)
     if argv is None:
         return None
     read, write = os.pipe()
     try:
-        proc = zygote.spawn(argv, kwargs["env"], kwargs.get("cwd") or os.getcwd(), write)
+        proc = zygote.spawn(argv, kwargs["env"], cwd, write)
     except OSError as e:
         os.close(read)
-        dvc_logger().warning("%s; running it as DVC does", e)
+        dvc_reproduce.logger.warning("%s; running it as DVC does", e)
         return None
     finally:
         os.close(write)
     proc.stdout = os.fdopen(read, "rb")
     return proc
-
-
-def dvc_logger():
-    from dvc.repo import reproduce as dvc_reproduce
-
-    return dvc_reproduce.logger
 
 
 PUMP_GRACE_S = 5.0  # after a command exits, how long its output may take to reach the end of the pipe

@@ -85,9 +85,10 @@ class Zygote:
     @classmethod
     def for_run(cls, env: dict, cwd: str) -> Zygote | None:
         """A zygote for a run in `cwd` with environment `env`, or None where it would not apply
-        (turned off, not Linux, no `python` on PATH, no stages package). A zygote that finds a GPU build of
-        torch answers so, and every command then runs as DVC runs it."""
-        if env.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):  # fork with torch loaded: Linux only
+        (turned off, not Linux: fork with torch loaded is tested there only, no `python` on PATH, no
+        stages package). A zygote that finds a GPU build of torch answers so, and every command then
+        runs as DVC runs it."""
+        if env.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
             return None
         python = shutil.which("python", path=env.get("PATH"))
         if python is None or not os.path.isfile(os.path.join(cwd, PACKAGE, "__init__.py")):
