@@ -33,9 +33,10 @@ directory read as it is, default this working tree; and of `--baseline-rev`, tod
    and one plain load (DVC's safe parse, what status reads).
 
 The grid: the paper's models (llama3-8b, mistral-nemo-12b, llama3_3-70b) and datasets (trivia_qa,
-squad, nq, bioasq), every method the revision's registry has (halludetect.methods: hidden-state
-methods under grid.methods, those reading the clustering under grid.sp_methods, the analysable
-ones under grid.analyze; every baseline; p_true under grid.model_baselines) and its layers. The
+squad, nq, bioasq), every method the revision's registry has (halludetect.methods: the trained
+detectors under grid.detectors, or for a revision before the route stage hidden-state methods under
+grid.methods and those reading the clustering under grid.sp_methods; the analysable ones under
+grid.analyze; every baseline; p_true under grid.model_baselines) and its layers. The
 paper trains a detector on every layer (Setup: "For each layer, a lightweight MLP detector was
 trained"): Llama-3.1-8B 32 blocks + embeddings (33), Mistral-NeMo-12B 41, Llama-3.3-70B 81, i.e.
 155 (model, layer) pairs per dataset and method. grid.layers is one list for every model
@@ -214,17 +215,22 @@ def grid_for(repo: Path, models: list[str], datasets: list[str], methods: str, l
     def keep(xs: list[str]) -> list[str]:
         return [x for x in xs if chosen is None or x in chosen]
 
-    grid = {
-        "models": models,
-        "datasets": datasets,
-        "layers": list(range(layers)),
-        "methods": keep(reg["methods"]),
-        "sp_methods": keep(reg["sp_methods"]),
-        "baselines": reg["baselines"],
-        "model_baselines": reg["model_baselines"],
-    }
-    grid["analyze"] = [m for m in reg["analyze"] if m in grid["methods"] or m in grid["sp_methods"]]
+    grid = {"models": models, "datasets": datasets, "layers": list(range(layers))}
+    from ruamel.yaml import YAML
+
+    if "detectors" in YAML(typ="safe").load(repo / "params.yaml")["grid"]:  # one list since the route stage
+        grid["detectors"] = keep(reg["methods"] + reg["sp_methods"])
+    else:
+        grid["methods"], grid["sp_methods"] = keep(reg["methods"]), keep(reg["sp_methods"])
+    grid |= {"baselines": reg["baselines"], "model_baselines": reg["model_baselines"]}
+    trained = detectors(grid)
+    grid["analyze"] = [m for m in reg["analyze"] if m in trained]
     return grid
+
+
+def detectors(grid: dict) -> list[str]:
+    """The grid's trained detectors, in either form of params.yaml's grid."""
+    return grid.get("detectors") or [*grid.get("methods", []), *grid.get("sp_methods", [])]
 
 
 def resolve(repo: Path) -> list[dict]:
@@ -569,7 +575,7 @@ def design(
     n_full = len(full["stages"])
     log(
         f"  grid {len(grid_args['models'])} models x {len(grid_args['datasets'])} datasets x "
-        f"{len(full['grid']['methods']) + len(full['grid']['sp_methods'])} methods x {grid_args['layers']} layers: "
+        f"{len(detectors(full['grid']))} methods x {grid_args['layers']} layers: "
         f"{n_full} stages (resolved in {full['resolve_s']:.1f} s); placeholders: {full['placeholders'] or 'none'}"
     )
     measured_full = n_full <= max_repro

@@ -20,7 +20,7 @@ from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
-from halludetect.methods import ANALYZABLE, CLUSTER_METHODS, METHODS, PluginError, load_entry_points, load_factory
+from halludetect.methods import ANALYZABLE, METHODS, PluginError, load_entry_points, load_factory
 
 
 def _split_fraction(value: float) -> float:
@@ -626,8 +626,9 @@ class GridParams(Section):
     datasets: list[str]
     # Layers trained and evaluated (one train stage each); they must have been dumped (dump.layers).
     layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    methods: list[str]  # detectors on hidden states alone (train@, evaluate@)
-    sp_methods: list[str] = []  # detectors that read the clustering (train_sp@, evaluate_sp@): hami_sp, sep_*
+    # The detectors trained on hidden states (train@, evaluate@), those that also read the clustering
+    # (hami_sp, sep_*) among them: the route stage hands the clustering to those alone.
+    detectors: list[str]
     baselines: list[str] = []  # scores without hidden states (baselines@)
     model_baselines: list[str] = []  # scores that run the model again (model_baselines@): p_true
     analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
@@ -643,6 +644,13 @@ class GridParams(Section):
         get a message saying what to write instead, not pydantic's type errors."""
         if not isinstance(data, dict):
             return data
+        if former := [k for k in ("methods", "sp_methods") if k in data]:
+            names = [n for k in ("methods", "sp_methods") for n in (data.get(k) or [])]
+            raise ValueError(
+                f"grid.{' and grid.'.join(former)}: the detectors are one list now, grid.detectors (the route stage "
+                f"hands the clustering to those that read it): replace {'them' if len(former) > 1 else 'it'} with "
+                f"`detectors: {_flow(names)}`"
+            )
         if "transfer_stages" in data:
             raise ValueError(
                 "grid.transfer_stages is gone: delete it (dvc.yaml's matrix now expands grid.transfer's pairs "
@@ -690,29 +698,24 @@ class Params(Section):
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
         problems = []
-        hidden = [m for m in METHODS if m not in CLUSTER_METHODS]
         for key, names, choices in (
             ("grid.models", self.grid.models, self.models),
             ("grid.datasets", self.grid.datasets, self.datasets),
-            ("grid.methods", self.grid.methods, hidden),
-            ("grid.sp_methods", self.grid.sp_methods, list(CLUSTER_METHODS)),
+            ("grid.detectors", self.grid.detectors, list(METHODS)),
             ("grid.baselines", self.grid.baselines, BASELINES),
             ("grid.model_baselines", self.grid.model_baselines, MODEL_BASELINES),
             ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
-                if name in CLUSTER_METHODS and key == "grid.methods":
-                    problems.append(
-                        f"{key}: '{name}' reads the clustering (P_sem or semantic entropy), so it trains in its "
-                        "own stage: list it under grid.sp_methods"
-                    )
-                elif name not in choices:
+                if name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
-                elif key == "grid.analyze" and name not in (*self.grid.methods, *self.grid.sp_methods):
+                elif key == "grid.analyze" and name not in self.grid.detectors:
                     problems.append(
                         f"grid.analyze: '{name}' is analysed from its trained detectors: list it under "
-                        f"grid.{'sp_methods' if name in CLUSTER_METHODS else 'methods'} too"
+                        "grid.detectors too"
                     )
+            if len(set(names)) != len(names):
+                problems.append(f"{key}: {_flow(names)} lists a name twice")
         for section, presets in (("models", self.models), ("datasets", self.datasets)):
             for name in presets:
                 if "." in name:  # dvc.yaml declares `models.${item.model}`: DVC would read nested keys
@@ -721,7 +724,7 @@ class Params(Section):
                         f"dvc.yaml's params ({section}.{name}); rename it, e.g. "
                         f"'{name.replace('.', '_')}'"
                     )
-        for name in (*self.grid.methods, *self.grid.sp_methods):
+        for name in self.grid.detectors:
             m = METHODS.get(name)
             if m is not None and self.dump.positions not in m.positions:
                 problems.append(

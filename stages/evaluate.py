@@ -25,7 +25,7 @@ from halludetect.evaluation.evaluate import (
     missing_layer_files,
 )
 from halludetect.labels.readers import read_judgments
-from halludetect.methods import CLUSTER_METHODS
+from halludetect.labels.routing import routed_inputs
 from halludetect.methods import method as lookup_method
 from stages import common, export
 
@@ -46,13 +46,19 @@ def trained_layers(timing: str) -> list[int]:
 
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
+    if args.routed:  # the route stage's directory for this detector: the clustering's files, if it reads them
+        routed = routed_inputs(args.routed, args.method, "evaluate")
+        if given := [key for key in routed if getattr(args, key)]:
+            raise DataError(f"pass --routed or --{', --'.join(k.replace('_', '-') for k in given)}, not both")
+        for key, path in routed.items():
+            setattr(args, key, path)
     # The layers evaluated are those the train stage trained (its timing file names them, one key
     # each): not grid.layers, which this stage need not declare (a change to it re-runs train, whose
     # outputs this stage reads), so that its dvc.lock entry stays small on the paper's 155 layers.
     layers = trained_layers(args.timing)
     # Every trained layer's files, before anything is read.
     cell = f"{args.model}-{args.dataset}"
-    train = f"{'train_sp' if args.method in CLUSTER_METHODS else 'train'}@{cell}-{args.method}"
+    train = f"train@{cell}-{args.method}"
     dirs = {
         "layer_metrics": args.layer_metrics,
         "scores": args.scores,
@@ -158,6 +164,11 @@ if __name__ == "__main__":
     p.add_argument("--bundle", help="bundle file (.safetensors) of the best layer, for `halludetect score`")
     p.add_argument("--manifest", help="model manifest JSON (what pins the base model), with --bundle")
     p.add_argument("--cluster-metrics", help="cluster's metrics JSON (equivalence rule, backend), for hami_sp's bundle")
+    p.add_argument(
+        "--routed",
+        help="the route stage's directory for this method (data/routed/<m>/<d>/evaluate/<method>): --clusters, "
+        "--timings, --latency and --cluster-metrics where the method reads the clustering",
+    )
     p.add_argument(
         "--generations",
         help="generations Parquet (the answers' token log-probs), with --bundle: the range of the fit answers' "

@@ -29,7 +29,7 @@ def run(args, params):
         args.metrics_dir,
         g.models,
         g.datasets,
-        [*g.methods, *g.sp_methods],
+        g.detectors,
         args.baselines_dir,
         g.baselines,
         g.model_baselines,
@@ -43,7 +43,7 @@ def run(args, params):
     tables += transfer_tables(
         load_transfer(args.metrics_dir, pairs),
         g.datasets,
-        [*g.methods, *g.sp_methods],
+        g.detectors,
         params.export.threshold,
         metrics,  # the params of each training dataset's detectors, for the captions
     )

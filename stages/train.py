@@ -31,6 +31,7 @@ from halludetect.detectors.build import build_detector, section
 from halludetect.detectors.data import SPLITS, entropy_for, p_sem_for, split_data
 from halludetect.detectors.training import train_layer, training_time
 from halludetect.labels.readers import read_judgments
+from halludetect.labels.routing import routed_inputs
 from halludetect.methods import method
 from stages import common
 
@@ -201,6 +202,10 @@ def run(args, params):
     tp = params.train
     device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
+    if args.routed:  # the route stage's directory for this detector: the clustering, if it reads it
+        if args.clusters:
+            raise DataError("pass --routed or --clusters, not both")
+        args.clusters = routed_inputs(args.routed, args.method, "train")["clusters"]
     layers = args.layers if args.layers is not None else params.grid.layers
     if unknown := sorted(set(layers) - set(params.grid.layers)):
         raise DataError(f"--layers {unknown}: not in grid.layers {params.grid.layers}")
@@ -233,7 +238,10 @@ if __name__ == "__main__":
     p.add_argument("--method", required=True, help="detector method (params: detectors.<method>)")
     p.add_argument("--activations", required=True, help="the dump's directory of layer files (layer_<L>.h5)")
     p.add_argument("--judgments", required=True, help="judgments Parquet (labels)")
-    p.add_argument("--clusters", help="clusters Parquet (P_sem), for the methods that read it (train_sp)")
+    p.add_argument("--clusters", help="clusters Parquet (P_sem or SE), for the methods that read the clustering")
+    p.add_argument(
+        "--routed", help="the route stage's directory for this method (data/routed/<m>/<d>/train/<method>): --clusters"
+    )
     p.add_argument("--out", required=True, help="output directory: layer_<L>/seed_<S>.safetensors, curves.json, ...")
     p.add_argument(
         "--scores", required=True, help="directory of Parquet files: layer_<L>.parquet, each response's logit per seed"

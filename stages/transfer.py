@@ -32,7 +32,7 @@ def run(args, params):
         )
     judgments = kept_test_judgments(read_judgments(args.test_judgments), leave_out, pair, args.test)
     methods = {}
-    for method in (*params.grid.methods, *params.grid.sp_methods):
+    for method in params.grid.detectors:
         methods[method] = transfer_method(
             method,
             pair=pair,

@@ -54,8 +54,7 @@ SMALL = {
     # transfer stage is its diagonal alone (transfer@world-world-world)
     "grid": {
         "datasets": ["world"],
-        "methods": ["hami", "max"],
-        "sp_methods": ["hami_sp"],
+        "detectors": ["hami", "max", "hami_sp"],
         "layers": [1, 2],
         "baselines": ["p_sem", "semantic_entropy", "logprob", "length"],
         "model_baselines": [],  # FIELD adds the field's baselines
@@ -157,15 +156,14 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
 # ------------------------------------------------------------------ the DAG both modules share
 # The paper's two kinds of detector, two of the field's baselines that take paths of their own
 # (EigenScore: a question's answers together, nothing fitted; the SE probe: fitted in closed form
-# to the semantic entropy, in train_sp), and the plugin of docs/detectors.md "Your own detector",
+# to the semantic entropy, which the route stage hands it), and the plugin of docs/detectors.md "Your own detector",
 # registered by an entry point of a package in the repository's root.
 LAYERS = (1, 2)
 METHODS = ("hami", "max", "eigenscore", "wide_max")
 SP_METHODS = ("hami_sp", "sep_slt")
 FIELD = {
     "grid": {
-        "methods": list(METHODS),
-        "sp_methods": list(SP_METHODS),
+        "detectors": [*METHODS, *SP_METHODS],
         "baselines": ["p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets"],
         "model_baselines": ["p_true"],
     },

@@ -55,7 +55,7 @@ def test_wrong_type_and_bad_choice():
 
 def test_grid_names_must_exist():
     data = base()
-    data["grid"]["methods"] = ["maxx"]
+    data["grid"]["detectors"] = ["maxx"]
     data["grid"]["datasets"] = ["triviaqa"]
     with pytest.raises(ParamsError) as e:
         parse_params(data)
@@ -351,3 +351,24 @@ def test_params_reject_an_unknown_device_map_naming_the_key():
     for placement in ("auto", "balanced_low_0", "sequential", "cpu", "cuda:1"):
         data["models"]["world"]["device_map"] = placement
         parse_params(data)
+
+
+def test_the_former_method_lists_name_the_one_list_to_write_instead():
+    data = base()
+    grid = data["grid"]
+    grid["methods"], grid["sp_methods"] = ["hami", "max"], ["hami_sp"]
+    del grid["detectors"]
+    with pytest.raises(ParamsError, match=r"grid.methods and grid.sp_methods: the detectors are one list now") as e:
+        parse_params(data)
+    assert "`detectors: [hami, max, hami_sp]`" in str(e.value)
+
+
+def test_a_detector_listed_twice_or_analysed_untrained_is_refused():
+    data = base()
+    data["grid"]["detectors"] = ["max", "hami", "max"]
+    data["grid"]["analyze"] = ["hami_sp"]
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    msg = str(e.value)
+    assert "grid.detectors: [max, hami, max] lists a name twice" in msg
+    assert "grid.analyze: 'hami_sp' is analysed from its trained detectors: list it under grid.detectors" in msg

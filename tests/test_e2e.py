@@ -27,9 +27,7 @@ from e2e_support import LAYERS, METHODS, SP_METHODS, changed, ran, run, set_para
 
 pytestmark = pytest.mark.e2e
 
-DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in METHODS for kind in ("train", "evaluate")} | {
-    f"{kind}@world-world-{m}" for m in SP_METHODS for kind in ("train_sp", "evaluate_sp")
-}
+DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in (*METHODS, *SP_METHODS) for kind in ("train", "evaluate")}
 SP_STAGES = {s for s in DETECTOR_STAGES if any(m in s for m in SP_METHODS)}
 
 
@@ -317,7 +315,7 @@ def test_one_methods_code_edit_re_runs_that_method_only(repo):
     assert stale == {"train@world-world-max", "evaluate@world-world-max"} | cell, stale
     # one of the field's methods: SEP's file re-runs the SE probe's stages alone
     stale = stale_after_edit(repo, "halludetect/methods/sep.py", "# a comment\n")
-    assert stale == {"train_sp@world-world-sep_slt", "evaluate_sp@world-world-sep_slt"} | cell, stale
+    assert stale == {"train@world-world-sep_slt", "evaluate@world-world-sep_slt"} | cell, stale
 
 
 def test_a_new_method_file_re_runs_only_what_reads_every_method(repo):
@@ -407,7 +405,14 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
     # Stale now: what reads the clustering's outputs (its timings change on every run; on this small
     # world the strict rule gives the same clusters), never a detector that does not read them.
     stale = changed(repo)
-    assert stale >= {"baselines@world-world", "latency@world-world"}
+    assert stale >= {"baselines@world-world", "latency@world-world", "route@world-world"}
+    assert not stale & (DETECTOR_STAGES - SP_STAGES)
+    # The route stage hands the new clustering to the detectors that read it, and to no other: every
+    # detector is in one list (grid.detectors), one train and one evaluate family.
+    log = run([sys.executable, "-m", "dvc", "repro", "route@world-world"], repo)
+    assert ran(log) == {"latency@world-world", "route@world-world"}
+    stale = changed(repo)
+    assert {f"evaluate@world-world-{m}" for m in SP_METHODS} <= stale  # the clustering's timings, routed to them
     assert not stale & (DETECTOR_STAGES - SP_STAGES)
     restore(repo)
 
@@ -415,9 +420,7 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
 def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
     # the bundles record the position convention their detectors read
-    assert changed(repo) == {"dump@world-world"} | {f"evaluate@world-world-{m}" for m in METHODS} | {
-        f"evaluate_sp@world-world-{m}" for m in SP_METHODS
-    }
+    assert changed(repo) == {"dump@world-world"} | {f"evaluate@world-world-{m}" for m in (*METHODS, *SP_METHODS)}
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"dump@world-world"}
     stale = changed(repo)

@@ -48,7 +48,7 @@ def add(sub) -> None:
     )
     tl.add_argument("--model", required=True, help="model preset (grid.models)")
     tl.add_argument("--dataset", required=True, help="dataset preset (grid.datasets)")
-    tl.add_argument("--method", required=True, help="detector method (grid.methods or grid.sp_methods)")
+    tl.add_argument("--method", required=True, help="detector (grid.detectors)")
     tl.add_argument("--layer", required=True, type=int, help="layer index (grid.layers; 0 = embeddings)")
     tl.add_argument("--remote", help="DVC remote name (default: the repository's default remote)")
     tl.add_argument("-j", "--jobs", type=int, help="parallel downloads (dvc pull -j)")

@@ -220,10 +220,10 @@ def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[s
     unexpected --clusters fails here, before any file of states is read."""
     if method in CLUSTER_METHODS:
         if not clusters:
-            raise DataError(f"{method} reads the clustering: pass --clusters (the train_sp stage does)")
+            raise DataError(f"{method} reads the clustering: pass --clusters (or --routed, as dvc.yaml does)")
         return p_sem_table(read_clusters(clusters), method_params.p_sem) if method in SP_METHODS else None
     if clusters:
-        raise DataError(f"{method} does not read the clustering: train it without --clusters (the train stage)")
+        raise DataError(f"{method} does not read the clustering: train it without --clusters")
     return None
 
 
@@ -233,7 +233,7 @@ def entropy_for(method: str, clusters: str | Path | None, method_params) -> dict
     if lookup_method(method).target != "semantic_entropy":
         return None
     if not clusters:
-        raise DataError(f"{method} is trained on the semantic entropy: pass --clusters (the train_sp stage does)")
+        raise DataError(f"{method} is trained on the semantic entropy: pass --clusters (or --routed, as dvc.yaml does)")
     ok = read_clusters(clusters).filter(pl.col("valid"))
     column = f"semantic_entropy_{method_params.entropy}"
     return dict(zip(ok.select(response_ids(ok)).to_series().to_list(), ok[column].to_list()))

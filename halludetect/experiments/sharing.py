@@ -32,7 +32,6 @@ from halludetect.config import Params
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
 from halludetect.experiments.refs import ExpRef, exp_refs
-from halludetect.methods import CLUSTER_METHODS
 
 
 class SharingError(UserError):
@@ -40,18 +39,16 @@ class SharingError(UserError):
 
 
 def train_stage_name(model: str, dataset: str, method: str) -> str:
-    """The DVC stage that trains `method` on every layer (train_sp for the methods that read the clustering)."""
-    kind = "train_sp" if method in CLUSTER_METHODS else "train"
-    return f"{kind}@{model}-{dataset}-{method}"
+    """The DVC stage that trains `method` on every layer."""
+    return f"train@{model}-{dataset}-{method}"
 
 
 def check_in_grid(params: Params, model: str, dataset: str, method: str) -> None:
     """The stages exist only for the grid's cells: say which key to change, before DVC says less."""
-    methods = [*params.grid.methods, *params.grid.sp_methods]
     for key, value, choices in (
         ("grid.models", model, params.grid.models),
         ("grid.datasets", dataset, params.grid.datasets),
-        ("grid.methods / grid.sp_methods", method, methods),
+        ("grid.detectors", method, params.grid.detectors),
     ):
         if value not in choices:
             raise SharingError(

@@ -377,7 +377,7 @@ def sweep_results(
         states = ", ".join(f"{e.name}: {e.state or 'no metrics'}" for e in without)
         raise SweepError(
             f"no experiment has metrics of '{method}' (metrics/eval/<model>/<dataset>/{method}.json): "
-            f"is it in grid.methods, and did the experiments finish (dvc queue status)? ({states})"
+            f"is it in grid.detectors, and did the experiments finish (dvc queue status)? ({states})"
         )
     return out, list(reversed(without))
 

@@ -1,6 +1,6 @@
 """Detection methods, one file per family in this folder: the one place a method is declared.
 
-Each file registers a `Method` (spec.py) per method it defines: its name (the key of `grid.methods` and of
+Each file registers a `Method` (spec.py) per method it defines: its name (the key of `grid.detectors` and of
 its params section `detectors.<name>`), the name the report prints, its params class, its traits,
 and `build`, which makes its network for states of width d. `config.py` derives the detectors
 params from this registry, the report its row names, and the stages the trait lists below.
@@ -58,7 +58,7 @@ class _Trait(Sequence):
 
 # The trait lists the stages and the params checks use.
 SP_METHODS = _Trait(lambda m: m.reads_p_sem)  # scale states by P_sem: bundles need each answer's P_sem
-CLUSTER_METHODS = _Trait(lambda m: m.reads_clusters)  # train in train_sp@ (grid.sp_methods): P_sem or SE
+CLUSTER_METHODS = _Trait(lambda m: m.reads_clusters)  # read the clustering: P_sem or SE (routed to them: stage route)
 ANALYZABLE = _Trait(lambda m: m.analysable)
 
 __all__ = [

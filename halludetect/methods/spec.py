@@ -34,8 +34,8 @@ class Method:
     params: type[Section]  # its section of params.yaml: detectors.<name>
     # (detectors.networks, d, this method's params) -> the network, an nn.Module mapping Bags to scores [B]
     build: Callable[[ModuleType, int, Any], Any]
-    # Trains on token states scaled by P_sem (clusters.parquet), in train_sp@ stages of its own, so
-    # that a clustering change never retrains the other methods.
+    # Trains on token states scaled by P_sem (clusters.parquet, which the route stage hands to the
+    # detectors that read it alone, so that a clustering change never retrains the other methods).
     reads_p_sem: bool = False
     # A HaMI network (token MLP with batch norm, top-k mean): the sensitivity analysis applies.
     analysable: bool = False
@@ -43,8 +43,8 @@ class Method:
     # (plugins are "yours" whatever they declare).
     family: Literal["paper", "field", "yours"] = "paper"
     # What it is trained to predict: the judge's label, or the binarised semantic entropy of the
-    # response's question (semantic-entropy probes; read from clusters.parquet, so it trains in
-    # train_sp@ stages like the methods that read P_sem).
+    # response's question (semantic-entropy probes; read from clusters.parquet, routed to it like
+    # P_sem).
     target: Literal["label", "semantic_entropy"] = "label"
     # How: "sgd" the shared loop (Adam, train.epochs, best epoch on validation; training.py),
     # "logistic_regression" a closed fit of the network's linear head (fitting.py), "none" an
@@ -65,7 +65,7 @@ class Method:
 
     @property
     def reads_clusters(self) -> bool:
-        """Trains in the train_sp@ stages (they pass clusters.parquet): P_sem or semantic entropy."""
+        """Reads the clustering (clusters.parquet, routed to it by the route stage): P_sem or semantic entropy."""
         return self.reads_p_sem or self.target == "semantic_entropy"
 
     @property

@@ -143,9 +143,9 @@ def evidence_cell(
     log: Callable[..., None] = lambda *a: None,
 ) -> dict:
     cell = f"{model} / {dataset}"
-    methods = [*grid.methods, *grid.sp_methods]
+    methods = list(grid.detectors)
     if not methods:
-        raise DataError("no detector to explain: grid.methods and grid.sp_methods are empty")
+        raise DataError("no detector to explain: grid.detectors is empty")
     judged = read_judgments(judgments)
     gens = read_parquet(generations, "generate", "generations table")
     gens = gens.select(response_ids(gens).alias("rid"), "question_id", "text", "token_ids")

@@ -47,7 +47,7 @@ def draw_cell(
     log: Callable[..., None] = lambda *a: None,
 ) -> None:
     cell = f"{model} / {dataset}"
-    detectors = [*grid.methods, *grid.sp_methods]
+    detectors = list(grid.detectors)
     evals = {m: json.loads((Path(eval_dir) / f"{m}.json").read_text()) for m in detectors}
     best = {m: int(e["best_layer"]) for m, e in evals.items()}
     judged = read_judgments(judgments)
@@ -95,7 +95,7 @@ def draw_cell(
         response_data[f"P_sem ({split})"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
 
     if not curves:
-        raise DataError("no method to draw: grid.methods, grid.sp_methods and grid.baselines are empty")
+        raise DataError("no method to draw: grid.detectors and grid.baselines are empty")
     layers = {m: evals[m]["layers"] for m in detectors}
     # One file per figure, each written atomically: analyze writes sensitivity_<method>.png beside them.
     figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"), figs / "auroc_by_layer.png")

@@ -40,11 +40,11 @@ def test_the_repositorys_dag_has_one_line_per_family_with_the_grids_counts():
     got = {f.name: f for f in collapsed(ROOT)}
     empty = set() if g["model_baselines"] else {"model_baselines"}  # a matrix over an empty list: no stage
     assert set(got) == set(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]) - empty
-    assert got["train"].stages == cells * len(g["methods"])  # a stage per method, every layer in it
-    assert got["train_sp"].stages == cells * len(g["sp_methods"])
-    assert got["evaluate"].stages == cells * len(g["methods"])
+    assert got["train"].stages == cells * len(g["detectors"])  # a stage per detector, every layer in it
+    assert got["evaluate"].stages == cells * len(g["detectors"])
+    assert got["route"].stages == cells
     assert got["code"].upstream == [] and got["world"].upstream == ["code"]
-    assert got["train"].upstream == ["code", "dump", "judge"]
+    assert got["train"].upstream == ["code", "dump", "judge", "route"]
     names = list(got)
     for f in got.values():  # every family after what it reads
         assert all(names.index(u) < names.index(f.name) for u in f.upstream), f

@@ -28,7 +28,7 @@ from halludetect.report.cells import NAMES
 from halludetect.core import code_deps
 
 data = yaml.safe_load(open("params.yaml"))
-data["grid"]["methods"] = [*data["grid"]["methods"], "wide_max"]
+data["grid"]["detectors"] = [*data["grid"]["detectors"], "wide_max"]
 data["detectors"]["wide_max"] = {"dim": 4}
 params = parse_params(data)
 bags = Bags(torch.randn(5, 3), torch.tensor([2, 3]), torch.tensor([0.5, 0.2]))
@@ -59,7 +59,7 @@ def test_every_method_has_a_params_section_a_display_name_and_builds():
 
 def test_adding_a_method_is_one_file(tmp_path):
     """The example of docs/detectors.md "Adding a detector", dropped into methods/ of a copy of the
-    code as written, is a method everywhere: grid.methods accepts it, its params section validates
+    code as written, is a method everywhere: grid.detectors accepts it, its params section validates
     (an unknown key in it is refused), it builds, the report names it, and the code stage writes
     its own digest with its file (and no other method's digest holds it)."""
     copy = copy_of_the_code(tmp_path)

@@ -69,7 +69,7 @@ def test_eigenscore_reads_the_last_bag_token():
 
 def test_sep_tbg_needs_predicting_bags():
     data = load_params("params.yaml").model_dump(mode="json")
-    data["grid"]["sp_methods"] = ["sep_tbg"]
+    data["grid"]["detectors"] = ["sep_tbg"]
     data["dump"]["positions"] = "generated"
     with pytest.raises(
         ParamsError,

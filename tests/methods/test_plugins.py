@@ -59,14 +59,14 @@ from halludetect.report.cells import NAMES, family
 
 data = yaml.safe_load(open("params.yaml"))
 doc = yaml.safe_load(DOC_YAML)
-data["grid"]["methods"] = doc["grid"]["methods"]
+data["grid"]["detectors"] = doc["grid"]["detectors"]
 data["detectors"].update(doc["detectors"])
 params = parse_params(data)
 m = METHODS["wide_max"]
 z = build_detector("wide_max", 3, params.detectors.wide_max)(Bags(torch.randn(5, 3), torch.tensor([2, 3])))
 print(json.dumps({"dim": params.detectors.wide_max.dim, "family": family("wide_max"), "name": NAMES["wide_max"],
                   "origin": [m.origin.via, m.origin.factory, m.origin.distribution], "shape": list(z.shape),
-                  "grid": params.grid.methods}))
+                  "grid": params.grid.detectors}))
 """
 
 
@@ -81,7 +81,7 @@ def test_the_docs_plugin_registers_from_its_entry_point_as_written(tmp_path):
         "name": "Wide max pooling",
         "origin": ["entry point", "my_detectors.wide:make", "my-detectors 0.1"],
         "shape": [2],
-        "grid": ["hami", "max", "wide_max"],
+        "grid": ["hami", "hami_sp", "max", "wide_max"],
     }
 
 
@@ -103,7 +103,7 @@ import yaml
 from halludetect.config import parse_params
 data = yaml.safe_load(open("params.yaml"))
 data["detectors"].update(SECTIONS)
-data["grid"]["methods"] += GRID
+data["grid"]["detectors"] += GRID
 try:
     parse_params(data, "params.yaml")
     print("accepted")

@@ -45,7 +45,7 @@ def test_the_cell_evidence_of_the_miniature_dag(contract, tiny, tmp_path):
     trace["epochs"][0] |= {"n_bags": 2, "median_t_over_s90_sq": 4.0, "median_t_over_s50_sq": 9.0}
     trace["bags"] = {"T": [4.0, 6.0], "s90": [2.0, None], "ratio": [3.0, 5.0]}
     (root / "detectors" / "max" / f"layer_{best}" / "gradient_ratio.json").write_text(json.dumps({"seed_0": trace}))
-    grid = GridParams(models=["tiny"], datasets=["mini"], layers=[0], methods=["max"])
+    grid = GridParams(models=["tiny"], datasets=["mini"], layers=[0], detectors=["max"])
     result = evidence_cell(
         "tiny",
         "mini",

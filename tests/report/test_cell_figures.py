@@ -84,8 +84,7 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     methods = write_cell(tmp_path)
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["grid"] |= {
-        "methods": ["max"],
-        "sp_methods": ["hami_sp"],
+        "detectors": ["max", "hami_sp"],
         "baselines": ["p_sem", "length"],
         "analyze": ["hami_sp"],
     }

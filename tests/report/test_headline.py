@@ -49,7 +49,7 @@ def world_headlines(seed=0) -> dict[str, dict]:
     metrics, analysis = {}, {}
     for m in g["models"]:
         for d in g["datasets"]:
-            for name in [*g["methods"], *g["sp_methods"]]:
+            for name in g["detectors"]:
                 metrics[(m, d, name)] = full_entry(rng, detector=True)
             for name in [*g["baselines"], *g["model_baselines"]]:
                 metrics[(m, d, name)] = full_entry(rng, detector=False)

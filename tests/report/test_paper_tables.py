@@ -291,8 +291,7 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     data["grid"] |= {
         "models": ["my-llama"],
         "datasets": ["tqa"],
-        "methods": ["hami", "max"],
-        "sp_methods": [],
+        "detectors": ["hami", "max"],
         "baselines": ["p_sem"],
         "model_baselines": ["p_true"],
         "analyze": ["hami"],

@@ -1,0 +1,80 @@
+"""The clustering's outputs, routed to the detectors that read them (stage route).
+
+grid.detectors is one list, and DVC gives every stage of a matrix the same dependencies: the
+train and evaluate stages of all detectors cannot name the clustering for HaMI (SP) and the
+semantic-entropy probes alone, and naming it for all of them would retrain every detector on a
+cluster setting. So the route stage of a cell writes one directory per family and detector,
+data/routed/<model>/<dataset>/<family>/<detector>/, and each train or evaluate stage depends on
+its own:
+
+- a detector that reads the clustering gets a copy of the files its family reads (a few MB at the
+  paper's sizes), and its stage reads them there;
+- any other detector gets only the manifest, whose bytes never change with the clustering, so
+  DVC skips its stage when the clustering changes.
+
+Each directory holds `reads.json` (the detector's name and the files routed to it), so a stage
+checks it was handed its own directory before it reads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from halludetect.core.atomic_io import atomic_path
+from halludetect.core.errors import DataError
+from halludetect.methods import CLUSTER_METHODS
+
+# What each family's stage reads of the clustering, by the key the stage's arguments use.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "train": ("clusters",),  # P_sem (HaMI (SP)) or the semantic entropy (the SE probes' target)
+    "evaluate": ("clusters", "timings", "latency", "cluster_metrics"),  # + HaMI (SP)'s cost and bundle
+}
+FILES = {
+    "clusters": "clusters.parquet",
+    "timings": "cluster_timings.parquet",
+    "latency": "latency.json",
+    "cluster_metrics": "cluster_metrics.json",
+}
+MANIFEST = "reads.json"
+
+
+def write_routes(detectors: list[str], sources: dict[str, str | Path], out: str | Path) -> dict[str, int]:
+    """Write `out` (atomically, as a whole): <family>/<detector>/ for every detector of the list.
+    Returns how many detectors read the clustering, and how many not."""
+    if missing := [f"{key} ({path})" for key, path in sources.items() if not Path(path).is_file()]:
+        raise DataError(f"route: missing {', '.join(missing)}: run the cluster and latency stages first")
+    readers = [name for name in detectors if name in CLUSTER_METHODS]
+    with atomic_path(out, is_dir=True) as tmp:
+        for family, keys in FAMILIES.items():
+            for name in detectors:
+                here = tmp / family / name
+                here.mkdir(parents=True)
+                reads = keys if name in readers else ()
+                for key in reads:
+                    shutil.copyfile(sources[key], here / FILES[key])
+                manifest = {"detector": name, "reads": {key: FILES[key] for key in reads}}
+                (here / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return {"read_the_clustering": len(readers), "not": len(detectors) - len(readers)}
+
+
+def routed_inputs(directory: str | Path, method: str, family: str) -> dict[str, str | None]:
+    """The clustering files a `family` stage of `method` reads ({key: path}, None where it reads
+    none), from the directory the route stage wrote for it."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        name, reads = manifest["detector"], manifest["reads"]
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: the route stage writes it (dvc repro route@<model>-<dataset>)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not the route stage's manifest ({e}); re-run route") from None
+    if name != method:
+        raise DataError(f"{path} routes the clustering to {name!r}, not {method!r}: pass {method}'s own directory")
+    if (reader := method in CLUSTER_METHODS) != bool(reads):
+        raise DataError(
+            f"{path}: {method} {'reads' if reader else 'does not read'} the clustering, but the route stage wrote "
+            "otherwise: re-run route (its code or grid.detectors changed since)"
+        )
+    return {key: str(Path(directory) / reads[key]) if key in reads else None for key in FAMILIES[family]}

@@ -1,0 +1,89 @@
+"""The route stage's directories (halludetect/labels/routing.py): the clustering reaches the
+detectors that read it, and the directory of any other detector keeps its bytes whatever the
+clustering holds, so DVC never re-runs its stages for a cluster change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from halludetect.core.errors import DataError
+from halludetect.labels.routing import FAMILIES, FILES, MANIFEST, routed_inputs, write_routes
+
+DETECTORS = ["hami", "max", "hami_sp", "sep_slt"]
+READERS = {"hami_sp", "sep_slt"}
+
+
+def sources(root: Path, tag: str) -> dict[str, Path]:
+    """Stand-ins for the cluster and latency stages' files, their bytes marked by `tag`."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, name in FILES.items():
+        (root / name).write_text(f"{key} {tag}\n")
+        out[key] = root / name
+    return out
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_readers_get_copies_and_the_others_a_manifest_the_clustering_never_changes(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert write_routes(DETECTORS, sources(tmp_path / "a", "first"), one) == {"read_the_clustering": 2, "not": 2}
+    write_routes(DETECTORS, sources(tmp_path / "b", "second"), two)
+    for family, keys in FAMILIES.items():
+        for name in DETECTORS:
+            here = one / family / name
+            if name in READERS:
+                assert sorted(tree(here)) == sorted([MANIFEST, *(FILES[k] for k in keys)])
+                assert tree(here) != tree(two / family / name)  # the new clustering reaches it
+                assert (here / FILES["clusters"]).read_text() == "clusters first\n"
+            else:
+                assert sorted(tree(here)) == [MANIFEST]
+                assert tree(here) == tree(two / family / name)  # same bytes: DVC skips its stages
+    # train reads clusters.parquet alone: a latency or timing change leaves the readers' training alone
+    assert FAMILIES["train"] == ("clusters",)
+
+
+def test_adding_a_detector_leaves_every_other_directory_as_it_was(tmp_path):
+    src = sources(tmp_path / "src", "x")
+    write_routes(["max", "hami_sp"], src, tmp_path / "before")
+    write_routes(["max", "hami_sp", "hami"], src, tmp_path / "after")
+    before, after = tree(tmp_path / "before"), tree(tmp_path / "after")
+    assert {k: v for k, v in after.items() if "/hami/" not in k} == before
+
+
+def test_a_stage_reads_the_files_of_its_own_directory_and_refuses_another(tmp_path):
+    out = tmp_path / "routed"
+    write_routes(DETECTORS, sources(tmp_path / "src", "x"), out)
+    got = routed_inputs(out / "evaluate" / "hami_sp", "hami_sp", "evaluate")
+    assert set(got) == set(FAMILIES["evaluate"]) and all(Path(p).is_file() for p in got.values())
+    assert routed_inputs(out / "train" / "max", "max", "train") == {"clusters": None}
+    with pytest.raises(DataError, match="routes the clustering to 'max', not 'hami_sp'"):
+        routed_inputs(out / "train" / "max", "hami_sp", "train")
+    # a directory written when the method did not read the clustering (its code changed since)
+    stale = out / "train" / "stale"
+    stale.mkdir()
+    (stale / MANIFEST).write_text(json.dumps({"detector": "hami_sp", "reads": {}}))
+    with pytest.raises(DataError, match="hami_sp reads the clustering, but the route stage wrote otherwise"):
+        routed_inputs(stale, "hami_sp", "train")
+
+
+def test_a_missing_or_damaged_manifest_says_which_stage_writes_it(tmp_path):
+    with pytest.raises(DataError, match=r"reads.json is missing: the route stage writes it"):
+        routed_inputs(tmp_path, "max", "train")
+    (tmp_path / MANIFEST).write_text("{not json")
+    with pytest.raises(DataError, match="not the route stage's manifest"):
+        routed_inputs(tmp_path, "max", "train")
+
+
+def test_a_missing_source_fails_before_anything_is_written(tmp_path):
+    src = sources(tmp_path / "src", "x")
+    src["latency"].unlink()
+    with pytest.raises(DataError, match=r"missing latency \(.*latency.json\): run the cluster and latency stages"):
+        write_routes(DETECTORS, src, tmp_path / "routed")
+    assert not (tmp_path / "routed").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temporary directory left either
