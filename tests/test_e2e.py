@@ -307,11 +307,12 @@ def stale_after_edit(repo: Path, rel: str, text: str) -> set[str]:
 
 def test_one_methods_code_edit_re_runs_that_method_only(repo):
     """A comment in methods/pooling.py (max; mean and the raw poolings are not in this grid) re-runs
-    max's train and evaluate stages and the stages of the cell that read every method (figures,
-    evidence, transfer, report), never another method's (the plugin's included: it builds its
-    network from detectors/networks.py, not from pooling.py), and nothing upstream."""
+    max's train and evaluate stages and the stages of the cell that read every method (route, which
+    reads whether each reads the clustering; figures, evidence, transfer, report), never another
+    method's (the plugin's included: it builds its network from detectors/networks.py, not from
+    pooling.py), and nothing upstream."""
     stale = stale_after_edit(repo, "halludetect/methods/pooling.py", "# a comment\n")
-    cell = {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
+    cell = {"route@world-world", "figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
     assert stale == {"train@world-world-max", "evaluate@world-world-max"} | cell, stale
     # one of the field's methods: SEP's file re-runs the SE probe's stages alone
     stale = stale_after_edit(repo, "halludetect/methods/sep.py", "# a comment\n")
@@ -328,7 +329,8 @@ def test_a_new_method_file_re_runs_only_what_reads_every_method(repo):
         'register(Method("extra", "Extra", PoolingParams, build=lambda net, d, p: net.LastTokenProbe(d)))\n'
     )
     stale = stale_after_edit(repo, "halludetect/methods/extra.py", text)
-    assert stale == {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}, stale
+    every = {"route@world-world", "figures@world-world", "evidence@world-world", "transfer@world-world-world"}
+    assert stale == every | {"report"}, stale
 
 
 def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_only_the_pairs(repo):

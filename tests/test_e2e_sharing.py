@@ -190,7 +190,9 @@ def test_a_colleague_trains_one_layer_from_an_s3_remote_as_the_readme_says(repo,
     assert "data/scores/world/world/max/layer_2.parquet" in recorded
     assert set(recorded.values()) == {"identical"}, recorded
     layer_file = "data/activations/world/world/layer_2.h5"
-    assert set(fetched["fetched"]) == {layer_file, "data/labels/world/world/judgments.parquet"}
+    # and the route stage's directory for max: its manifest alone (max reads no clustering)
+    routed = "data/routed/world/world/train/max"
+    assert set(fetched["fetched"]) == {layer_file, "data/labels/world/world/judgments.parquet", routed}
     assert sorted(p.name for p in (b / "data/activations/world/world").iterdir()) == ["layer_2.h5"]
     whole = dir_bytes(repo / "data/activations/world/world")
     assert fetched["fetched"][layer_file] == (b / layer_file).stat().st_size < whole / 2
