@@ -617,6 +617,11 @@ class ReportParams(Section):
     leak_threshold: Annotated[float, Field(ge=0, le=1)] = 0.1
 
 
+def _baseline_list(name: str) -> str | None:
+    """The grid list of a score that trains nothing, for a name put among the detectors."""
+    return "grid.baselines" if name in BASELINES else "grid.model_baselines" if name in MODEL_BASELINES else None
+
+
 def _flow(items: list) -> str:
     return "[" + ", ".join(str(x) for x in items) + "]"
 
@@ -707,7 +712,12 @@ class Params(Section):
             ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
-                if name not in choices:
+                if key == "grid.detectors" and (home := _baseline_list(name)):
+                    problems.append(
+                        f"grid.detectors: '{name}' trains nothing (a score of the sampled answers or of the model "
+                        f"asked again, computed in its own stage): list it under {home}"
+                    )
+                elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
                 elif key == "grid.analyze" and name not in self.grid.detectors:
                     problems.append(

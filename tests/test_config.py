@@ -363,12 +363,14 @@ def test_the_former_method_lists_name_the_one_list_to_write_instead():
     assert "`detectors: [hami, max, hami_sp]`" in str(e.value)
 
 
-def test_a_detector_listed_twice_or_analysed_untrained_is_refused():
+def test_a_detector_listed_twice_analysed_untrained_or_a_baseline_among_them_is_refused():
     data = base()
-    data["grid"]["detectors"] = ["max", "hami", "max"]
+    data["grid"]["detectors"] = ["max", "hami", "max", "p_true", "logprob"]
     data["grid"]["analyze"] = ["hami_sp"]
     with pytest.raises(ParamsError) as e:
         parse_params(data)
     msg = str(e.value)
-    assert "grid.detectors: [max, hami, max] lists a name twice" in msg
+    assert "grid.detectors: [max, hami, max, p_true, logprob] lists a name twice" in msg
+    assert "'p_true' trains nothing" in msg and "list it under grid.model_baselines" in msg
+    assert "'logprob' trains nothing" in msg and "list it under grid.baselines" in msg
     assert "grid.analyze: 'hami_sp' is analysed from its trained detectors: list it under grid.detectors" in msg
