@@ -353,6 +353,7 @@ def test_params_reject_an_unknown_device_map_naming_the_key():
         parse_params(data)
 
 
+@pytest.mark.hostile
 def test_the_former_method_lists_name_the_one_list_to_write_instead():
     data = base()
     grid = data["grid"]
@@ -363,6 +364,7 @@ def test_the_former_method_lists_name_the_one_list_to_write_instead():
     assert "`detectors: [hami, max, hami_sp]`" in str(e.value)
 
 
+@pytest.mark.hostile
 def test_a_detector_listed_twice_analysed_untrained_or_a_baseline_among_them_is_refused():
     data = base()
     data["grid"]["detectors"] = ["max", "hami", "max", "p_true", "logprob"]

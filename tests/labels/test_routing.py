@@ -56,6 +56,7 @@ def test_adding_a_detector_leaves_every_other_directory_as_it_was(tmp_path):
     assert {k: v for k, v in after.items() if "/hami/" not in k} == before
 
 
+@pytest.mark.hostile
 def test_a_stage_reads_the_files_of_its_own_directory_and_refuses_another(tmp_path):
     out = tmp_path / "routed"
     write_routes(DETECTORS, sources(tmp_path / "src", "x"), out)
@@ -72,6 +73,7 @@ def test_a_stage_reads_the_files_of_its_own_directory_and_refuses_another(tmp_pa
         routed_inputs(stale, "hami_sp", "train")
 
 
+@pytest.mark.hostile
 def test_a_missing_or_damaged_manifest_says_which_stage_writes_it(tmp_path):
     with pytest.raises(DataError, match=r"reads.json is missing: the route stage writes it"):
         routed_inputs(tmp_path, "max", "train")
@@ -80,6 +82,7 @@ def test_a_missing_or_damaged_manifest_says_which_stage_writes_it(tmp_path):
         routed_inputs(tmp_path, "max", "train")
 
 
+@pytest.mark.hostile
 def test_a_missing_source_fails_before_anything_is_written(tmp_path):
     src = sources(tmp_path / "src", "x")
     src["latency"].unlink()
