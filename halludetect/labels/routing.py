@@ -7,8 +7,8 @@ cluster setting. So the route stage of a cell writes one directory per family an
 data/routed/<model>/<dataset>/<family>/<detector>/, and each train or evaluate stage depends on
 its own:
 
-- a detector that reads the clustering gets a copy of the files its family reads (a few MB at the
-  paper's sizes), and its stage reads them there;
+- a detector that reads the clustering gets a copy of the files its family reads (a row per answer:
+  clusters.parquet is 50 KB on the demo world), and its stage reads them there;
 - any other detector gets only the manifest, whose bytes never change with the clustering, so
   DVC skips its stage when the clustering changes.
 
