@@ -25,7 +25,7 @@ from halludetect.evaluation.evaluate import (
     missing_layer_files,
 )
 from halludetect.labels.readers import read_judgments
-from halludetect.labels.routing import routed_inputs
+from halludetect.labels.routing import take_routed
 from halludetect.methods import method as lookup_method
 from stages import common, export
 
@@ -46,12 +46,7 @@ def trained_layers(timing: str) -> list[int]:
 
 def run(args, params):
     ep, seeds = params.evaluate, params.train.seeds
-    if args.routed:  # the route stage's directory for this detector: the clustering's files, if it reads them
-        routed = routed_inputs(args.routed, args.method, "evaluate")
-        if given := [key for key in routed if getattr(args, key)]:
-            raise DataError(f"pass --routed or --{', --'.join(k.replace('_', '-') for k in given)}, not both")
-        for key, path in routed.items():
-            setattr(args, key, path)
+    take_routed(args, "evaluate")  # the clustering's files, for a method that reads them
     # The layers evaluated are those the train stage trained (its timing file names them, one key
     # each): not grid.layers, which this stage need not declare (a change to it re-runs train, whose
     # outputs this stage reads), so that its dvc.lock entry stays small on the paper's 155 layers.

@@ -2,17 +2,12 @@
 family and detector, so that DVC re-runs only their stages when the clustering changes
 (halludetect/labels/routing.py)."""
 
-from halludetect.labels.routing import write_routes
+from halludetect.labels.routing import FILES, write_routes
 from stages import common
 
 
 def run(args, params):
-    sources = {
-        "clusters": args.clusters,
-        "timings": args.timings,
-        "latency": args.latency,
-        "cluster_metrics": args.cluster_metrics,
-    }
+    sources = {key: getattr(args, key) for key in FILES}  # --clusters, --timings, --latency, --cluster-metrics
     counts = write_routes(params.grid.detectors, sources, args.out)
     common.log.info(
         "%s: the clustering routed to %d detector(s), %d read none of it",

@@ -31,7 +31,7 @@ from halludetect.detectors.build import build_detector, section
 from halludetect.detectors.data import SPLITS, entropy_for, p_sem_for, split_data
 from halludetect.detectors.training import train_layer, training_time
 from halludetect.labels.readers import read_judgments
-from halludetect.labels.routing import routed_inputs
+from halludetect.labels.routing import take_routed
 from halludetect.methods import method
 from stages import common
 
@@ -202,10 +202,7 @@ def run(args, params):
     tp = params.train
     device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
-    if args.routed:  # the route stage's directory for this detector: the clustering, if it reads it
-        if args.clusters:
-            raise DataError("pass --routed or --clusters, not both")
-        args.clusters = routed_inputs(args.routed, args.method, "train")["clusters"]
+    take_routed(args, "train")  # the clustering, for a method that reads it
     layers = args.layers if args.layers is not None else params.grid.layers
     if unknown := sorted(set(layers) - set(params.grid.layers)):
         raise DataError(f"--layers {unknown}: not in grid.layers {params.grid.layers}")

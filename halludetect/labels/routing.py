@@ -78,3 +78,15 @@ def routed_inputs(directory: str | Path, method: str, family: str) -> dict[str, 
             "otherwise: re-run route (its code or grid.detectors changed since)"
         )
     return {key: str(Path(directory) / reads[key]) if key in reads else None for key in FAMILIES[family]}
+
+
+def take_routed(args, family: str) -> None:
+    """Set a stage's clustering arguments (`args.clusters`, ...: FAMILIES[family]) from its `--routed`
+    directory, where given; passing both is refused."""
+    if not args.routed:
+        return
+    routed = routed_inputs(args.routed, args.method, family)
+    if given := [key for key in routed if getattr(args, key)]:
+        raise DataError(f"pass --routed or --{', --'.join(k.replace('_', '-') for k in given)}, not both")
+    for key, path in routed.items():
+        setattr(args, key, path)

@@ -90,3 +90,18 @@ def test_a_missing_source_fails_before_anything_is_written(tmp_path):
         write_routes(DETECTORS, src, tmp_path / "routed")
     assert not (tmp_path / "routed").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temporary directory left either
+
+
+@pytest.mark.hostile
+def test_a_stage_takes_its_clustering_arguments_from_its_routed_directory_and_refuses_both(tmp_path):
+    from argparse import Namespace
+
+    from halludetect.labels.routing import take_routed
+
+    out = tmp_path / "routed"
+    write_routes(DETECTORS, sources(tmp_path / "src", "x"), out)
+    args = Namespace(routed=str(out / "train" / "hami_sp"), method="hami_sp", clusters=None)
+    take_routed(args, "train")
+    assert args.clusters == str(out / "train" / "hami_sp" / FILES["clusters"])
+    with pytest.raises(DataError, match="pass --routed or --clusters, not both"):
+        take_routed(args, "train")
