@@ -736,10 +736,10 @@ class Params(Section):
                     )
         for name in self.grid.detectors:
             m = METHODS.get(name)
-            if m is not None and self.dump.positions not in m.positions:
+            if m is not None and self.dump.positions not in m.reads.positions:
                 problems.append(
                     f"grid: '{name}' reads a state that a '{self.dump.positions}' bag does not hold: set "
-                    f"dump.positions: {m.positions[0]} or drop it from the grid"
+                    f"dump.positions: {m.reads.positions[0]} or drop it from the grid"
                 )
         if self.dump.source == "engine":
             ep = self.generate.endpoint

@@ -115,7 +115,7 @@ def run(args, params):
     spec = lookup_method(args.method)
     if metrics.get("cost"):  # HaMI (SP): its K - 1 samples and NLI calls, amortised
         extra, what = metrics["cost"]["extra_seconds_per_response"], "(K - 1) samples + NLI"
-    elif spec.per_question:  # EigenScore: the states of K - 1 more samples
+    elif spec.reads.question:  # EigenScore: the states of K - 1 more samples
         if not args.generation_metrics:
             raise DataError(f"{args.method}: pass --generation-metrics to charge its K - 1 more samples")
         k, extra = sampling_seconds(json.loads(Path(args.generation_metrics).read_text()))

@@ -136,8 +136,9 @@ def select(
     keep = lengths > 0
     excluded = {"empty_bag": int((~keep).sum())}
     spec = None if method is None else lookup_method(method)
-    if spec is not None and spec.min_tokens > 1:
-        short = keep & (lengths < spec.min_tokens)
+    reads = None if spec is None else spec.reads
+    if reads is not None and reads.min_tokens > 1:
+        short = keep & (lengths < reads.min_tokens)
         excluded["too_short"] = int(short.sum())
         keep &= ~short
     if p_sem is not None:
@@ -148,7 +149,7 @@ def select(
         has = np.asarray([rid in entropy for rid in rids], dtype=bool)
         excluded["no_semantic_entropy"] = int((keep & ~has).sum())
         keep &= has
-    if spec is not None and spec.per_question and (split != "train" or spec.fit != "none"):
+    if reads is not None and reads.question and (split != "train" or spec.fit.target is not None):
         # (an unsupervised method never scores the train split, where only sample 0 is dumped)
         question = np.asarray([r.rsplit("/", 1)[0] for r in rids])
         kept_per_q = pl.DataFrame({"q": question[keep]}).group_by("q").len()
@@ -157,7 +158,7 @@ def select(
         excluded["one_answer"] = int(lonely.sum())
         keep &= ~lonely
     index, y, rids = index[keep], y[keep], [r for r, k in zip(rids, keep) if k]
-    if spec is not None and spec.per_question:  # a question's answers side by side (batches keep them together)
+    if reads is not None and reads.question:  # a question's answers side by side (batches keep them together)
         order = sorted(range(len(rids)), key=lambda i: (rids[i].rsplit("/", 1)[0], int(rids[i].rsplit("/", 1)[1])))
         index, y, rids = index[order], y[order], [rids[i] for i in order]
     check_two_classes(y, split)
@@ -204,7 +205,7 @@ def split_data(
         p_sem=None if p_sem is None else torch.tensor([p_sem[r] for r in rids], dtype=torch.float32),
         excluded=excluded,
         layer_index=index,
-        groups=_groups(rids) if method is not None and lookup_method(method).per_question else None,
+        groups=_groups(rids) if method is not None and lookup_method(method).reads.question else None,
         entropy=None if entropy is None else torch.tensor([entropy[r] for r in rids], dtype=torch.float64),
     )
 
@@ -230,7 +231,7 @@ def p_sem_for(method: str, clusters: str | Path | None, method_params) -> dict[s
 def entropy_for(method: str, clusters: str | Path | None, method_params) -> dict[str, float] | None:
     """Semantic entropy by response id (each answer gets its question's) for the methods trained
     on it, None for the others."""
-    if lookup_method(method).target != "semantic_entropy":
+    if lookup_method(method).fit.target != "semantic_entropy":
         return None
     if not clusters:
         raise DataError(f"{method} is trained on the semantic entropy: pass --clusters (or --routed, as dvc.yaml does)")

@@ -1,9 +1,11 @@
-"""Detectors fitted without the shared SGD loop (training.py dispatches here on `Method.fit`).
+"""Detectors fitted without the shared SGD loop: the `fitter` of their kind (`Method.fit`,
+methods/spec.py; loop.py sends every kind with one here).
 
-  logistic_regression  the semantic-entropy probes (methods/sep.py): the train split's semantic
-                       entropies binarised at the SEP code's best split, then scikit-learn's
-                       LogisticRegression on each bag's state, copied into the network's linear head;
-  none                 an unsupervised score (EigenScore): nothing is fitted.
+  fit_logistic  LOGISTIC_REGRESSION and SE_PROBE (the semantic-entropy probes, methods/sep.py):
+                scikit-learn's LogisticRegression on each bag's state, copied into the network's
+                linear head, fitted to the judge's labels or to the train split's semantic
+                entropies binarised at the SEP code's best split;
+  fit_nothing   UNSUPERVISED, a score with nothing to fit (EigenScore).
 
 Both are deterministic, so every seed gives the same detector; the result has the shape of an SGD
 run's (one "epoch", its validation AUROC against the judge's labels) so that the stages, the
@@ -51,15 +53,10 @@ def binarise(entropy: np.ndarray, threshold: float) -> np.ndarray:
 def fit_detector(
     method: str, method_params, train: SplitData, val: SplitData, device: str = "cpu"
 ) -> tuple[dict[str, torch.Tensor], float, dict]:
-    """For a method whose `fit` is not "sgd" (module docstring): its weights, its validation
-    AUROC and what the fit did (training.py makes the `TrainResult` of one epoch)."""
-    spec = lookup_method(method)
+    """For a method whose kind has a `fitter` (module docstring): its weights, its validation
+    AUROC and what the fit did (loop.py makes the `TrainResult` of one epoch)."""
     model = build_detector(method, train.tokens.shape[-1], method_params)
-    info: dict = {"epoch": 1}
-    if spec.fit == "logistic_regression":
-        info |= _fit_logistic(model, method, method_params, train)
-    elif spec.fit != "none":
-        raise ValueError(f"{method}: unknown fit '{spec.fit}'")
+    info: dict = {"epoch": 1} | lookup_method(method).fit.fit(model, method, method_params, train)
     model = model.to(device)
     val_z = score(model, val.to(device))
     check_scores(method, val_z, len(val), "the validation split")  # a plugin's: one finite score per bag
@@ -69,13 +66,19 @@ def fit_detector(
     return state, val_auroc, info
 
 
-def _fit_logistic(model, method: str, params, train: SplitData) -> dict:
+def fit_nothing(model, method: str, params, train: SplitData) -> dict:
+    """UNSUPERVISED: the network is the score; nothing is fitted."""
+    return {}
+
+
+def fit_logistic(model, method: str, params, train: SplitData) -> dict:
+    """LOGISTIC_REGRESSION and SE_PROBE: the network's linear head (`model.linear` on
+    `model.features`) fitted in closed form to the kind's target."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import log_loss
 
-    spec = lookup_method(method)
-    if spec.target == "semantic_entropy":
+    if lookup_method(method).fit.target == "semantic_entropy":
         if train.entropy is None:
             raise DataError(f"{method} is trained on the semantic entropy: the train split carries none")
         h = train.entropy.cpu().numpy()

@@ -226,9 +226,9 @@ def train_detector(
     loss and the HaMI code's loop to the MIL loss (module docstring). Deterministic for a seed
     on a given device. For a mean or max pooling network, Theorem 2's gradient-norm ratio is
     traced after every epoch (it draws no random numbers: the weights are the same without it).
-    A method fitted otherwise (`Method.fit`: a closed-form probe, an unsupervised score) goes to
-    fitting.py."""
-    if lookup_method(method).fit != "sgd":
+    A method of another kind (`Method.fit`: a closed-form probe, an unsupervised score) is fitted
+    by its kind's `fitter` (fitting.py)."""
+    if not lookup_method(method).fit.loop:
         from halludetect.detectors.fitting import fit_detector
 
         state, val_auroc, info = fit_detector(method, method_params, train, val, device)

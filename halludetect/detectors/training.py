@@ -84,7 +84,7 @@ def train_seeds(
     d = int(train.tokens.shape[-1])
     with numerics.fixed_threads(1):  # a seed's numbers never depend on the machine's core count
         t0 = time.perf_counter()
-        batched = device == "cpu" and lookup_method(method).fit == "sgd" and len(seeds) > 1
+        batched = device == "cpu" and lookup_method(method).fit.loop and len(seeds) > 1
         if batched:
             with torch.random.fork_rng(devices=[]):  # building a network draws its initial weights
                 batched = batchable(build_detector(method, d, method_params))

@@ -1,9 +1,12 @@
 """Detection methods, one file per family in this folder: the one place a method is declared.
 
 Each file registers a `Method` (spec.py) per method it defines: its name (the key of `grid.detectors` and of
-its params section `detectors.<name>`), the name the report prints, its params class, its traits,
-and `build`, which makes its network for states of width d. `config.py` derives the detectors
-params from this registry, the report its row names, and the stages the trait lists below.
+its params section `detectors.<name>`), the name the report prints, its params class, `build`,
+which makes its network for states of width d, what it reads besides the bags (`Reads`: P_sem,
+its question's other answers, the token positions) and its kind of fit (`Fit`: the shared SGD
+loop, a closed-form logistic regression to the labels or to the semantic entropy, or none).
+`config.py` derives the detectors params from this registry, the report its row names, and the
+stages the trait lists below.
 
 Adding a method is one file here (every module of this folder is imported, in name order), plus
 its section in params.yaml, plus `make deps` (dvc.yaml's code deps are written from the imports).
@@ -23,7 +26,19 @@ import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 
 from halludetect.methods.plugins import GROUP, PluginError, load_entry_points, load_factory, method
-from halludetect.methods.spec import METHODS, POSITIONS, Method, Origin, register
+from halludetect.methods.spec import (
+    LOGISTIC_REGRESSION,
+    METHODS,
+    POSITIONS,
+    SE_PROBE,
+    SGD,
+    UNSUPERVISED,
+    Fit,
+    Method,
+    Origin,
+    Reads,
+    register,
+)
 
 for _info in pkgutil.iter_modules(__path__):  # one module per family, in name order
     importlib.import_module(f"{__name__}.{_info.name}")
@@ -57,7 +72,7 @@ class _Trait(Sequence):
 
 
 # The trait lists the stages and the params checks use.
-SP_METHODS = _Trait(lambda m: m.reads_p_sem)  # scale states by P_sem: bundles need each answer's P_sem
+SP_METHODS = _Trait(lambda m: m.reads.p_sem)  # scale states by P_sem: bundles need each answer's P_sem
 CLUSTER_METHODS = _Trait(lambda m: m.reads_clusters)  # read the clustering: P_sem or SE (routed to them: stage route)
 ANALYZABLE = _Trait(lambda m: m.analysable)
 
@@ -65,11 +80,17 @@ __all__ = [
     "ANALYZABLE",
     "CLUSTER_METHODS",
     "GROUP",
+    "LOGISTIC_REGRESSION",
     "METHODS",
     "POSITIONS",
+    "SE_PROBE",
+    "SGD",
     "SP_METHODS",
+    "UNSUPERVISED",
+    "Fit",
     "Method",
     "Origin",
+    "Reads",
     "PluginError",
     "load_entry_points",
     "load_factory",

@@ -32,7 +32,7 @@ from typing import Annotated
 from pydantic import Field
 
 from halludetect.core.sections import Section
-from halludetect.methods.spec import Method, register
+from halludetect.methods.spec import UNSUPERVISED, Method, Reads, register
 
 
 class EigenScoreParams(Section):
@@ -47,8 +47,8 @@ register(
         "EigenScore",
         EigenScoreParams,
         family="field",
-        fit="none",
-        per_question=True,
+        fit=UNSUPERVISED,
+        reads=Reads(question=True),
         logits=False,
         build=lambda net, d, p: net.EigenScore(p.alpha, index=-1),
     )

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from halludetect.core.sections import Decay, DropoutRate, LearningRate, PositiveInt, PSemVariant, Section
-from halludetect.methods.spec import Method, register
+from halludetect.methods.spec import Method, Reads, register
 
 
 class HaMIParams(Section):
@@ -53,7 +53,7 @@ register(
         "HaMI (SP)",
         HaMISPParams,
         analysable=True,
-        reads_p_sem=True,
+        reads=Reads(p_sem=True),
         build=lambda net, d, p: net.HaMI(d, p.dim, p.dropout, p.k_ratio, lam=p.lam, bag_score=p.bag_score),
     ),
 )

@@ -32,11 +32,20 @@ from dataclasses import replace
 from halludetect.core.errors import UserError
 from halludetect.core.registry import installed
 from halludetect.core.sections import Section
-from halludetect.methods.spec import METHODS, Method, Origin, register, registered
+from halludetect.methods.spec import METHODS, Fit, Method, Origin, Reads, register, registered
 
 GROUP = "halludetect.detectors"
 NAME = re.compile(r"[a-z][a-z0-9_]*")  # a params key and a DVC stage-name part: no dots, no dashes
 _entry_points_loaded = False
+# Method's flags before what a method reads and how it is fitted were declarations of their own
+# (methods/spec.py: Reads, Fit): how a factory written for them says the same now.
+FORMER_FLAGS = {
+    "reads_p_sem": "write reads=Reads(p_sem=True) (halludetect.methods.spec.Reads)",
+    "per_question": "write reads=Reads(question=True) (halludetect.methods.spec.Reads)",
+    "positions": "write reads=Reads(positions=(...)) (halludetect.methods.spec.Reads)",
+    "min_tokens": "write reads=Reads(min_tokens=N) (halludetect.methods.spec.Reads)",
+    "target": "write fit=SE_PROBE for the semantic-entropy target (halludetect.methods.spec)",
+}
 
 
 class PluginError(UserError, ValueError):
@@ -69,14 +78,23 @@ def _factory(spec: str, where: str, fix: str) -> Method:
     try:
         made = obj()
     except Exception as e:
-        raise PluginError(f"{where}: '{spec}()' raised {type(e).__name__}: {e}; {fix}") from None
+        former = [k for k in FORMER_FLAGS if isinstance(e, TypeError) and f"'{k}'" in str(e)]
+        hint = f"; {FORMER_FLAGS[former[0]]}" if former else ""
+        raise PluginError(f"{where}: '{spec}()' raised {type(e).__name__}: {e}{hint}; {fix}") from None
     if not isinstance(made, Method):
         raise PluginError(
             f"{where}: '{spec}()' returned a {type(made).__name__}, not a halludetect.methods.spec.Method; {fix}"
         )
     if not (isinstance(made.params, type) and issubclass(made.params, Section)):
         raise PluginError(f"{where}: its Method's params is not a halludetect.core.sections.Section class; {fix}")
-    if made.fit == "sgd" and not {"lr", "weight_decay"} <= set(made.params.model_fields):
+    if not isinstance(made.fit, Fit):
+        raise PluginError(
+            f"{where}: its Method's fit is {made.fit!r}, not a kind of fit: write fit=SGD (the shared loop), "
+            "LOGISTIC_REGRESSION, SE_PROBE or UNSUPERVISED, from halludetect.methods.spec; " + fix
+        )
+    if not isinstance(made.reads, Reads):
+        raise PluginError(f"{where}: its Method's reads is {made.reads!r}, not a halludetect.methods.spec.Reads; {fix}")
+    if made.fit.loop and not {"lr", "weight_decay"} <= set(made.params.model_fields):
         raise PluginError(f"{where}: its params class needs lr and weight_decay (the training loop reads them); {fix}")
     return made
 

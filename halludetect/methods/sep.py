@@ -34,7 +34,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from halludetect.core.sections import PositiveInt, Section
-from halludetect.methods.spec import Method, register
+from halludetect.methods.spec import SE_PROBE, Method, Reads, register
 
 
 class SEPParams(Section):
@@ -52,9 +52,8 @@ register(
         "SEP (TBG)",
         SEPParams,
         family="field",
-        target="semantic_entropy",
-        fit="logistic_regression",
-        positions=("predicting",),
+        fit=SE_PROBE,
+        reads=Reads(positions=("predicting",)),
         build=lambda net, d, p: net.TokenLinear(d, index=0),
     ),
     Method(
@@ -62,9 +61,8 @@ register(
         "SEP (SLT)",
         SEPParams,
         family="field",
-        target="semantic_entropy",
-        fit="logistic_regression",
-        min_tokens=2,
+        fit=SE_PROBE,
+        reads=Reads(min_tokens=2),
         build=lambda net, d, p: net.TokenLinear(d, index=-2),
     ),
 )

@@ -28,55 +28,93 @@ class Origin:
 
 
 @dataclass(frozen=True)
-class Method:
-    name: str
-    display: str  # the report's row name
-    params: type[Section]  # its section of params.yaml: detectors.<name>
-    # (detectors.networks, d, this method's params) -> the network, an nn.Module mapping Bags to scores [B]
-    build: Callable[[ModuleType, int, Any], Any]
-    # Trains on token states scaled by P_sem (clusters.parquet, which the route stage hands to the
-    # detectors that read it alone, so that a clustering change never retrains the other methods).
-    reads_p_sem: bool = False
-    # A HaMI network (token MLP with batch norm, top-k mean): the sensitivity analysis applies.
-    analysable: bool = False
-    # The report's block: the paper's methods, the field's baselines, or a user's own detector
-    # (plugins are "yours" whatever they declare).
-    family: Literal["paper", "field", "yours"] = "paper"
-    # What it is trained to predict: the judge's label, or the binarised semantic entropy of the
-    # response's question (semantic-entropy probes; read from clusters.parquet, routed to it like
-    # P_sem).
-    target: Literal["label", "semantic_entropy"] = "label"
-    # How: "sgd" the shared loop (Adam, train.epochs, best epoch on validation; training.py),
-    # "logistic_regression" a closed fit of the network's linear head (fitting.py), "none" an
-    # unsupervised score with nothing to fit.
-    fit: Literal["sgd", "logistic_regression", "none"] = "sgd"
-    # Scores a question's answers together (EigenScore): every bag carries its question (Bags.groups),
-    # and a question with fewer than two evaluated answers is left out, counted.
-    per_question: bool = False
-    # Whether its score is a logit (the margin mean(y z) is defined only then).
-    logits: bool = True
+class Reads:
+    """What a detector reads besides a response's bag of hidden states: a declaration the pipeline
+    answers (the route stage hands it the clustering, detectors/data.py builds its bags, the scorer
+    asks a user's rows for it), never code the method runs."""
+
+    # Each response's P_sem, by which its token states are scaled at train and test time (HaMI (SP)):
+    # the clustering, so K sampled answers and NLI per question.
+    p_sem: bool = False
+    # The other answers to its question, scored together (EigenScore): every bag carries its
+    # question (Bags.groups), and a question with fewer than two evaluated answers is left out, counted.
+    question: bool = False
     # The dump conventions it can read: a method that reads the state before the answer needs
     # `predicting` bags (the state at the last prompt position is not in a `generated` bag).
     positions: tuple[str, ...] = POSITIONS
     # Bags shorter than this are left out, counted (`too_short`): the token it reads does not exist.
     min_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a detector is fitted: one of the kinds below (SGD, LOGISTIC_REGRESSION, SE_PROBE,
+    UNSUPERVISED). The code that trains asks the kind, never the method's name: the shared loop
+    runs the kinds without a `fitter` (detectors/loop.py); the others are fitted in one step by
+    their `fitter` (detectors/fitting.py), deterministic, so every seed gives the same detector."""
+
+    name: Literal["sgd", "logistic_regression", "none"]  # what the docs and the errors call it
+    # What it is fitted to predict: the judge's label, the binarised semantic entropy of the
+    # response's question (semantic-entropy probes: read from the clustering, routed to it like
+    # P_sem), or nothing (an unsupervised score, which never scores the train split either).
+    target: Literal["label", "semantic_entropy"] | None = "label"
+    # "module:function" (model, method, params, train split) -> what the fit did, resolved when a
+    # detector is fitted: the fits import torch and scikit-learn, which this file must not.
+    fitter: str | None = None
+
+    @property
+    def loop(self) -> bool:
+        """Trained by the shared loop (Adam, train.epochs, best epoch on validation; training.py)."""
+        return self.fitter is None
+
+    def fit(self, model, method: str, params, train) -> dict:
+        from halludetect.core.registry import load_target
+
+        return load_target(self.fitter, f"the fit of {method}")(model, method, params, train)
+
+
+SGD = Fit("sgd")  # the shared loop
+LOGISTIC_REGRESSION = Fit("logistic_regression", fitter="halludetect.detectors.fitting:fit_logistic")
+SE_PROBE = Fit("logistic_regression", "semantic_entropy", "halludetect.detectors.fitting:fit_logistic")
+UNSUPERVISED = Fit("none", None, "halludetect.detectors.fitting:fit_nothing")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A detection method: what it is called, its params, its network (`build`), what it reads
+    (`reads`), how it is fitted (`fit`) and what its score is (`logits`)."""
+
+    name: str
+    display: str  # the report's row name
+    params: type[Section]  # its section of params.yaml: detectors.<name>
+    # (detectors.networks, d, this method's params) -> the network, an nn.Module mapping Bags to scores [B]
+    build: Callable[[ModuleType, int, Any], Any]
+    reads: Reads = Reads()
+    fit: Fit = SGD
+    # Whether its score is a logit (the margin mean(y z) is defined only then).
+    logits: bool = True
+    # A HaMI network (token MLP with batch norm, top-k mean): the sensitivity analysis applies.
+    analysable: bool = False
+    # The report's block: the paper's methods, the field's baselines, or a user's own detector
+    # (plugins are "yours" whatever they declare).
+    family: Literal["paper", "field", "yours"] = "paper"
     # Set for a method registered from outside (plugins.py): how to find its code again.
     origin: Origin | None = None
 
     @property
     def reads_clusters(self) -> bool:
         """Reads the clustering (clusters.parquet, routed to it by the route stage): P_sem or semantic entropy."""
-        return self.reads_p_sem or self.target == "semantic_entropy"
+        return self.reads.p_sem or self.fit.target == "semantic_entropy"
 
     @property
     def needs(self) -> tuple[str, ...]:
         """What one more response costs it beyond the answer, for the report's marks."""
         out = []
-        if self.fit != "none":
-            out.append("labels" if self.target == "label" else "SE labels (sampling + NLI) to train")
-        if self.reads_p_sem:
+        if self.fit.target is not None:
+            out.append("labels" if self.fit.target == "label" else "SE labels (sampling + NLI) to train")
+        if self.reads.p_sem:
             out.append("sampling + NLI")
-        elif self.per_question:
+        elif self.reads.question:
             out.append("sampling")
         out.append("hidden states")
         return tuple(out)
@@ -89,8 +127,11 @@ def register(*methods: Method) -> None:
     for m in methods:
         if m.name in METHODS:
             raise ValueError(f"detection method '{m.name}' is registered twice")
-        if m.min_tokens < 1 or not set(m.positions) <= set(POSITIONS) or not m.positions:
-            raise ValueError(f"detection method '{m.name}': min_tokens >= 1 and positions among {POSITIONS}")
+        if not isinstance(m.reads, Reads) or not isinstance(m.fit, Fit):
+            raise ValueError(f"detection method '{m.name}': reads is a spec.Reads and fit one of spec's Fit kinds")
+        r = m.reads
+        if r.min_tokens < 1 or not set(r.positions) <= set(POSITIONS) or not r.positions:
+            raise ValueError(f"method '{m.name}': reads.min_tokens >= 1 and reads.positions among {POSITIONS}")
         METHODS[m.name] = m
 
 

@@ -166,7 +166,7 @@ def evidence_cell(
         best = int(json.loads((Path(eval_dir) / f"{method}.json").read_text())["best_layer"])
         layer_dir = Path(detectors_dir) / method / f"layer_{best}"
         p_sem = None
-        if METHODS[method].reads_p_sem:  # HaMI (SP); the SEP probes read clusters only to train
+        if METHODS[method].reads.p_sem:  # HaMI (SP); the SEP probes read clusters only to train
             clustered = read_clusters(clusters) if clustered is None else clustered
             p_sem = p_sem_table(clustered, trained_params(layer_dir, method).p_sem)
         path = Path(activations) / layer_filename(best)

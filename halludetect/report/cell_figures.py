@@ -121,7 +121,7 @@ def draw_cell(
     )
     # Margins after every epoch at the best layer (evaluate copies them from the layer's figures).
     by_epoch = {m: e["margin_by_epoch"] for m, e in evals.items() if e.get("margin_by_epoch")}
-    trained = [m for m in detectors if METHODS[m].fit == "sgd" and METHODS[m].logits]  # by epochs, in logits
+    trained = [m for m in detectors if METHODS[m].fit.loop and METHODS[m].logits]  # by epochs, in logits
     if missing := [m for m in trained if m not in by_epoch]:
         raise DataError(f"{cell}: no margins by epoch in the evaluation of {missing}: re-run their train stages")
     figures.save_png(

@@ -83,6 +83,7 @@ from halludetect.detectors.build import (
 from halludetect.detectors.evidence import Evidence, NoEvidence, describe, ensemble_evidence
 from halludetect.methods import SP_METHODS, PluginError
 from halludetect.methods import method as lookup_method
+from halludetect.methods.spec import Reads
 from halludetect.prompts import template_hash
 
 FORMAT = "halludetect-bundle"
@@ -245,14 +246,11 @@ class Bundle:
         return list(self.meta["seeds"])
 
     @property
-    def per_question(self) -> bool:
-        """EigenScore: a question's answers are scored together, never one answer alone."""
-        return lookup_method(self.method).per_question
-
-    @property
-    def reads_p_sem(self) -> bool:
-        """hami_sp scales the states by each answer's semantic probability: inputs must carry it."""
-        return self.method in SP_METHODS
+    def reads(self) -> Reads:
+        """What its method reads besides the bags (methods/spec.py): `p_sem`, each answer's semantic
+        probability (HaMI (SP) scales the states by it: inputs must carry it); `question`, the
+        question's other answers (EigenScore scores them together, never one answer alone)."""
+        return lookup_method(self.method).reads
 
     def to(self, device) -> Bundle:
         self._device = torch.device(device)

@@ -157,7 +157,7 @@ def summary_text(b: Bundle) -> str:
             "elsewhere (typed by hand, another model's) is out of its distribution: its score means little",
         ),
         _more(f"prompt {json.dumps(inputs['prompt_template'])} (chat template: {chat})"),
-        _more("rows: question, answer[, id, answer_token_ids" + (", p_sem]" if b.reads_p_sem else "]")),
+        _more("rows: question, answer[, id, answer_token_ids" + (", p_sem]" if p_sem_requirement(meta) else "]")),
         _para("distribution", describe_range(meta.get("answer_range"))),
     ]
     needs = p_sem_requirement(meta)

@@ -328,14 +328,14 @@ class Scorer:
         inputs = b.meta["inputs"]
         for warning in b.warnings:
             log(f"warning: {warning}")
-        if b.per_question:
+        if b.reads.question:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which scores the K answers of a question together "
                 "(EigenScore); halludetect score scores answers one at a time: evaluate it in the DAG"
             )
         # --explain: a bundle without token evidence is refused here, before any file or weight is read
         self.explain, self.evidence_rule = explain, b.evidence_rule() if explain else None
-        if generate is not None and b.reads_p_sem:
+        if generate is not None and b.reads.p_sem:
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads each answer's P_sem (K samples "
                 "and their clustering); --generate samples one answer: score answers with a p_sem "
@@ -350,7 +350,7 @@ class Scorer:
         )
         self.threshold_name, self.threshold = b.threshold(threshold)
         # the DAG leaves shorter bags out (detectors/data.py, `too_short`): the token it reads is not there
-        self.min_tokens = lookup_method(b.method).min_tokens
+        self.min_tokens = lookup_method(b.method).reads.min_tokens
         self.states_dtype = DTYPES[inputs["states_dtype"]]
         self._named: Counter = Counter()
         self._loaded = False
@@ -511,7 +511,7 @@ class Scorer:
                         "too_long",
                         f"{total} tokens (prompt + answer) do not fit the model's context of {self.context}",
                     )
-                elif self.bundle.reads_p_sem and r.p_sem is None:
+                elif self.bundle.reads.p_sem and r.p_sem is None:
                     self._skip(out[i], r, "no_p_sem", f"'{self.bundle.method}' reads P_sem and the row has none")
                 else:
                     todo.append((i, prompt, answer))
@@ -649,7 +649,7 @@ class Scorer:
     ) -> None:
         b = self.bundle
         p_sem = None
-        if b.reads_p_sem:
+        if b.reads.p_sem:
             p_sem = torch.tensor([rows[i].p_sem for i in index], dtype=torch.float32, device=tokens.device)
         bags = Bags(tokens, torch.as_tensor(lengths, dtype=torch.int64, device=tokens.device), p_sem)
         logits = b.seed_logits(bags).double().cpu().numpy()  # [S, B]
@@ -812,7 +812,7 @@ def score_file(
     scorer = Scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
     generate = scorer.generate is not None
     src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights
-    if scorer.bundle.reads_p_sem and not src.has_p_sem:
+    if scorer.bundle.reads.p_sem and not src.has_p_sem:
         raise UserError(
             f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
             f"P_sem: {input_path} has no p_sem values (add a p_sem column)"

@@ -317,8 +317,8 @@ class Service:
         log: Callable[[str], None] = print,
     ):
         b = scorer.bundle
-        if b.reads_p_sem or b.per_question:
-            need = "each answer's P_sem (K answers clustered by entailment)" if b.reads_p_sem else "the K answers"
+        if b.reads.p_sem or b.reads.question:
+            need = "each answer's P_sem (K answers clustered by entailment)" if b.reads.p_sem else "the K answers"
             raise UserError(
                 f"{b.path} holds a '{b.method}' detector, which reads {need} of a question together: it cannot "
                 "score one served answer. Serve a bundle of a method that scores answers one at a time "

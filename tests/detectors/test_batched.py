@@ -25,7 +25,7 @@ from halludetect.detectors.training import Recipe, train_detector, train_seeds
 from halludetect.methods import METHODS, SP_METHODS, Method
 from halludetect.methods.pooling import PoolingParams
 
-SGD = sorted(m for m, spec in DETECTORS.items() if spec.fit == "sgd")
+SGD = sorted(m for m, spec in DETECTORS.items() if spec.fit.loop)
 SEEDS = [0, 1, 2]
 ATOL = 1e-5  # weights; curves and scores: the same relative to their size
 KW = {"epochs": 4, "batch_size": 32}

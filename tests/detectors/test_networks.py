@@ -14,13 +14,13 @@ from halludetect.detectors.build import DETECTORS
 # The probe, SAPLMA and the SE probes read one position, so token order matters to them by design;
 # EigenScore scores a question's answers together (tests/methods/test_eigenscore.py).
 ONE_TOKEN = {"probe", "saplma", "sep_tbg", "sep_slt"}
-PER_BAG = sorted(m for m in DETECTORS if not DETECTORS[m].per_question)
+PER_BAG = sorted(m for m in DETECTORS if not DETECTORS[m].reads.question)
 ORDERLESS = sorted(set(PER_BAG) - ONE_TOKEN)
 
 
 def long_enough(method, lengths):
     """Bag lengths a method can score (sep_slt reads the second-to-last token)."""
-    return [max(n, DETECTORS[method].min_tokens) for n in lengths]
+    return [max(n, DETECTORS[method].reads.min_tokens) for n in lengths]
 
 
 @settings(max_examples=25, deadline=None)

@@ -148,6 +148,18 @@ GOOD = DOC["python"][0]
             "'my_detectors.wide:boom()' raised ValueError: no",
         ),
         (GOOD, "my_detectors.wide", "is not 'module:factory'"),
+        # a factory written for Method's former flags: the error says how to write it now
+        (
+            GOOD + "\ndef old():\n    m = make()\n"
+            "    return type(m)(m.name, m.display, m.params, m.build, min_tokens=2)\n",
+            "my_detectors.wide:old",
+            "unexpected keyword argument 'min_tokens'; write reads=Reads(min_tokens=N)",
+        ),
+        (
+            GOOD + "\nfrom dataclasses import replace\ndef old():\n    return replace(make(), fit='sgd')\n",
+            "my_detectors.wide:old",
+            "its Method's fit is 'sgd', not a kind of fit: write fit=SGD (the shared loop)",
+        ),
     ],
 )
 def test_a_bad_entry_point_is_one_line_naming_it_and_the_fix(tmp_path, module, value, message):
