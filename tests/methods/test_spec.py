@@ -37,3 +37,43 @@ def test_trait_lists_are_the_papers():
     assert list(CLUSTER_METHODS) == ["hami_sp", "sep_tbg", "sep_slt"]  # SEP trains on the semantic entropy
     assert sorted(ANALYZABLE) == ["hami", "hami_sp"]
     assert len({m.display for m in METHODS.values()}) == len(METHODS)  # the report's row names are distinct
+
+
+def test_every_kind_of_fit_names_a_fitter_that_resolves_and_the_built_ins_declare_the_papers():
+    from halludetect.core.registry import load_target
+    from halludetect.methods import LOGISTIC_REGRESSION, SE_PROBE, SGD, UNSUPERVISED
+
+    assert SGD.loop and SGD.fitter is None
+    for kind in (LOGISTIC_REGRESSION, SE_PROBE, UNSUPERVISED):
+        assert not kind.loop and callable(load_target(kind.fitter, kind.name))
+    kinds = {n: m.fit for n, m in METHODS.items()}
+    assert kinds["sep_tbg"] == kinds["sep_slt"] == SE_PROBE and kinds["eigenscore"] == UNSUPERVISED
+    assert {n for n, k in kinds.items() if k == SGD} == set(METHODS) - {"sep_tbg", "sep_slt", "eigenscore"}
+    assert [n for n, m in METHODS.items() if m.reads.question] == ["eigenscore"]
+    assert METHODS["sep_tbg"].reads.positions == ("predicting",) and METHODS["sep_slt"].reads.min_tokens == 2
+    # what a response costs each, the report's marks, follows from the two declarations
+    assert METHODS["eigenscore"].needs == ("sampling", "hidden states")
+    assert METHODS["sep_slt"].needs == ("SE labels (sampling + NLI) to train", "hidden states")
+    assert METHODS["hami_sp"].needs == ("labels", "sampling + NLI", "hidden states")
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"reads": "p_sem"}, "reads is a spec.Reads and fit one of spec's Fit kinds"),
+        ({"fit": "sgd"}, "reads is a spec.Reads and fit one of spec's Fit kinds"),
+        ({"reads_min_tokens": 0}, "reads.min_tokens >= 1"),
+    ],
+)
+def test_a_declaration_of_the_wrong_type_is_refused_at_registration(change, message):
+    from dataclasses import replace
+
+    from halludetect.methods import Reads
+
+    if "reads_min_tokens" in change:
+        change = {"reads": Reads(min_tokens=change["reads_min_tokens"])}
+    bad = replace(METHODS["max"], name="bad_max", **change)
+    with pytest.raises(ValueError, match=message):
+        register(bad)
+    assert "bad_max" not in METHODS
