@@ -20,7 +20,7 @@ from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
-from halludetect.methods import ANALYZABLE, METHODS, PluginError, load_entry_points, load_factory
+from halludetect.methods import ANALYZABLE, METHODS, SCORES, PluginError, load_entry_points, load_factory
 
 
 def _split_fraction(value: float) -> float:
@@ -478,10 +478,10 @@ class ClusterParams(Section):
     openai: ChatParams = ChatParams(model="gpt-4o-mini", temperature=0.0, max_completion_tokens=16)
 
 
-# Scores without hidden states (evaluation/baselines.py registers each).
-BASELINES = ("p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets")
-# Baselines that run the model again (stage model_baselines; evaluation/p_true.py).
-MODEL_BASELINES = ("p_true",)
+# Scores with nothing to train (methods/scores.py declares each): from the sampled answers
+# (grid.baselines, stage baselines), or from the model run again (grid.model_baselines).
+BASELINES = tuple(n for n, s in SCORES.items() if s.source == "answers")
+MODEL_BASELINES = tuple(n for n, s in SCORES.items() if s.source == "model")
 
 # One section per detection method, derived from the registry in methods/ (each method declares
 # its params class there), so changing one method's setting retrains only that method.

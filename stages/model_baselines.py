@@ -14,19 +14,18 @@ from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.devices import resolve_device
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import lookup
+from halludetect.core.registry import load_target
 from halludetect.evaluation.baselines import evaluate_baseline
 from halludetect.evaluation.costs import cost_per_response, sampling_seconds
-from halludetect.evaluation.p_true import p_true_scores
 from halludetect.labels.readers import read_judgments
 from halludetect.lm.hf_models import load_model, load_tokenizer
+from halludetect.methods import SCORES
 from halludetect.qa.questions import read_questions
 from stages import common
 
-NEEDS = {"p_true": ("sampling", "a forward pass")}
-
 
 def run(args, params):
-    lookup("model baseline", args.baseline, dict.fromkeys(MODEL_BASELINES))
+    spec = lookup("model baseline", args.baseline, {n: SCORES[n] for n in MODEL_BASELINES})
     pp, ep = params.p_true, params.evaluate
     device = resolve_device(pp.device, "p_true.device")  # before anything loads
     preset = params.model(args.model)
@@ -35,7 +34,7 @@ def run(args, params):
     questions = read_questions(args.questions)
     k, sampling = sampling_seconds(json.loads(Path(args.generation_metrics).read_text()))
     model = load_model(preset, device).eval()
-    scores, excluded, seconds = p_true_scores(
+    scores, excluded, seconds = load_target(spec.compute, f"the score {args.baseline}")(
         model,
         load_tokenizer(preset),
         questions,
@@ -63,7 +62,7 @@ def run(args, params):
     out |= evaluate_baseline(scores.select("rid", "score"), judgments, bootstrap=ep.bootstrap, seed=ep.seed)
     out["left_out"] = excluded  # before scoring: empty answers, prompts longer than the context
     out["cost_per_response"] = cost_per_response(
-        NEEDS[args.baseline],
+        spec.needs,
         max(scores.height, 1) / max(seconds, 1e-9),
         extra_seconds=sampling,
         extra_what=f"{k:g} - 1 more samples shown as brainstorm (generate's seconds per sample)",

@@ -20,7 +20,7 @@ import yaml
 from matplotlib.colors import to_hex
 from support import ROOT
 
-from halludetect.evaluation.baselines import BASELINES
+from halludetect.config import BASELINES
 from halludetect.evaluation.plot_data import (
     CLASS_COLOURS,
     CLASSES,

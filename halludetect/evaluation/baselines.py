@@ -1,82 +1,49 @@
-"""Baseline scores that need no hidden states: one number per response, higher = more
-likely hallucinated. Signs are fixed by definition, never fitted on the test labels.
-
-  p_sem               1 - P_sem (the response's semantic cluster probability)
-  semantic_entropy    the question's semantic entropy (Farquhar et al., Nature 2024)
-  logprob             minus the mean token log-probability of the response
-  length              the number of answer tokens
-  lexical_similarity  1 - the mean pairwise ROUGE-L F-measure among the question's K answers
-                      (Lin, Trivedi and Sun, "Generating with Confidence", 2023; lm-polygraph's
-                      LexicalSimilarity: rouge_score's rougeL with the Porter stemmer, every pair
-                      i < j once; lm-polygraph reports minus the mean, the same ranking)
-  semantic_sets       the number of semantic clusters among the question's K answers (Lin et al.
-                      2023's NumSemSets, with our entailment clustering: labels/nli/clustering.py)
+"""How the scores with nothing to train are computed from the sampled answers and their clustering
+(their declarations, with what each means: halludetect/methods/scores.py). Each function takes
+(generations, clusters, the baselines params) and returns columns rid, score.
 
 The question-level scores (semantic entropy, lexical similarity, semantic sets) give every answer
 of a question the same score. Lexical similarity needs two non-empty answers: a question with one
 is left out, counted. p(True) runs the model again: it has a stage of its own (p_true.py).
-The last-token linear probe is trained on hidden states, so it is a detector (`probe`).
+Lexical similarity is lm-polygraph's LexicalSimilarity: rouge_score's rougeL with the Porter
+stemmer, every pair i < j once; lm-polygraph reports minus the mean, the same ranking.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from halludetect.config import BASELINES, BaselinesParams
+from halludetect.config import BaselinesParams
 from halludetect.core.lookup import lookup
+from halludetect.core.registry import load_target
+from halludetect.methods import SCORES, Score
 from halludetect.metrics import check_two_classes, question_groups, split_metrics
 from halludetect.qa.responses import response_ids
-
-
-@dataclass(frozen=True)
-class Baseline:
-    name: str
-    display: str  # the report's row name
-    needs: tuple[str, ...]  # what one response costs beyond the answer (the report's marks)
-    score: Callable[[pl.DataFrame, pl.DataFrame, BaselinesParams], pl.DataFrame]
-    family: str = "field"  # the report's block: the field's baselines (P_sem is the paper's quantity)
-
-
-BASELINE_SCORES: dict[str, Baseline] = {}
-
-
-def register(name: str, display: str, needs: tuple[str, ...], family: str = "field"):
-    def deco(fn):
-        BASELINE_SCORES[name] = Baseline(name, display, needs, fn, family)
-        return fn
-
-    return deco
 
 
 def _by_response(df: pl.DataFrame, score: pl.Expr) -> pl.DataFrame:
     return df.select(response_ids(df).alias("rid"), score.cast(pl.Float64).alias("score"))
 
 
-@register("p_sem", "P_sem", ("sampling + NLI",), family="paper")
-def _p_sem(generations, clusters, p):
+def p_sem(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
     return _by_response(ok, 1 - pl.col(f"p_sem_{p.p_sem}"))
 
 
-@register("semantic_entropy", "Semantic entropy", ("sampling + NLI",))
-def _semantic_entropy(generations, clusters, p):
+def semantic_entropy(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
     return _by_response(ok, pl.col(f"semantic_entropy_{p.semantic_entropy}"))
 
 
-@register("logprob", "Mean token log-prob", ("token log-probs",))
-def _logprob(generations, clusters, p):
+def logprob(generations, clusters, p):
     return _by_response(generations.filter(pl.col("n_tokens") > 0), -pl.col("token_logprobs").list.mean())
 
 
-@register("length", "Answer length", ())
-def _length(generations, clusters, p):
+def length(generations, clusters, p):
     return _by_response(generations, pl.col("n_tokens"))
 
 
@@ -104,8 +71,7 @@ def lexical_dissimilarity(texts: list[str]) -> float:
     return 1.0 - float(np.mean([rouge_l(a, b) for a, b in itertools.combinations(texts, 2)]))
 
 
-@register("lexical_similarity", "Lexical similarity (ROUGE-L)", ("sampling",))
-def _lexical_similarity(generations, clusters, p):
+def lexical_similarity(generations, clusters, p):
     answers = generations.filter(pl.col("n_tokens") > 0).sort("question_id", "sample_index")
     per_q = answers.group_by("question_id", maintain_order=True).agg("text", "sample_index")
     scores = {q: lexical_dissimilarity(t) for q, t in zip(per_q["question_id"], per_q["text"]) if len(t) >= 2}
@@ -113,24 +79,22 @@ def _lexical_similarity(generations, clusters, p):
     return _by_response(scored, pl.col("question_id").replace_strict(scores, return_dtype=pl.Float64))
 
 
-@register("semantic_sets", "Number of semantic sets", ("sampling + NLI",))
-def _semantic_sets(generations, clusters, p):
+def semantic_sets(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
     return _by_response(ok, pl.col("n_clusters"))
 
 
-assert set(BASELINE_SCORES) == set(BASELINES), "config.BASELINES must name every registered baseline"
-
-
-def baseline(name: str) -> Baseline:
-    return lookup("baseline", name, BASELINE_SCORES)
+def baseline(name: str) -> Score:
+    """The declaration of the score `name` computed from the sampled answers (grid.baselines)."""
+    return lookup("baseline", name, {n: s for n, s in SCORES.items() if s.source == "answers"})
 
 
 def baseline_scores(
     name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: BaselinesParams
 ) -> pl.DataFrame:
     """Columns rid, score for every response the baseline can score."""
-    return baseline(name).score(generations, clusters, params)
+    spec = baseline(name)
+    return load_target(spec.compute, f"the score {name}")(generations, clusters, params)
 
 
 def timed_scores(

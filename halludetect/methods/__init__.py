@@ -30,6 +30,7 @@ from halludetect.methods.spec import (
     LOGISTIC_REGRESSION,
     METHODS,
     POSITIONS,
+    SCORES,
     SE_PROBE,
     SGD,
     UNSUPERVISED,
@@ -37,7 +38,9 @@ from halludetect.methods.spec import (
     Method,
     Origin,
     Reads,
+    Score,
     register,
+    register_scores,
 )
 
 for _info in pkgutil.iter_modules(__path__):  # one module per family, in name order
@@ -83,6 +86,7 @@ __all__ = [
     "LOGISTIC_REGRESSION",
     "METHODS",
     "POSITIONS",
+    "SCORES",
     "SE_PROBE",
     "SGD",
     "SP_METHODS",
@@ -91,9 +95,11 @@ __all__ = [
     "Method",
     "Origin",
     "Reads",
+    "Score",
     "PluginError",
     "load_entry_points",
     "load_factory",
     "method",
     "register",
+    "register_scores",
 ]

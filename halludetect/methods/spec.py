@@ -1,4 +1,5 @@
-"""A detection method's declaration (`Method`) and the registry the files of methods/ add to."""
+"""The declarations of detectors: a method on hidden states (`Method`) and a score with nothing to
+train (`Score`), and the registries the files of methods/ add to."""
 
 from __future__ import annotations
 
@@ -120,12 +121,43 @@ class Method:
         return tuple(out)
 
 
+@dataclass(frozen=True)
+class Score:
+    """A detector with nothing to train and no hidden states (methods/scores.py): one number per
+    response, higher = more likely hallucinated, its sign fixed by definition."""
+
+    name: str  # the key of grid.baselines (source "answers") or grid.model_baselines ("model")
+    display: str  # the report's row name
+    needs: tuple[str, ...]  # what one more response costs beyond the answer (the report's marks)
+    # "module:function" computing it, resolved when it runs: from the sampled answers and their
+    # clustering (generations, clusters, the baselines params) -> columns rid, score; or, for a
+    # score that runs the model again, evaluation/p_true.py's signature (its stage calls it).
+    compute: str
+    # What it is computed from: the sampled answers (stage baselines, all in one stage per cell)
+    # or one more forward pass of the model per answer (stage model_baselines, one stage each).
+    source: Literal["answers", "model"] = "answers"
+    family: Literal["paper", "field"] = "field"  # the report's block (P_sem is the paper's quantity)
+
+
 METHODS: dict[str, Method] = {}
+SCORES: dict[str, Score] = {}
+
+
+def register_scores(*scores: Score) -> None:
+    for s in scores:
+        if s.name in SCORES or s.name in METHODS:
+            raise ValueError(f"score '{s.name}' is registered twice")
+        SCORES[s.name] = s
+
+
+def score(name: str) -> Score:
+    """The registered score `name`, or a did-you-mean error listing every score."""
+    return lookup("score", name, SCORES)
 
 
 def register(*methods: Method) -> None:
     for m in methods:
-        if m.name in METHODS:
+        if m.name in METHODS or m.name in SCORES:
             raise ValueError(f"detection method '{m.name}' is registered twice")
         if not isinstance(m.reads, Reads) or not isinstance(m.fit, Fit):
             raise ValueError(f"detection method '{m.name}': reads is a spec.Reads and fit one of spec's Fit kinds")

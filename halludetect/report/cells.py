@@ -8,9 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from halludetect.config import MODEL_BASELINES
-from halludetect.evaluation.baselines import BASELINE_SCORES
-from halludetect.methods import METHODS, SP_METHODS
+from halludetect.methods import METHODS, SCORES, SP_METHODS
 from halludetect.report import paper
 from halludetect.report.paper import Figure
 from halludetect.report.tables import Cell, Row
@@ -53,13 +51,9 @@ def paper_figure(figures: dict, grid: Grid, m: str, d: str) -> Figure | None:
     return figures.get(key) if key else None
 
 
-# Row names: a detector's is declared with its method (methods/), a baseline's with it
-# (evaluation/baselines.py); a live view, so that a plugin registered after import is named too.
-MODEL_BASELINE_NAMES = {"p_true": "p(True)"}
-
-
-BASELINE_NAMES = {**{n: b.display for n, b in BASELINE_SCORES.items()}, **MODEL_BASELINE_NAMES}
-assert set(MODEL_BASELINE_NAMES) == set(MODEL_BASELINES)
+# Row names: each declared with its detector (methods/: a method on hidden states, or a score with
+# nothing to train); a live view, so that a plugin registered after import is named too.
+BASELINE_NAMES = {n: s.display for n, s in SCORES.items()}
 
 
 class _Names(Mapping):
@@ -83,8 +77,8 @@ def family(method: str) -> str:
     """The report's block of a method or baseline: paper, field or yours (a plugin)."""
     if method in METHODS:
         return METHODS[method].family
-    b = BASELINE_SCORES.get(method)
-    return b.family if b is not None else "field"
+    s = SCORES.get(method)
+    return s.family if s is not None else "field"
 
 
 def marked(method: str, metrics: dict) -> str:
@@ -94,7 +88,8 @@ def marked(method: str, metrics: dict) -> str:
         None,
     )
     if needs is None:
-        needs = METHODS[method].needs if method in METHODS else ()
+        declared = METHODS.get(method) or SCORES.get(method)
+        needs = declared.needs if declared is not None else ()
     return f"{NAMES.get(method, method)} [{', '.join(needs) or 'the answer only'}]"
 
 

@@ -77,3 +77,33 @@ def test_a_declaration_of_the_wrong_type_is_refused_at_registration(change, mess
     with pytest.raises(ValueError, match=message):
         register(bad)
     assert "bad_max" not in METHODS
+
+
+def test_the_scores_with_nothing_to_train_are_declared_once_and_the_grid_lists_follow():
+    from halludetect.config import BASELINES, MODEL_BASELINES
+    from halludetect.core.registry import load_target
+    from halludetect.methods import SCORES
+    from halludetect.report.cells import NAMES, family
+
+    assert BASELINES == ("p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets")
+    assert MODEL_BASELINES == ("p_true",)
+    for name, s in SCORES.items():
+        assert callable(load_target(s.compute, name)) and NAMES[name] == s.display and family(name) == s.family
+    assert not set(SCORES) & set(METHODS)
+
+
+@pytest.mark.hostile
+def test_a_score_named_like_a_method_or_another_score_is_refused():
+    from halludetect.methods import SCORES, register_scores
+
+    for taken in ("max", "p_sem"):
+        with pytest.raises(ValueError, match=f"score '{taken}' is registered twice"):
+            register_scores(replace_name(SCORES["length"], taken))
+    with pytest.raises(ValueError, match="detection method 'p_true' is registered twice"):
+        register(replace_name(METHODS["max"], "p_true"))
+
+
+def replace_name(declaration, name):
+    from dataclasses import replace
+
+    return replace(declaration, name=name)
