@@ -83,6 +83,16 @@ def test_one_methods_digest_leaves_out_the_other_methods_files():
     assert not scores & set.union(*runs.values()) and set.union(*runs.values()) | scores == every
 
 
+def test_the_stages_of_the_scores_with_nothing_to_train_follow_their_declarations_not_the_methods():
+    """baselines and model_baselines import methods/ for methods/scores.py alone: no method's file is
+    their code (an edit to one never re-runs them), and they get no per-method digest."""
+    method_files = {f"halludetect/{m.replace('.', '/').split('/', 1)[1]}.py" for m in code_deps.all_methods().values()}
+    for module in code_deps.SCORE_STAGES:
+        files = {code_deps.relative(p) for p in code_deps.closure(module)}
+        assert "halludetect/methods/scores.py" in files and not files & method_files, module
+        assert not code_deps.runs_methods(module)
+
+
 def test_the_code_stage_writes_every_digest_a_stage_lists(tmp_path):
     """Every digest path dvc.yaml names (for every method a matrix can take) is one the code stage writes."""
     written = set(code_deps.write_digests(tmp_path / "code"))

@@ -57,6 +57,12 @@ FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
 # never re-runs sampling, dumping or labelling. (The contract test holds every stage declaring
 # `detectors` params to running methods/.)
 VALIDATION_ONLY = {"halludetect.config": ("halludetect.methods",)}
+# The stages that read methods/ for the scores with nothing to train only (their declarations:
+# methods/scores.py). methods/ imports every method's file by discovery, but those register other
+# names: of the discovered files these stages follow scores.py alone, get no per-method digest and
+# no plugin's files, so adding or editing a method never re-runs them.
+SCORE_STAGES = {"stages.baselines": frozenset({"halludetect.methods.scores"})}
+SCORE_STAGES["stages.model_baselines"] = SCORE_STAGES["stages.baselines"]
 
 
 # One pass over the code (the code stage's digests, a --check): the files cannot change under it, so
@@ -227,9 +233,9 @@ def closure(module: str, *, plugins: bool = True, method: str | None = None) -> 
     method's file by discovery, but a method's results depend only on its own file (and what that
     imports); the other methods' files only register other names. So an edit to methods/sep.py
     re-runs SEP's stages and no other method's (the code stage writes one digest per method)."""
-    keep = None if method is None else method_modules(method)
+    keep = SCORE_STAGES.get(module) if method is None else method_modules(method)
     files = _closure(module, keep)
-    if plugins and METHODS_INIT in files:
+    if plugins and METHODS_INIT in files and module not in SCORE_STAGES:
         mine = plugin_files(only=method) if method is not None else plugin_files()
         files = sorted(set(files) | {p for p in mine if p.is_relative_to(ROOT)})
     return files
@@ -455,7 +461,7 @@ def stage_module_names() -> list[str]:
 
 
 def runs_methods(module: str) -> bool:
-    return METHODS_INIT in _closure(module)
+    return module not in SCORE_STAGES and METHODS_INIT in _closure(module)
 
 
 def digest_text(files: list[Path]) -> str:
