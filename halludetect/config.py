@@ -622,6 +622,21 @@ def _baseline_list(name: str) -> str | None:
     return "grid.baselines" if name in BASELINES else "grid.model_baselines" if name in MODEL_BASELINES else None
 
 
+SCORE_LISTS = ("grid.baselines", "grid.model_baselines")
+
+
+def _elsewhere(name: str) -> str | None:
+    """Where a detector listed under the wrong one of grid.baselines and grid.model_baselines belongs."""
+    if name in METHODS:
+        return "is trained on hidden states: list it under grid.detectors"
+    s = SCORES.get(name)
+    if s is None:
+        return None
+    if s.source == "model":
+        return "runs the model again, in a stage of its own: list it under grid.model_baselines"
+    return "is computed from the sampled answers: list it under grid.baselines"
+
+
 def _flow(items: list) -> str:
     return "[" + ", ".join(str(x) for x in items) + "]"
 
@@ -717,6 +732,8 @@ class Params(Section):
                         f"grid.detectors: '{name}' trains nothing (a score of the sampled answers or of the model "
                         f"asked again, computed in its own stage): list it under {home}"
                     )
+                elif key in SCORE_LISTS and name not in choices and (why := _elsewhere(name)):
+                    problems.append(f"{key}: '{name}' {why}")
                 elif name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
                 elif key == "grid.analyze" and name not in self.grid.detectors:

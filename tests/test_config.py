@@ -376,3 +376,16 @@ def test_a_detector_listed_twice_analysed_untrained_or_a_baseline_among_them_is_
     assert "'p_true' trains nothing" in msg and "list it under grid.model_baselines" in msg
     assert "'logprob' trains nothing" in msg and "list it under grid.baselines" in msg
     assert "grid.analyze: 'hami_sp' is analysed from its trained detectors: list it under grid.detectors" in msg
+
+
+@pytest.mark.hostile
+def test_a_detector_under_the_wrong_score_list_is_sent_to_its_own():
+    data = base()
+    data["grid"].update(baselines=["p_true", "max", "psem"], model_baselines=["p_sem"])
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    msg = str(e.value)
+    assert "grid.baselines: 'p_true' runs the model again, in a stage of its own: list it under grid.model_" in msg
+    assert "grid.baselines: 'max' is trained on hidden states: list it under grid.detectors" in msg
+    assert "grid.baselines: 'psem' is not defined; did you mean 'p_sem'?" in msg
+    assert "grid.model_baselines: 'p_sem' is computed from the sampled answers: list it under grid.baselines" in msg
