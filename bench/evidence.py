@@ -126,8 +126,8 @@ def main() -> None:
             continue
         spec = lookup_method(method)
         # the bags it can score (SEP (SLT): two tokens at least), P_sem for the methods that scale by it
-        bags = test.bags(torch.nonzero(test.lengths >= spec.min_tokens).squeeze(1))
-        bags.p_sem = torch.full((len(bags),), 0.5) if spec.reads_p_sem else None
+        bags = test.bags(torch.nonzero(test.lengths >= spec.reads.min_tokens).squeeze(1))
+        bags.p_sem = torch.full((len(bags),), 0.5) if spec.reads.p_sem else None
         with torch.no_grad():
             forward_s = best_of(5, lambda: net(bags))  # noqa: B023
         evidence_s = best_of(5, lambda: evidence(net, bags))  # noqa: B023

@@ -14,9 +14,9 @@ from halludetect.core.atomic_io import write_json, write_parquet
 from halludetect.core.devices import resolve_device
 from halludetect.core.errors import DataError
 from halludetect.core.lookup import lookup
-from halludetect.core.registry import load_target
 from halludetect.evaluation.baselines import evaluate_baseline
 from halludetect.evaluation.costs import cost_per_response, sampling_seconds
+from halludetect.evaluation.p_true import p_true_scores
 from halludetect.labels.readers import read_judgments
 from halludetect.lm.hf_models import load_model, load_tokenizer
 from halludetect.methods import SCORES
@@ -34,7 +34,7 @@ def run(args, params):
     questions = read_questions(args.questions)
     k, sampling = sampling_seconds(json.loads(Path(args.generation_metrics).read_text()))
     model = load_model(preset, device).eval()
-    scores, excluded, seconds = load_target(spec.compute, f"the score {args.baseline}")(
+    scores, excluded, seconds = p_true_scores(  # its declaration's compute (methods/scores.py)
         model,
         load_tokenizer(preset),
         questions,

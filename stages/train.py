@@ -208,7 +208,7 @@ def run(args, params):
         raise DataError(f"--layers {unknown}: not in grid.layers {params.grid.layers}")
     setup(args, method_params, tp, device, 1)  # here too: its checks stop the stage before any file is read
     size = check_layer_files(Path(args.activations), layers)
-    passes = tp.epochs if method(args.method).fit == "sgd" else 1  # a closed-form fit reads its data once
+    passes = tp.epochs if method(args.method).fit.loop else 1  # a closed-form fit reads its data once
     n = _JOB["workers"] = workers_for(device, len(layers), size * passes * len(tp.seeds))
     try:
         if n <= 1:

@@ -93,6 +93,27 @@ def test_the_stages_of_the_scores_with_nothing_to_train_follow_their_declaration
         assert not code_deps.runs_methods(module)
 
 
+def test_every_declared_compute_and_fitter_is_code_of_the_stage_that_runs_it():
+    """A score's `compute` and a kind of fit's `fitter` are "module:function" strings, resolved when
+    they run: their modules must be in the code of the stage that runs them, or an edit to one would
+    leave the stage's results stale."""
+    from halludetect.core.registry import load_target
+    from halludetect.evaluation.p_true import p_true_scores
+    from halludetect.methods import METHODS, SCORES
+
+    def module_file(target: str) -> str:
+        return target.partition(":")[0].replace(".", "/") + ".py"
+
+    stage = {"answers": "stages.baselines", "model": "stages.model_baselines"}
+    for name, s in SCORES.items():
+        assert module_file(s.compute) in {code_deps.relative(p) for p in code_deps.closure(stage[s.source])}, name
+    assert load_target(SCORES["p_true"].compute, "p_true") is p_true_scores  # what its stage calls
+    for name, m in METHODS.items():
+        if m.fit.fitter is not None:
+            run = {code_deps.relative(p) for p in code_deps.closure("stages.train", method=name)}
+            assert module_file(m.fit.fitter) in run, name
+
+
 def test_the_code_stage_writes_every_digest_a_stage_lists(tmp_path):
     """Every digest path dvc.yaml names (for every method a matrix can take) is one the code stage writes."""
     written = set(code_deps.write_digests(tmp_path / "code"))

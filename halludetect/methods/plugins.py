@@ -32,7 +32,7 @@ from dataclasses import replace
 from halludetect.core.errors import UserError
 from halludetect.core.registry import installed
 from halludetect.core.sections import Section
-from halludetect.methods.spec import METHODS, Fit, Method, Origin, Reads, register, registered
+from halludetect.methods.spec import METHODS, SCORES, Fit, Method, Origin, Reads, register, registered
 
 GROUP = "halludetect.detectors"
 NAME = re.compile(r"[a-z][a-z0-9_]*")  # a params key and a DVC stage-name part: no dots, no dashes
@@ -78,7 +78,8 @@ def _factory(spec: str, where: str, fix: str) -> Method:
     try:
         made = obj()
     except Exception as e:
-        former = [k for k in FORMER_FLAGS if isinstance(e, TypeError) and f"'{k}'" in str(e)]
+        said = str(e) if isinstance(e, TypeError) else ""
+        former = [k for k in FORMER_FLAGS if f"unexpected keyword argument '{k}'" in said]
         hint = f"; {FORMER_FLAGS[former[0]]}" if former else ""
         raise PluginError(f"{where}: '{spec}()' raised {type(e).__name__}: {e}{hint}; {fix}") from None
     if not isinstance(made, Method):
@@ -142,6 +143,11 @@ def _register(name: str, made: Method, origin: Origin, where: str, fix: str) -> 
             return existing  # the same factory again: nothing to do
         owner = "a built-in method" if existing.origin is None else existing.origin.describe()
         raise PluginError(f"{where}: '{name}' is already {owner}; give the plugin's method another name")
+    if name in SCORES:
+        raise PluginError(
+            f"{where}: '{name}' is already a score with nothing to train (halludetect/methods/scores.py); "
+            "give the plugin's method another name"
+        )
     plugin = replace(made, family="yours", origin=origin)
     register(plugin)
     return plugin

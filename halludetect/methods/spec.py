@@ -28,6 +28,12 @@ class Origin:
         return f"the params key detectors.<name>.factory = '{self.factory}'"
 
 
+def _is_target(value) -> bool:
+    """A "module:object" string (core/registry.py resolves it when it is needed)."""
+    module, sep, attr = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return bool(sep and module.strip() and attr.strip())
+
+
 @dataclass(frozen=True)
 class Reads:
     """What a detector reads besides a response's bag of hidden states: a declaration the pipeline
@@ -62,6 +68,21 @@ class Fit:
     # "module:function" (model, method, params, train split) -> what the fit did, resolved when a
     # detector is fitted: the fits import torch and scikit-learn, which this file must not.
     fitter: str | None = None
+
+    def __post_init__(self):
+        problems = []
+        if self.name not in ("sgd", "logistic_regression", "none"):
+            problems.append(f"name {self.name!r} is none of sgd, logistic_regression, none")
+        if (self.fitter is None) != (self.name == "sgd"):
+            problems.append("the shared loop (sgd) has no fitter, every other kind one")
+        if (self.target is None) != (self.name == "none"):
+            problems.append("an unsupervised kind (none) has no target, every other kind one")
+        if self.target not in ("label", "semantic_entropy", None):
+            problems.append(f"target {self.target!r} is neither label nor semantic_entropy")
+        if self.fitter is not None and not _is_target(self.fitter):
+            problems.append(f"fitter {self.fitter!r} is not a 'module:function' string")
+        if problems:
+            raise ValueError(f"Fit{(self.name, self.target, self.fitter)!r}: " + "; ".join(problems))
 
     @property
     def loop(self) -> bool:
@@ -129,14 +150,21 @@ class Score:
     name: str  # the key of grid.baselines (source "answers") or grid.model_baselines ("model")
     display: str  # the report's row name
     needs: tuple[str, ...]  # what one more response costs beyond the answer (the report's marks)
-    # "module:function" computing it, resolved when it runs: from the sampled answers and their
-    # clustering (generations, clusters, the baselines params) -> columns rid, score; or, for a
-    # score that runs the model again, evaluation/p_true.py's signature (its stage calls it).
+    # "module:function" computing it: from the sampled answers and their clustering (generations,
+    # clusters, the baselines params) -> columns rid, score, resolved by evaluation/baselines.py;
+    # or, for p(True), the function its stage imports (a contract test holds each module to the
+    # code of the stage that computes it, so that an edit to it re-runs that stage).
     compute: str
     # What it is computed from: the sampled answers (stage baselines, all in one stage per cell)
     # or one more forward pass of the model per answer (stage model_baselines, one stage each).
     source: Literal["answers", "model"] = "answers"
     family: Literal["paper", "field"] = "field"  # the report's block (P_sem is the paper's quantity)
+
+    def __post_init__(self):
+        if self.source not in ("answers", "model") or self.family not in ("paper", "field"):
+            raise ValueError(f"score '{self.name}': source is answers or model, family paper or field")
+        if not _is_target(self.compute):
+            raise ValueError(f"score '{self.name}': compute {self.compute!r} is not a 'module:function' string")
 
 
 METHODS: dict[str, Method] = {}
@@ -145,8 +173,10 @@ SCORES: dict[str, Score] = {}
 
 def register_scores(*scores: Score) -> None:
     for s in scores:
-        if s.name in SCORES or s.name in METHODS:
+        if s.name in SCORES:
             raise ValueError(f"score '{s.name}' is registered twice")
+        if s.name in METHODS:
+            raise ValueError(f"score '{s.name}': already the name of a detection method")
         SCORES[s.name] = s
 
 
@@ -157,10 +187,15 @@ def score(name: str) -> Score:
 
 def register(*methods: Method) -> None:
     for m in methods:
-        if m.name in METHODS or m.name in SCORES:
+        if m.name in METHODS:
             raise ValueError(f"detection method '{m.name}' is registered twice")
+        if m.name in SCORES:
+            raise ValueError(f"detection method '{m.name}': already the name of a score (methods/scores.py)")
         if not isinstance(m.reads, Reads) or not isinstance(m.fit, Fit):
-            raise ValueError(f"detection method '{m.name}': reads is a spec.Reads and fit one of spec's Fit kinds")
+            raise ValueError(
+                f"detection method '{m.name}': reads is a spec.Reads and fit one of spec's Fit kinds "
+                f"(got reads={m.reads!r}, fit={m.fit!r})"
+            )
         r = m.reads
         if r.min_tokens < 1 or not set(r.positions) <= set(POSITIONS) or not r.positions:
             raise ValueError(f"method '{m.name}': reads.min_tokens >= 1 and reads.positions among {POSITIONS}")

@@ -156,6 +156,12 @@ GOOD = DOC["python"][0]
             "unexpected keyword argument 'min_tokens'; write reads=Reads(min_tokens=N)",
         ),
         (
+            GOOD + "\nfrom halludetect.methods.spec import Fit\ndef odd():\n    return Fit('none', 'label')\n",
+            "my_detectors.wide:odd",
+            "raised ValueError: Fit('none', 'label', None): the shared loop (sgd) has no fitter, every other kind one; "
+            "an unsupervised kind (none) has no target, every other kind one",
+        ),
+        (
             GOOD + "\nfrom dataclasses import replace\ndef old():\n    return replace(make(), fit='sgd')\n",
             "my_detectors.wide:old",
             "its Method's fit is 'sgd', not a kind of fit: write fit=SGD (the shared loop)",
@@ -188,6 +194,13 @@ def test_a_plugin_named_like_a_built_in_or_under_another_name_is_refused(tmp_pat
     site = package(tmp_path / "b", renamed, None)
     got = parse(site, {"max": {"factory": "my_detectors.wide:make"}}, [])
     assert "detectors.max.factory: 'max' is already a built-in method; give the plugin's method another name" in got
+    as_score = GOOD.replace('"wide_max",\n        "Wide', '"length",\n        "Wide')
+    site = package(tmp_path / "c", as_score, None)
+    got = parse(site, {"length": {"factory": "my_detectors.wide:make"}}, [])
+    assert (
+        "detectors.length.factory: 'length' is already a score with nothing to train (halludetect/methods/scores.py); "
+        "give the plugin's method another name"
+    ) in got
 
 
 @pytest.mark.hostile

@@ -96,11 +96,17 @@ def test_the_scores_with_nothing_to_train_are_declared_once_and_the_grid_lists_f
 def test_a_score_named_like_a_method_or_another_score_is_refused():
     from halludetect.methods import SCORES, register_scores
 
-    for taken in ("max", "p_sem"):
-        with pytest.raises(ValueError, match=f"score '{taken}' is registered twice"):
-            register_scores(replace_name(SCORES["length"], taken))
-    with pytest.raises(ValueError, match="detection method 'p_true' is registered twice"):
+    with pytest.raises(ValueError, match="score 'p_sem' is registered twice"):
+        register_scores(replace_name(SCORES["length"], "p_sem"))
+    with pytest.raises(ValueError, match="score 'max': already the name of a detection method"):
+        register_scores(replace_name(SCORES["length"], "max"))
+    with pytest.raises(ValueError, match=r"detection method 'p_true': already the name of a score \(methods/"):
         register(replace_name(METHODS["max"], "p_true"))
+    with pytest.raises(ValueError, match="compute 'evaluation.baselines.length' is not a 'module:function' string"):
+        from dataclasses import replace
+
+        replace(SCORES["length"], compute="evaluation.baselines.length")
+    assert len(SCORES) == 7  # none was registered by the refused calls
 
 
 def replace_name(declaration, name):
