@@ -12,6 +12,18 @@ from halludetect.core.lookup import lookup
 from halludetect.core.sections import Section
 
 POSITIONS = ("predicting", "generated")  # dump.positions: which states a bag holds (docs/detectors.md)
+# What one more response costs a detector beyond its answer, in the words of the report's marks
+# (each row's [...]) and of the costs the stages charge (evaluation/costs.py): one vocabulary for
+# the methods (Method.needs derives theirs) and the scores (each declares its own).
+NEEDS = (
+    "labels",
+    "SE labels (sampling + NLI) to train",
+    "sampling + NLI",
+    "sampling",
+    "token log-probs",
+    "a forward pass",
+    "hidden states",
+)
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,8 @@ class Score:
     def __post_init__(self):
         if self.source not in ("answers", "model") or self.family not in ("paper", "field"):
             raise ValueError(f"score '{self.name}': source is answers or model, family paper or field")
+        if not set(self.needs) <= set(NEEDS):
+            raise ValueError(f"score '{self.name}': needs {self.needs!r}: each one of {NEEDS}")
         if not _is_target(self.compute):
             raise ValueError(f"score '{self.name}': compute {self.compute!r} is not a 'module:function' string")
 

@@ -113,3 +113,15 @@ def replace_name(declaration, name):
     from dataclasses import replace
 
     return replace(declaration, name=name)
+
+
+def test_the_methods_and_the_scores_say_what_they_need_in_one_vocabulary():
+    from dataclasses import replace
+
+    from halludetect.methods import SCORES
+    from halludetect.methods.spec import NEEDS
+
+    said = {n for d in [*METHODS.values(), *SCORES.values()] for n in d.needs}
+    assert said <= set(NEEDS) and said == set(NEEDS)  # each word is used, none is unknown
+    with pytest.raises(ValueError, match="score 'length': needs \\('NLI',\\): each one of"):
+        replace(SCORES["length"], needs=("NLI",))
