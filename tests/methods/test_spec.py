@@ -125,3 +125,20 @@ def test_the_methods_and_the_scores_say_what_they_need_in_one_vocabulary():
     assert said <= set(NEEDS) and said == set(NEEDS)  # each word is used, none is unknown
     with pytest.raises(ValueError, match="score 'length': needs \\('NLI',\\): each one of"):
         replace(SCORES["length"], needs=("NLI",))
+
+
+def test_no_code_compares_a_kind_of_fit_with_a_string():
+    """`Method.fit` was a string once; a Fit never equals one, so a comparison left from then is
+    silently false (stages/train.py's count of passes was one). Ask the kind (`fit.loop`,
+    `fit.target`) instead."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in [*root.glob("halludetect/**/*.py"), *root.glob("stages/*.py"), *root.glob("bench/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            fit = isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "fit"
+            if fit and any(isinstance(c, ast.Constant) and isinstance(c.value, str) for c in node.comparators):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found
