@@ -629,12 +629,15 @@ def _elsewhere(name: str) -> str | None:
     """Where a detector listed under the wrong one of grid.baselines and grid.model_baselines belongs."""
     if name in METHODS:
         return "is trained on hidden states: list it under grid.detectors"
-    s = SCORES.get(name)
-    if s is None:
+    home = _baseline_list(name)
+    if home is None:
         return None
-    if s.source == "model":
-        return "runs the model again, in a stage of its own: list it under grid.model_baselines"
-    return "is computed from the sampled answers: list it under grid.baselines"
+    how = (
+        "runs the model again, in a stage of its own"
+        if home == "grid.model_baselines"
+        else "is computed from the sampled answers"
+    )
+    return f"{how}: list it under {home}"
 
 
 def _flow(items: list) -> str:

@@ -194,11 +194,6 @@ def register_scores(*scores: Score) -> None:
         SCORES[s.name] = s
 
 
-def score(name: str) -> Score:
-    """The registered score `name`, or a did-you-mean error listing every score."""
-    return lookup("score", name, SCORES)
-
-
 def register(*methods: Method) -> None:
     for m in methods:
         if m.name in METHODS:
