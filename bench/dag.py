@@ -36,7 +36,8 @@ The grid: the paper's models (llama3-8b, mistral-nemo-12b, llama3_3-70b) and dat
 squad, nq, bioasq), every method the revision's registry has (halludetect.methods: the trained
 detectors under grid.detectors, or for a revision before the route stage hidden-state methods under
 grid.methods and those reading the clustering under grid.sp_methods; the analysable ones under
-grid.analyze; every baseline; p_true under grid.model_baselines) and its layers. The
+grid.analyze; every score with nothing to train, p_true among them: in grid.detectors, or for a
+revision before that under grid.baselines and grid.model_baselines) and its layers. The
 paper trains a detector on every layer (Setup: "For each layer, a lightweight MLP detector was
 trained"): Llama-3.1-8B 32 blocks + embeddings (33), Mistral-NeMo-12B 41, Llama-3.3-70B 81, i.e.
 155 (model, layer) pairs per dataset and method. grid.layers is one list for every model
@@ -131,6 +132,7 @@ print(json.dumps({
     "analyze": list(ANALYZABLE),
     "baselines": list(getattr(config, "BASELINES", ())),
     "model_baselines": list(getattr(config, "MODEL_BASELINES", ())),
+    "scores": list(getattr(__import__("halludetect.methods").methods, "SCORES", ())),
 }))
 """
 
@@ -218,11 +220,15 @@ def grid_for(repo: Path, models: list[str], datasets: list[str], methods: str, l
     grid = {"models": models, "datasets": datasets, "layers": list(range(layers))}
     from ruamel.yaml import YAML
 
-    if "detectors" in YAML(typ="safe").load(repo / "params.yaml")["grid"]:  # one list since the route stage
+    written = YAML(typ="safe").load(repo / "params.yaml")["grid"]
+    if "detectors" in written:  # one list since the route stage
         grid["detectors"] = keep(reg["methods"] + reg["sp_methods"])
     else:
         grid["methods"], grid["sp_methods"] = keep(reg["methods"]), keep(reg["sp_methods"])
-    grid |= {"baselines": reg["baselines"], "model_baselines": reg["model_baselines"]}
+    if "baselines" in written:  # the scores' own lists, before they were detectors
+        grid |= {"baselines": reg["baselines"], "model_baselines": reg["model_baselines"]}
+    elif "detectors" in grid:  # every score with the detectors, as the baselines were
+        grid["detectors"] += reg["scores"]
     trained = detectors(grid)
     grid["analyze"] = [m for m in reg["analyze"] if m in trained]
     return grid
@@ -575,7 +581,7 @@ def design(
     n_full = len(full["stages"])
     log(
         f"  grid {len(grid_args['models'])} models x {len(grid_args['datasets'])} datasets x "
-        f"{len(detectors(full['grid']))} methods x {grid_args['layers']} layers: "
+        f"{len(detectors(full['grid']))} detectors x {grid_args['layers']} layers: "
         f"{n_full} stages (resolved in {full['resolve_s']:.1f} s); placeholders: {full['placeholders'] or 'none'}"
     )
     measured_full = n_full <= max_repro

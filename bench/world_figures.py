@@ -2,7 +2,7 @@
 
     python -m bench.world_figures world/world     # <model>/<dataset>
 
-One Markdown row per method of metrics/eval/<model>/<dataset>/ and per baseline of metrics/baselines/:
+One Markdown row per trained method of metrics/eval/<model>/<dataset>/, then per score with nothing to train there:
 test AUROC (mean ± standard error over seeds, the question-bootstrap interval), PRR, FPR at 95% TPR,
 margin, best layer, cost per response.
 """
@@ -60,12 +60,10 @@ for m in DISPLAY:
     p = ev / f"{m}.json"
     if p.exists():
         print(row(DISPLAY[m], json.loads(p.read_text())))
-base = json.loads((Path("metrics/baselines") / f"{cell}.json").read_text())
-for k, d in base.items():
-    print(row(f"`{k}`", d, seeds=False))
-pt = Path("metrics/baselines") / cell / "p_true.json"
-if pt.exists():
-    d = json.loads(pt.read_text())
-    print(row("`p_true`", d, seeds=False), f"n={d['test']['n']}", f"hall={d['test'].get('n_hallucinated')}")
+for p in sorted(ev.glob("*.json")):  # the scores with nothing to train, after the trained methods
+    d = json.loads(p.read_text())
+    if d.get("family") == "baseline":
+        extra = f" n={d['test']['n']} hall={d['test'].get('n_hallucinated')}" if p.stem == "p_true" else ""
+        print(row(f"`{p.stem}`", d, seeds=False) + extra)
 t = json.loads((ev / "max.json").read_text())["test"]
 print("test answers", t["n"], "hallucinated", t["n_hallucinated"], "questions", t["bootstrap"]["questions"])

@@ -19,7 +19,7 @@ from halludetect.core import registry, yaml12
 from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
-from halludetect.core.sections import Fraction, PositiveInt, PSemVariant, Section
+from halludetect.core.sections import DEVICE, Device, Fraction, PositiveInt, PSemVariant, Section
 from halludetect.methods import ANALYZABLE, METHODS, SCORES, PluginError, load_entry_points, load_factory
 
 
@@ -33,17 +33,6 @@ def _split_fraction(value: float) -> float:
 
 
 SplitFraction = Annotated[float, AfterValidator(_split_fraction)]
-DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-
-
-def _device(value: str) -> str:
-    """A torch device a stage can place a model on, checked before anything loads."""
-    if not DEVICE.fullmatch(value):
-        raise ValueError(f"'{value}' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps")
-    return value
-
-
-Device = Annotated[str, AfterValidator(_device)]
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placements over the GPUs
 
 
@@ -478,34 +467,21 @@ class ClusterParams(Section):
     openai: ChatParams = ChatParams(model="gpt-4o-mini", temperature=0.0, max_completion_tokens=16)
 
 
-# Scores with nothing to train (methods/scores.py declares each): from the sampled answers
-# (grid.baselines, stage baselines), or from the model run again (grid.model_baselines).
-BASELINES = tuple(n for n, s in SCORES.items() if s.source == "answers")
-MODEL_BASELINES = tuple(n for n, s in SCORES.items() if s.source == "model")
+def is_score(name: str) -> bool:
+    """A score with nothing to train (methods/scores.py), not a method trained on hidden states: the
+    train and evaluate stages hand it over (stages/common.py)."""
+    return name in SCORES
 
-# One section per detection method, derived from the registry in methods/ (each method declares
-# its params class there), so changing one method's setting retrains only that method.
+
+# One section per detector, derived from the registry in methods/ (each method, and each score with
+# nothing to train, declares its params class there), so changing one detector's setting re-runs
+# only that detector.
 DetectorsParams = create_model(
     "DetectorsParams",
     __base__=Section,
-    __doc__="One section per detection method (halludetect/methods/).",
-    **{name: (m.params, m.params()) for name, m in METHODS.items()},
+    __doc__="One section per detector (halludetect/methods/): the trained methods and the scores.",
+    **{name: (d.params, d.params()) for name, d in {**METHODS, **SCORES}.items()},
 )
-
-
-class BaselinesParams(Section):
-    """Scores that need no hidden states; the sign is fixed (higher = more likely hallucinated)."""
-
-    p_sem: PSemVariant = "sum"  # baseline 1 - P_sem, which variant (sum: the paper's formula)
-    semantic_entropy: Literal["mean", "sum", "discrete"] = "mean"
-
-
-class PTrueParams(Section):
-    """p(True) (Kadavath et al. 2022, the semantic-entropy code's prompt): one more forward pass per answer."""
-
-    few_shot: Annotated[int, Field(ge=0)] = 0  # labelled train questions shown first (the SE code: 20)
-    batch_size: PositiveInt = 32  # answers per forward pass
-    device: Device = "auto"
 
 
 class TrainParams(Section):
@@ -617,29 +593,6 @@ class ReportParams(Section):
     leak_threshold: Annotated[float, Field(ge=0, le=1)] = 0.1
 
 
-def _baseline_list(name: str) -> str | None:
-    """The grid list of a score that trains nothing, for a name put among the detectors."""
-    return "grid.baselines" if name in BASELINES else "grid.model_baselines" if name in MODEL_BASELINES else None
-
-
-SCORE_LISTS = ("grid.baselines", "grid.model_baselines")
-
-
-def _elsewhere(name: str) -> str | None:
-    """Where a detector listed under the wrong one of grid.baselines and grid.model_baselines belongs."""
-    if name in METHODS:
-        return "is trained on hidden states: list it under grid.detectors"
-    home = _baseline_list(name)
-    if home is None:
-        return None
-    how = (
-        "runs the model again, in a stage of its own"
-        if home == "grid.model_baselines"
-        else "is computed from the sampled answers"
-    )
-    return f"{how}: list it under {home}"
-
-
 def _flow(items: list) -> str:
     return "[" + ", ".join(str(x) for x in items) + "]"
 
@@ -649,11 +602,10 @@ class GridParams(Section):
     datasets: list[str]
     # Layers trained and evaluated (one train stage each); they must have been dumped (dump.layers).
     layers: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    # The detectors trained on hidden states (train@, evaluate@), those that also read the clustering
-    # (hami_sp, sep_*) among them: the route stage hands the clustering to those alone.
+    # Every detector (train@, evaluate@): the methods trained on hidden states and the scores with
+    # nothing to train (methods/scores.py). The route stage hands each what it reads besides the
+    # states: the clustering (hami_sp, sep_*, p_sem, ...), the model preset (p_true).
     detectors: list[str]
-    baselines: list[str] = []  # scores without hidden states (baselines@)
-    model_baselines: list[str] = []  # scores that run the model again (model_baselines@): p_true
     analyze: list[str] = []  # HaMI-family detectors whose sensitivity to the scaling is analysed (analyze@)
     # Cross-dataset transfer (stage transfer@<m>-<train>-<test>, docs/transfer.md): the datasets whose
     # every ordered pair, the diagonal included, is evaluated within each model; [] for none. dvc.yaml's
@@ -667,6 +619,14 @@ class GridParams(Section):
         get a message saying what to write instead, not pydantic's type errors."""
         if not isinstance(data, dict):
             return data
+        if former := [k for k in ("baselines", "model_baselines") if k in data]:
+            names = [*(data.get("detectors") or []), *(n for k in former for n in (data.get(k) or []))]
+            them = "them" if len(former) > 1 else "it"
+            raise ValueError(
+                f"grid.{' and grid.'.join(former)}: the scores with nothing to train are detectors now, in the one "
+                f"list grid.detectors (their settings under detectors.<name>): delete {them} and write "
+                f"`detectors: {_flow(names)}`"
+            )
         if former := [k for k in ("methods", "sp_methods") if k in data]:
             names = [n for k in ("methods", "sp_methods") for n in (data.get(k) or [])]
             raise ValueError(
@@ -708,15 +668,31 @@ class Params(Section):
     cluster: ClusterParams = ClusterParams()
     prices: dict[str, Price] = {}  # by model name, for the cost estimate in the judge and cluster metrics
     detectors: DetectorsParams = DetectorsParams()
-    baselines: BaselinesParams = BaselinesParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
-    p_true: PTrueParams = PTrueParams()
     export: ExportParams = ExportParams()
     transfer: TransferParams = TransferParams()
     latency: LatencyParams = LatencyParams()
     analyze: AnalyzeParams = AnalyzeParams()
     report: ReportParams = ReportParams()
+
+    # The scores' former sections, now each score's own under detectors (so that a setting of one
+    # re-runs that score alone): where each key went.
+    FORMER_SECTIONS: ClassVar[dict[str, str]] = {
+        "baselines": "baselines.p_sem is detectors.p_sem.variant, baselines.semantic_entropy "
+        "detectors.semantic_entropy.variant",
+        "p_true": "its keys (few_shot, batch_size, device) are under detectors.p_true",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_sections(cls, data):
+        if isinstance(data, dict) and (former := [k for k in cls.FORMER_SECTIONS if k in data]):
+            raise ValueError(
+                "; ".join(f"the section '{k}' is gone: {cls.FORMER_SECTIONS[k]}" for k in former)
+                + " (the scores are detectors now: docs/detectors.md)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _grid_names_exist(self) -> Params:
@@ -724,20 +700,11 @@ class Params(Section):
         for key, names, choices in (
             ("grid.models", self.grid.models, self.models),
             ("grid.datasets", self.grid.datasets, self.datasets),
-            ("grid.detectors", self.grid.detectors, list(METHODS)),
-            ("grid.baselines", self.grid.baselines, BASELINES),
-            ("grid.model_baselines", self.grid.model_baselines, MODEL_BASELINES),
+            ("grid.detectors", self.grid.detectors, [*METHODS, *SCORES]),
             ("grid.analyze", self.grid.analyze, ANALYZABLE),
         ):
             for name in names:
-                if key == "grid.detectors" and (home := _baseline_list(name)):
-                    problems.append(
-                        f"grid.detectors: '{name}' trains nothing (a score of the sampled answers or of the model "
-                        f"asked again, computed in its own stage): list it under {home}"
-                    )
-                elif key in SCORE_LISTS and name not in choices and (why := _elsewhere(name)):
-                    problems.append(f"{key}: '{name}' {why}")
-                elif name not in choices:
+                if name not in choices:
                     problems.append(f"{key}: '{name}' is not defined{_suggest(name, choices)}")
                 elif key == "grid.analyze" and name not in self.grid.detectors:
                     problems.append(
@@ -746,6 +713,11 @@ class Params(Section):
                     )
             if len(set(names)) != len(names):
                 problems.append(f"{key}: {_flow(names)} lists a name twice")
+        if not [name for name in self.grid.detectors if not is_score(name)]:
+            problems.append(
+                "grid.detectors: no detector trained on hidden states (every figure and the token evidence of a "
+                "cell are drawn from one at least): add one, e.g. hami or max"
+            )
         for section, presets in (("models", self.models), ("datasets", self.datasets)):
             for name in presets:
                 if "." in name:  # dvc.yaml declares `models.${item.model}`: DVC would read nested keys

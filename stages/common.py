@@ -6,11 +6,12 @@ Light on purpose: a stage imports only what it runs, so `stages.report` never lo
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable
 
-from halludetect.config import Params, load_params
+from halludetect.config import Params, is_score, load_params
 from halludetect.core.errors import UserError
 
 log = logging.getLogger("halludetect")
@@ -44,3 +45,15 @@ def main(run: Callable[[argparse.Namespace, Params], None], p: argparse.Argument
     except KeyboardInterrupt as e:  # paid work already done is kept (caches, progress units)
         print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+# A score with nothing to train (methods/scores.py) runs in the train and evaluate stages like every
+# detector of grid.detectors, and those stages hand it to stages/<family>_score.py. By name, not by an
+# import: the code stage follows imports, and the digest of a trained method's stage must not hold the
+# scores' code, nor a score's the training's (halludetect/core/code_deps.py, HAND_OVER).
+def hand_over(family: str, args: argparse.Namespace, params: Params) -> bool:
+    """Run `family` (train, evaluate) of a score here and say True; False for a trained method."""
+    if not is_score(args.method):
+        return False
+    importlib.import_module(f"stages.{family}_score").run(args, params)
+    return True

@@ -45,6 +45,8 @@ def trained_layers(timing: str) -> list[int]:
 
 
 def run(args, params):
+    if common.hand_over("evaluate", args, params):  # a score: its figures and bundle (stages/scores.py)
+        return
     ep, seeds = params.evaluate, params.train.seeds
     take_routed(args, "evaluate")  # the clustering's files, for a method that reads them
     # The layers evaluated are those the train stage trained (its timing file names them, one key

@@ -12,7 +12,7 @@ def run(args, params):
         args.dataset,
         params.grid,
         params.train.seeds,
-        params.baselines,
+        params.detectors.p_sem.variant,
         eval_dir=args.eval_dir,
         scores_dir=args.scores_dir,
         judgments=args.judgments,

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from halludetect.core.atomic_io import atomic_path, write_json, write_text
+from halludetect.methods import trained
 from halludetect.report import paper
 from halludetect.report.cells import Grid
 from halludetect.report.evidence_tables import evidence_tables, load_evidence
@@ -25,15 +26,7 @@ def run(args, params):
         {m: paper.model_key(params.model(m).path) for m in g.models},
         {d: paper.dataset_key(params.dataset(d).loader) for d in g.datasets},
     )
-    metrics = load_metrics(
-        args.metrics_dir,
-        g.models,
-        g.datasets,
-        g.detectors,
-        args.baselines_dir,
-        g.baselines,
-        g.model_baselines,
-    )
+    metrics = load_metrics(args.metrics_dir, g.models, g.datasets, g.detectors)
     labels = load_per_cell(args.labels_dir, g.models, g.datasets)
     analysis = load_analysis(args.metrics_dir, g.models, g.datasets, g.analyze)
     out = Path(args.out_dir)
@@ -43,7 +36,7 @@ def run(args, params):
     tables += transfer_tables(
         load_transfer(args.metrics_dir, pairs),
         g.datasets,
-        g.detectors,
+        trained(g.detectors),
         params.export.threshold,
         metrics,  # the params of each training dataset's detectors, for the captions
     )
@@ -73,7 +66,6 @@ if __name__ == "__main__":
         help="directory of <model>/<dataset>/<method>.json (and the analyses, "
         "<model>/<dataset>/analysis/<method>.json, and the transfers, <model>/transfer/<train>__<test>.json)",
     )
-    p.add_argument("--baselines-dir", required=True, help="directory of <model>/<dataset>.json baseline metrics")
     p.add_argument("--labels-dir", required=True, help="directory of <model>/<dataset>.json label metrics")
     p.add_argument("--evidence-dir", required=True, help="directory of <model>/<dataset>.json token evidence")
     p.add_argument(

@@ -199,6 +199,8 @@ def train_beside_workers(layers: list[int], n: int, args, method_params, tp, dev
 
 
 def run(args, params):
+    if common.hand_over("train", args, params):  # a score: nothing to train (stages/scores.py)
+        return
     tp = params.train
     device = resolve_device(tp.device, "train.device")  # before any file is read
     method_params = section(params.detectors, args.method)
@@ -247,6 +249,8 @@ if __name__ == "__main__":
     p.add_argument(
         "--timing", help="the layers' training times (JSON, apart from the figures: wall times differ per run)"
     )
+    p.add_argument("--generations", help="generations Parquet: what a score is computed from (stages/scores.py)")
+    p.add_argument("--questions", help="questions Parquet: p(True)'s prompt")
     p.add_argument(
         "--layers",
         type=layer_list,

@@ -8,6 +8,7 @@ from halludetect.core.atomic_io import write_json
 from halludetect.core.errors import DataError
 from halludetect.evaluation.transfer import kept_test_judgments, overlapping_questions, pair_name, transfer_method
 from halludetect.labels.readers import read_judgments
+from halludetect.methods import trained
 from stages import common
 
 
@@ -32,7 +33,7 @@ def run(args, params):
         )
     judgments = kept_test_judgments(read_judgments(args.test_judgments), leave_out, pair, args.test)
     methods = {}
-    for method in params.grid.detectors:
+    for method in trained(params.grid.detectors):  # a score has nothing fitted on A to carry over
         methods[method] = transfer_method(
             method,
             pair=pair,

@@ -365,27 +365,45 @@ def test_the_former_method_lists_name_the_one_list_to_write_instead():
 
 
 @pytest.mark.hostile
-def test_a_detector_listed_twice_analysed_untrained_or_a_baseline_among_them_is_refused():
+def test_a_detector_listed_twice_misspelt_or_analysed_untrained_is_refused_and_scores_are_detectors():
     data = base()
-    data["grid"]["detectors"] = ["max", "hami", "max", "p_true", "logprob"]
+    data["grid"]["detectors"] = ["max", "hami", "max", "p_true", "logprob", "psem"]
     data["grid"]["analyze"] = ["hami_sp"]
     with pytest.raises(ParamsError) as e:
         parse_params(data)
     msg = str(e.value)
-    assert "grid.detectors: [max, hami, max, p_true, logprob] lists a name twice" in msg
-    assert "'p_true' trains nothing" in msg and "list it under grid.model_baselines" in msg
-    assert "'logprob' trains nothing" in msg and "list it under grid.baselines" in msg
+    assert "grid.detectors: [max, hami, max, p_true, logprob, psem] lists a name twice" in msg
+    assert "grid.detectors: 'psem' is not defined; did you mean 'p_sem'?" in msg
+    assert "p_true'" not in msg and "logprob'" not in msg  # the scores with nothing to train are detectors
     assert "grid.analyze: 'hami_sp' is analysed from its trained detectors: list it under grid.detectors" in msg
+    data["grid"].update(detectors=["hami", "p_true", "logprob"], analyze=[])
+    data["detectors"] = {"p_true": {"few_shot": 2}, "p_sem": {"variant": "mean"}}
+    p = parse_params(data)
+    assert p.detectors.p_true.few_shot == 2 and p.detectors.p_sem.variant == "mean"
+    assert p.detectors.semantic_entropy.variant == "mean" and p.detectors.length.model_dump() == {}
+    data["grid"].update(detectors=["p_true", "logprob"])  # the figures and the evidence need a trained one
+    with pytest.raises(ParamsError, match="grid.detectors: no detector trained on hidden states .*: add one"):
+        parse_params(data)
 
 
 @pytest.mark.hostile
-def test_a_detector_under_the_wrong_score_list_is_sent_to_its_own():
+def test_the_former_score_lists_and_sections_name_where_they_went():
     data = base()
-    data["grid"].update(baselines=["p_true", "max", "psem"], model_baselines=["p_sem"])
+    data["grid"].update(baselines=["p_sem", "length"], model_baselines=["p_true"])
     with pytest.raises(ParamsError) as e:
         parse_params(data)
     msg = str(e.value)
-    assert "grid.baselines: 'p_true' runs the model again, in a stage of its own: list it under grid.model_" in msg
-    assert "grid.baselines: 'max' is trained on hidden states: list it under grid.detectors" in msg
-    assert "grid.baselines: 'psem' is not defined; did you mean 'p_sem'?" in msg
-    assert "grid.model_baselines: 'p_sem' is computed from the sampled answers: list it under grid.baselines" in msg
+    assert "grid.baselines and grid.model_baselines: the scores with nothing to train are detectors now" in msg
+    assert f"`detectors: [{', '.join([*base()['grid']['detectors'], 'p_sem', 'length', 'p_true'])}]`" in msg
+    data = base()
+    data.update(baselines={"p_sem": "mean"}, p_true={"few_shot": 3})
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    msg = str(e.value)
+    assert "the section 'baselines' is gone: baselines.p_sem is detectors.p_sem.variant" in msg
+    assert "the section 'p_true' is gone: its keys (few_shot, batch_size, device) are under detectors.p_true" in msg
+    data = base()
+    data["detectors"] = {"p_true": {"device": "gpu"}, "length": {"k": 1}}
+    with pytest.raises(ParamsError) as e:
+        parse_params(data)
+    assert "detectors.p_true.device" in str(e.value) and "detectors.length.k" in str(e.value)

@@ -23,12 +23,13 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from e2e_support import LAYERS, METHODS, SP_METHODS, changed, ran, run, set_params, shared_dag, stage_cmd
+from e2e_support import LAYERS, METHODS, SCORES, SP_METHODS, changed, ran, run, set_params, shared_dag, stage_cmd
 
 pytestmark = pytest.mark.e2e
 
 DETECTOR_STAGES = {f"{kind}@world-world-{m}" for m in (*METHODS, *SP_METHODS) for kind in ("train", "evaluate")}
 SP_STAGES = {s for s in DETECTOR_STAGES if any(m in s for m in SP_METHODS)}
+SCORE_STAGES = {f"{kind}@world-world-{m}" for m in SCORES for kind in ("train", "evaluate")}
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,7 @@ def test_dag_writes_the_comparison_table(repo):
     for name in (  # the field's baselines and the plugin, each with what it needs
         "EigenScore [sampling, hidden states]",
         "SEP (SLT) [SE labels (sampling + NLI) to train, hidden states]",
-        "Semantic entropy [sampling + NLI]",
         "Mean token log-prob [token log-probs]",
-        "Answer length [the answer only]",
-        "Lexical similarity (ROUGE-L) [sampling]",
-        "Number of semantic sets [sampling + NLI]",
         "p(True) [sampling, a forward pass]",
         "Wide max pooling [labels, hidden states]",
     ):
@@ -58,15 +55,20 @@ def test_dag_writes_the_comparison_table(repo):
     main = (repo / "metrics/tables/auroc.md").read_text()
     assert main.index("| Max pooling |") < main.index("| EigenScore [") < main.index("| Wide max pooling [")
     assert "s/resp." in main  # the cost per response of the field's baselines
-    p_true = json.loads((repo / "metrics/baselines/world/world/p_true.json").read_text())
-    assert p_true["cost_per_response"]["seconds"] > 0 and p_true["test"]["n"] > 0
+    p_true = json.loads((repo / "metrics/eval/world/world/p_true.json").read_text())
+    assert p_true["cost_per_response"]["seconds"] > 0 and p_true["test"]["n"] > 0 and p_true["best_layer"] is None
+    for name in SCORES:  # a detector like the others, with nothing trained: no weights, no layers, a bundle
+        for out in (f"data/detectors/world/world/{name}", f"metrics/layers/world/world/{name}"):
+            assert [p.name for p in (repo / out).iterdir()] == ["nothing_trained.json"], out
+        assert (repo / f"data/bundles/world/world/{name}.safetensors").stat().st_size > 0
+        assert json.loads((repo / f"metrics/plots/world/world/{name}.json").read_text()) == []
     sep = json.loads((repo / "metrics/layers/world/world/sep_slt/layer_1.json").read_text())
     assert "too_short" in sep["excluded"]["train"]
     # the only DVC metrics are the headline files, a row each, whatever else the DAG wrote
     # (docs/sweeps-and-sharing.md "Readable views"; tests/report/test_headline.py: the world's width)
     shown = run(["dvc", "metrics", "show", "--md"], repo).strip().splitlines()
     headline = sorted((repo / "metrics/headline").rglob("*.json"))
-    assert len(shown) == 2 + len(headline) == 2 + len(METHODS) + len(SP_METHODS) + 7, shown
+    assert len(shown) == 2 + len(headline) == 2 + len(METHODS) + len(SP_METHODS) + len(SCORES), shown
     assert all(row.startswith("| metrics/headline/eval/world/world/") for row in shown[2:])
     assert max(map(len, shown)) <= 200
     eigen = json.loads((repo / "metrics/eval/world/world/eigenscore.json").read_text())
@@ -390,15 +392,15 @@ def test_generation_param_reruns_generation_and_everything_after(repo):
     # Everything after is now stale (what `dvc repro` would re-run), nothing before: checked
     # without repeating the whole DAG.
     stale = changed(repo)
-    assert stale >= {"judge@world-world", "cluster@world-world", "baselines@world-world", "latency@world-world"} | {
-        s for s in DETECTOR_STAGES if s.startswith(("train", "evaluate"))
+    assert stale >= {"judge@world-world", "cluster@world-world", "latency@world-world"} | {
+        s for s in DETECTOR_STAGES | SCORE_STAGES if s.startswith(("train", "evaluate"))
     }
     assert not stale & {"world", "world_check", "manifest@world", "prepare@world"}
     restore(repo)
 
 
 def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
-    """...or the semantic entropy (the SE probe); the baselines of the clustering are re-evaluated.
+    """...or the semantic entropy (the SE probe), and the scores of the clustering (P_sem).
     Checked as the generation test checks it: the clustering re-run, then what is stale."""
     set_params(repo, {"cluster": {"equivalence": "strict"}})
     assert changed(repo) == {"cluster@world-world", "latency@world-world"}  # latency makes the NLI calls itself
@@ -407,22 +409,25 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
     # Stale now: what reads the clustering's outputs (its timings change on every run; on this small
     # world the strict rule gives the same clusters), never a detector that does not read them.
     stale = changed(repo)
-    assert stale >= {"baselines@world-world", "latency@world-world", "route@world-world"}
-    assert not stale & (DETECTOR_STAGES - SP_STAGES)
+    assert stale >= {"latency@world-world", "route@world-world"}
+    assert not stale & (DETECTOR_STAGES - SP_STAGES) and not stale & SCORE_STAGES
     # The route stage hands the new clustering to the detectors that read it, and to no other: every
     # detector is in one list (grid.detectors), one train and one evaluate family.
     log = run([sys.executable, "-m", "dvc", "repro", "--single-item", "route@world-world"], repo)  # not latency's
     assert ran(log) == {"route@world-world"}
     stale = changed(repo)
-    assert {f"evaluate@world-world-{m}" for m in SP_METHODS} <= stale  # the clustering's timings, routed to them
-    assert not stale & (DETECTOR_STAGES - SP_STAGES)
+    assert {f"evaluate@world-world-{m}" for m in (*SP_METHODS, "p_sem")} <= stale  # the timings, routed to them
+    assert not stale & (DETECTOR_STAGES - SP_STAGES) and not stale & {s for s in SCORE_STAGES if "p_sem" not in s}
     restore(repo)
 
 
 def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
-    # the bundles record the position convention their detectors read
-    assert changed(repo) == {"dump@world-world"} | {f"evaluate@world-world-{m}" for m in (*METHODS, *SP_METHODS)}
+    # the bundles record the position convention their detectors read; the scores' evaluate stages share
+    # the family's params (a DVC matrix gives all its stages the same: docs/pipeline.md), seconds each
+    assert changed(repo) == {"dump@world-world"} | {
+        f"evaluate@world-world-{m}" for m in (*METHODS, *SP_METHODS, *SCORES)
+    }
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"dump@world-world"}
     stale = changed(repo)

@@ -83,31 +83,46 @@ def test_one_methods_digest_leaves_out_the_other_methods_files():
     assert not scores & set.union(*runs.values()) and set.union(*runs.values()) | scores == every
 
 
-def test_the_stages_of_the_scores_with_nothing_to_train_follow_their_declarations_not_the_methods():
-    """baselines and model_baselines import methods/ for methods/scores.py alone: no method's file is
-    their code (an edit to one never re-runs them), and they get no per-method digest."""
-    method_files = {f"halludetect/{m.replace('.', '/').split('/', 1)[1]}.py" for m in code_deps.all_methods().values()}
-    for module in code_deps.SCORE_STAGES:
-        files = {code_deps.relative(p) for p in code_deps.closure(module)}
-        assert "halludetect/methods/scores.py" in files and not files & method_files, module
-        assert not code_deps.runs_methods(module)
+def test_a_scores_train_and_evaluate_digests_are_its_own_code_and_no_trained_methods():
+    """The train and evaluate stages hand a score over to stages/<family>_score.py by name (HAND_OVER):
+    its digest is the stage's file, that module's code and its compute's, none of the training's; a
+    trained method's holds none of the scores' code; p(True)'s model code is p(True)'s alone, and the
+    bundle's export is no score's train code."""
+    from halludetect.methods import METHODS, SCORES
+
+    method_files = {
+        f"halludetect/{m.replace('.', '/').split('/', 1)[1]}.py" for m in code_deps.builtin_methods().values()
+    }
+    assert set(code_deps.builtin_scores()) == set(SCORES)
+    for module in code_deps.HAND_OVER:
+        for name in SCORES:
+            files = {code_deps.relative(p) for p in code_deps.closure(module, method=name)}
+            handed = code_deps.HAND_OVER[module].replace(".", "/") + ".py"
+            assert {handed, module.replace(".", "/") + ".py", "halludetect/methods/scores.py"} <= files, (module, name)
+            assert not files & method_files, (module, name)
+            assert "halludetect/detectors/training.py" not in files and "halludetect/detectors/fitting.py" not in files
+            assert ("halludetect/evaluation/p_true.py" in files) == (name == "p_true"), (module, name)
+            assert ("halludetect/lm/hf_models.py" in files) == (name == "p_true"), (module, name)
+            if module == "stages.train":
+                assert "halludetect/scoring/score_bundle.py" not in files and "stages/evaluate_score.py" not in files
+        for name in METHODS:
+            files = {code_deps.relative(p) for p in code_deps.closure(module, method=name)}
+            assert not files & {"stages/train_score.py", "stages/evaluate_score.py", "halludetect/evaluation/p_true.py"}
+    with pytest.raises(ValueError, match="runs no score"):
+        code_deps.closure("stages.figures", method="p_sem")
 
 
 def test_every_declared_compute_and_fitter_is_code_of_the_stage_that_runs_it():
     """A score's `compute` and a kind of fit's `fitter` are "module:function" strings, resolved when
     they run: their modules must be in the code of the stage that runs them, or an edit to one would
     leave the stage's results stale."""
-    from halludetect.core.registry import load_target
-    from halludetect.evaluation.p_true import p_true_scores
     from halludetect.methods import METHODS, SCORES
 
     def module_file(target: str) -> str:
         return target.partition(":")[0].replace(".", "/") + ".py"
 
-    stage = {"answers": "stages.baselines", "model": "stages.model_baselines"}
     for name, s in SCORES.items():
-        assert module_file(s.compute) in {code_deps.relative(p) for p in code_deps.closure(stage[s.source])}, name
-    assert load_target(SCORES["p_true"].compute, "p_true") is p_true_scores  # what its stage calls
+        assert module_file(s.compute) in {code_deps.relative(p) for p in code_deps.closure("stages.train", method=name)}
     for name, m in METHODS.items():
         if m.fit.fitter is not None:
             run = {code_deps.relative(p) for p in code_deps.closure("stages.train", method=name)}
@@ -124,9 +139,11 @@ def test_the_code_stage_writes_every_digest_a_stage_lists(tmp_path):
         for dep in code_deps.stage_body(stage).get("deps", []):
             if str(dep).startswith(out + "/"):
                 rel = str(dep)[len(out) + 1 :]
-                wanted = (
-                    [rel.replace("${item.method}", m) for m in code_deps.all_methods()] if "${item" in rel else [rel]
-                )
+                names = [
+                    *code_deps.all_methods(),
+                    *(code_deps.builtin_scores() if name in ("train", "evaluate") else ()),
+                ]
+                wanted = [rel.replace("${item.method}", m) for m in names] if "${item" in rel else [rel]
                 assert set(wanted) <= written, f"{name}: {sorted(set(wanted) - written)} are not written"
 
 
@@ -283,7 +300,6 @@ STAGE_SECTIONS = [
     "judge",
     "cluster",
     "detectors",
-    "baselines",
     "train",
     "evaluate",
     "export",
@@ -319,7 +335,7 @@ def test_params_yaml_is_the_one_source_of_defaults(section):
     assert not differ, f"params.yaml {section} (value, code default) differ: {differ}"
 
 
-@pytest.mark.parametrize("stage", ["report", "prepare", "baselines", "judge", "cluster", "figures", "code"])
+@pytest.mark.parametrize("stage", ["report", "prepare", "train_score", "judge", "cluster", "figures", "code"])
 def test_stages_without_a_model_do_not_load_torch(stage):
     """A stage imports only what it runs: the report and the label stages start in a fraction
     of a second instead of loading torch to catch exception classes."""

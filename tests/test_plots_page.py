@@ -20,7 +20,6 @@ import yaml
 from matplotlib.colors import to_hex
 from support import ROOT
 
-from halludetect.config import BASELINES
 from halludetect.evaluation.plot_data import (
     CLASS_COLOURS,
     CLASSES,
@@ -31,7 +30,7 @@ from halludetect.evaluation.plot_data import (
     series_colour,
     with_colours,
 )
-from halludetect.methods import METHODS
+from halludetect.methods import METHODS, SCORES
 from halludetect.report import figures
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
@@ -88,8 +87,8 @@ def test_a_series_has_one_colour_in_the_pngs_and_on_the_page():
         assert points == {"field": "colour", "type": "nominal", "scale": None, "legend": None}, name
     classes = json.loads((PLOTS / "panels.json").read_text())["spec"]["encoding"]["color"]["scale"]
     assert dict(zip(classes["domain"], classes["range"])) == {name: CLASS_COLOURS[label] for name, label in CLASSES}
-    # every method, baseline and model baseline has a colour of its own
-    assert set(METHOD_COLOURS) == {*METHODS, *BASELINES, "p_true"}
+    # every method and score has a colour of its own
+    assert set(METHOD_COLOURS) == {*METHODS, *SCORES}
     assert len(set(METHOD_COLOURS.values())) == len(METHOD_COLOURS)
     # a user's plugin has a colour too, none of ours, the same in every process (a digest of its name)
     assert method_colour("wide_max") == method_colour("wide_max") not in METHOD_COLOURS.values()

@@ -1,5 +1,5 @@
-"""`halludetect score`: answers (or sampled answers to questions) scored with a detector bundle
-(`halludetect.scoring.scorer.score_file`)."""
+"""`halludetect score`: answers (or sampled answers to questions) scored with a detector bundle, or
+answers with a score bundle (p_sem, length, logprob) (`halludetect.scoring.scorer.score_file`)."""
 
 from __future__ import annotations
 
@@ -102,13 +102,18 @@ def add(sub) -> None:
         description="Score answers with a detector bundle (the export stage writes them to "
         f"data/bundles/<model>/<dataset>/<method>.safetensors). A detector can score {CAN_SCORE}. The base "
         "model runs whole, for the answers' token log-probs; with --no-distribution-check, or a bundle that "
-        "predates the check, only up to the detector's layer.",
+        "predates the check, only up to the detector's layer. A score bundle (a score with nothing to train) "
+        "scores answers given: p_sem is 1 - each row's p_sem (no model; `halludetect show` says which P_sem), "
+        "length the answer's tokens under the base model's tokenizer, logprob minus its mean token log-prob "
+        "under the base model; the scores that read a question's other answers (semantic_entropy, "
+        "lexical_similarity, semantic_sets, p_true) are refused.",
     )
-    s.add_argument("--bundle", required=True, help="detector bundle (.safetensors)")
+    s.add_argument("--bundle", required=True, help="detector or score bundle (.safetensors)")
     s.add_argument(
         "--input",
         required=True,
-        help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem]; with --generate: question[, id]",
+        help="JSONL or Parquet: question, answer[, id, answer_token_ids, p_sem] (p_sem: for hami_sp and a p_sem "
+        "score bundle); with --generate: question[, id]",
     )
     s.add_argument(
         "--out",

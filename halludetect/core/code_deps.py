@@ -57,12 +57,16 @@ FRONT_DOOR = ROOT / "halludetect" / "__init__.py"
 # never re-runs sampling, dumping or labelling. (The contract test holds every stage declaring
 # `detectors` params to running methods/.)
 VALIDATION_ONLY = {"halludetect.config": ("halludetect.methods",)}
-# The stages that read methods/ for the scores with nothing to train only (their declarations:
-# methods/scores.py). methods/ imports every method's file by discovery, but those register other
-# names: of the discovered files these stages follow scores.py alone, get no per-method digest and
-# no plugin's files, so adding or editing a method never re-runs them.
-SCORE_STAGES = {"stages.baselines": frozenset({"halludetect.methods.scores"})}
-SCORE_STAGES["stages.model_baselines"] = SCORE_STAGES["stages.baselines"]
+# The scores with nothing to train (methods/scores.py) are detectors of grid.detectors: the train and
+# evaluate stages run for them too, handing them over by name to stages/<family>_score.py
+# (stages/common.py hand_over). So a score's digest of those stages is the stage's own file (its
+# arguments and the hand-over run), the code of the module it hands over to and of the module that
+# computes the score (its declaration's `compute`); of methods/'s discovered files it follows
+# scores.py alone. A trained method's digest holds none of it: an edit to the training re-runs no
+# score, an edit to p(True) no trained method and no other score, the bundle's export no score's
+# train stage.
+HAND_OVER = {"stages.train": "stages.train_score", "stages.evaluate": "stages.evaluate_score"}
+SCORES_FILE = "halludetect.methods.scores"
 
 
 # One pass over the code (the code stage's digests, a --check): the files cannot change under it, so
@@ -233,9 +237,11 @@ def closure(module: str, *, plugins: bool = True, method: str | None = None) -> 
     method's file by discovery, but a method's results depend only on its own file (and what that
     imports); the other methods' files only register other names. So an edit to methods/sep.py
     re-runs SEP's stages and no other method's (the code stage writes one digest per method)."""
-    keep = SCORE_STAGES.get(module) if method is None else method_modules(method)
+    if method is not None and method in builtin_scores():
+        return score_closure(module, method)
+    keep = None if method is None else method_modules(method)
     files = _closure(module, keep)
-    if plugins and METHODS_INIT in files and module not in SCORE_STAGES:
+    if plugins and METHODS_INIT in files:
         mine = plugin_files(only=method) if method is not None else plugin_files()
         files = sorted(set(files) | {p for p in mine if p.is_relative_to(ROOT)})
     return files
@@ -393,6 +399,37 @@ def plugin_methods(params_file: Path | None = None) -> dict[str, str]:
     return found
 
 
+SCORE_CALL = (
+    "Score"  # methods/scores.py declares a score by `Score("<name>", display, needs, "<module:function>", ...)`
+)
+
+
+@_per_pass
+def builtin_scores() -> dict[str, str]:
+    """{score name: the module its declaration's `compute` names}, read from methods/scores.py's source."""
+    path = module_file(SCORES_FILE)
+    found: dict[str, str] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == SCORE_CALL:
+            given = dict(enumerate(node.args)) | {k.arg: k.value for k in node.keywords}
+            name, compute = given.get(0, given.get("name")), given.get(3, given.get("compute"))
+            if not all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in (name, compute)):
+                raise ValueError(
+                    f"{path}:{node.lineno}: a Score's name and compute are string literals (the code stage reads them)"
+                )
+            found[name.value] = compute.value.partition(":")[0]
+    return found
+
+
+def score_closure(module: str, score: str) -> list[Path]:
+    """What a score's run of a train or evaluate stage module depends on (HAND_OVER)."""
+    if module not in HAND_OVER:
+        raise ValueError(f"{module} runs no score: only {', '.join(HAND_OVER)} hand one over")
+    keep = frozenset({SCORES_FILE})
+    own = set(_closure(HAND_OVER[module], keep)) | set(_closure(builtin_scores()[score], keep))
+    return sorted(own | {module_file(module)})
+
+
 def all_methods() -> dict[str, str]:
     """Every method a digest is written for: {name: module}, built-ins and plugins."""
     return {**plugin_methods(), **builtin_methods()}
@@ -452,7 +489,13 @@ def code_dirs() -> tuple[str, ...]:
 # second), and DVC compares the digest files' hashes, which change only for the closures that hold
 # the edited file.
 STAGES_DIR = ROOT / "stages"
-NOT_STAGES = ("__init__", "common", "code")  # modules of stages/ that are no stage with a digest
+NOT_STAGES = (
+    "__init__",
+    "common",
+    "code",
+    "train_score",
+    "evaluate_score",
+)  # modules of stages/ that are no stage with a digest
 
 
 def stage_module_names() -> list[str]:
@@ -461,7 +504,7 @@ def stage_module_names() -> list[str]:
 
 
 def runs_methods(module: str) -> bool:
-    return module not in SCORE_STAGES and METHODS_INIT in _closure(module)
+    return METHODS_INIT in _closure(module)
 
 
 def digest_text(files: list[Path]) -> str:
@@ -492,6 +535,9 @@ def _digests() -> dict[str, str]:
         if runs_methods(module):
             for m in methods:
                 out[f"{short}/{m}.txt"] = digest_text(closure(module, method=m))
+        if module in HAND_OVER:
+            for score in sorted(builtin_scores()):
+                out[f"{short}/{score}.txt"] = digest_text(score_closure(module, score))
     return out
 
 

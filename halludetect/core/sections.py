@@ -7,9 +7,10 @@ a detector method declares its own section in its file under `methods/`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
@@ -28,3 +29,14 @@ Decay = Annotated[float, Field(ge=0)]
 # product of its token probabilities), mean (length-normalised: exp(mean token log-prob)) or count
 # (cluster size / K, the HaMI code's).
 PSemVariant = Literal["sum", "mean", "count"]
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _device(value: str) -> str:
+    """A torch device a stage can place a model on, checked before anything loads."""
+    if not DEVICE.fullmatch(value):
+        raise ValueError(f"'{value}' is not a device; use auto, cpu, cuda, cuda:N (a GPU index) or mps")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_device)]

@@ -1,10 +1,10 @@
 """How the scores with nothing to train are computed from the sampled answers and their clustering
 (their declarations, with what each means: halludetect/methods/scores.py). Each function takes
-(generations, clusters, the baselines params) and returns columns rid, score.
+(generations, clusters, the score's params section detectors.<name>) and returns columns rid, score.
 
 The question-level scores (semantic entropy, lexical similarity, semantic sets) give every answer
 of a question the same score. Lexical similarity needs two non-empty answers: a question with one
-is left out, counted. p(True) runs the model again: it has a stage of its own (p_true.py).
+is left out, counted. p(True) runs the model again (p_true.py).
 Lexical similarity is lm-polygraph's LexicalSimilarity: rouge_score's rougeL with the Porter
 stemmer, every pair i < j once; lm-polygraph reports minus the mean, the same ranking.
 """
@@ -17,9 +17,9 @@ import time
 import numpy as np
 import polars as pl
 
-from halludetect.config import BaselinesParams
 from halludetect.core.lookup import lookup
 from halludetect.core.registry import load_target
+from halludetect.core.sections import Section
 from halludetect.methods import SCORES, Score
 from halludetect.metrics import check_two_classes, question_groups, split_metrics
 from halludetect.qa.responses import response_ids
@@ -31,12 +31,12 @@ def _by_response(df: pl.DataFrame, score: pl.Expr) -> pl.DataFrame:
 
 def p_sem(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
-    return _by_response(ok, 1 - pl.col(f"p_sem_{p.p_sem}"))
+    return _by_response(ok, 1 - pl.col(f"p_sem_{p.variant}"))
 
 
 def semantic_entropy(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
-    return _by_response(ok, pl.col(f"semantic_entropy_{p.semantic_entropy}"))
+    return _by_response(ok, pl.col(f"semantic_entropy_{p.variant}"))
 
 
 def logprob(generations, clusters, p):
@@ -85,20 +85,18 @@ def semantic_sets(generations, clusters, p):
 
 
 def baseline(name: str) -> Score:
-    """The declaration of the score `name` computed from the sampled answers (grid.baselines)."""
+    """The declaration of the score `name` computed from the sampled answers."""
     return lookup("baseline", name, {n: s for n, s in SCORES.items() if s.source == "answers"})
 
 
-def baseline_scores(
-    name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: BaselinesParams
-) -> pl.DataFrame:
+def baseline_scores(name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: Section) -> pl.DataFrame:
     """Columns rid, score for every response the baseline can score."""
     spec = baseline(name)
     return load_target(spec.compute, f"the score {name}")(generations, clusters, params)
 
 
 def timed_scores(
-    name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: BaselinesParams
+    name: str, generations: pl.DataFrame, clusters: pl.DataFrame, params: Section
 ) -> tuple[pl.DataFrame, float]:
     """The scores and the seconds they took (the baseline's own share of its cost)."""
     t0 = time.perf_counter()

@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from halludetect.core.errors import DataError
 from halludetect.lm.hf_models import context_length, input_device
 from halludetect.lm.model_inputs import pad_ids
 from halludetect.qa.responses import response_id
@@ -59,7 +60,9 @@ def few_shot_block(questions: pl.DataFrame, generations: pl.DataFrame, judgments
     labelled = judgments.filter((pl.col("split") == "train") & pl.col("kept") & (pl.col("sample_index") == 0))
     chosen = labelled.sort("question_id").head(n)
     if chosen.height < n:
-        raise ValueError(f"p_true.few_shot is {n} but only {chosen.height} labelled train questions exist")
+        raise DataError(
+            f"detectors.p_true.few_shot is {n} but only {chosen.height} labelled train questions exist: lower it"
+        )
     text = dict(zip(questions["id"], questions["question"]))
     blocks = []
     for qid, label in chosen.select("question_id", "label").iter_rows():
@@ -138,3 +141,18 @@ def p_true_scores(
     if scores.height and not math.isfinite(float(np.max(np.abs(lp)))):
         raise ValueError("p(True): a log-probability is not finite (the model's logits overflowed?)")
     return scores, excluded, seconds
+
+
+def p_true(preset, questions: pl.DataFrame, generations: pl.DataFrame, judgments: pl.DataFrame, p):
+    """The score as its train stage computes it (methods/scores.py's declaration): the preset's model
+    loaded on `p.device` (detectors.p_true), then `p_true_scores`. Returns the scores, what was left
+    out by reason, the seconds of the forward passes and the device."""
+    from halludetect.core.devices import resolve_device
+    from halludetect.lm.hf_models import load_model, load_tokenizer  # beside context_length: torch is loaded
+
+    device = resolve_device(p.device, "detectors.p_true.device")  # before anything loads
+    model = load_model(preset, device).eval()
+    scores, excluded, seconds = p_true_scores(
+        model, load_tokenizer(preset), questions, generations, judgments, few_shot=p.few_shot, batch_size=p.batch_size
+    )
+    return scores, excluded, seconds, str(device)

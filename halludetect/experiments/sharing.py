@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from halludetect.activations.layer_format import layer_filename
-from halludetect.config import Params
+from halludetect.config import Params, is_score
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest
 from halludetect.experiments.refs import ExpRef, exp_refs
@@ -55,6 +55,11 @@ def check_in_grid(params: Params, model: str, dataset: str, method: str) -> None
                 f"{key} has no {value!r}{suggest(value, choices)}: add it to params.yaml (the "
                 "stages exist only for the grid's cells)"
             )
+    if is_score(method):
+        raise SharingError(
+            f"{method} is a score with nothing to train: it has no layers to train one by one; its train "
+            f"stage computes it whole: dvc repro {train_stage_name(model, dataset, method)}"
+        )
 
 
 def dvc(*args: str, cwd: Path) -> int:

@@ -1,4 +1,4 @@
-"""The label tables that train, evaluate and baselines read, checked where they are read.
+"""The label tables that train and evaluate read, checked where they are read.
 
 `judgments.parquet` (stage judge) and `clusters.parquet` (stage cluster) are outputs of paid
 work, so people inspect and sometimes hand-edit them. A label of 2, a kept row without a

@@ -9,6 +9,9 @@ its own:
 
 - a detector that reads the clustering gets a copy of the files its family reads (a row per answer:
   clusters.parquet is 50 KB on the demo world), and its stage reads them there;
+- a score with nothing to train (methods/scores.py) gets a copy of the generations in its train
+  directory (what it is computed from), and one that asks the model again (p_true) the questions and
+  the model preset too: a preset edit (a device_map, say) re-runs it alone, not every detector;
 - any other detector gets only the manifest, whose bytes never change with the clustering, so
   DVC skips its stage when the clustering changes.
 
@@ -24,37 +27,61 @@ from pathlib import Path
 
 from halludetect.core.atomic_io import atomic_path
 from halludetect.core.errors import DataError
-from halludetect.methods import CLUSTER_METHODS
+from halludetect.methods import CLUSTER_METHODS, SCORES
 
 # What each family's stage reads of the clustering, by the key the stage's arguments use.
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "train": ("clusters",),  # P_sem (HaMI (SP)) or the semantic entropy (the SE probes' target)
-    "evaluate": ("clusters", "timings", "latency", "cluster_metrics"),  # + HaMI (SP)'s cost and bundle
+    "train": ("clusters",),  # P_sem (HaMI (SP), the P_sem score), the entropy (the SE probes' target), the sets
+    "evaluate": ("clusters", "timings", "latency", "cluster_metrics"),  # + their cost, HaMI (SP)'s bundle
 }
+MODEL = "model_preset"  # the model preset (written from params.yaml), to a score that asks the model again
 FILES = {
     "clusters": "clusters.parquet",
     "timings": "cluster_timings.parquet",
     "latency": "latency.json",
     "cluster_metrics": "cluster_metrics.json",
+    "generations": "generations.parquet",  # to every score's train stage
+    "questions": "questions.parquet",  # to p_true's: its prompt
+    MODEL: "model_preset.json",
 }
 MANIFEST = "reads.json"
 
 
-def write_routes(detectors: list[str], sources: dict[str, str | Path], out: str | Path) -> dict[str, int]:
-    """Write `out` (atomically, as a whole): <family>/<detector>/ for every detector of the list.
-    Returns how many detectors read the clustering, and how many not."""
+def reads_clustering(name: str) -> bool:
+    return name in CLUSTER_METHODS or (name in SCORES and SCORES[name].reads_clusters)
+
+
+def routed_keys(name: str, family: str) -> tuple[str, ...]:
+    """What the route stage hands `name`'s stage of `family`, by the key of its arguments."""
+    keys = FAMILIES[family] if reads_clustering(name) else ()
+    if family == "train" and name in SCORES:
+        keys += ("generations",) + (("questions", MODEL) if SCORES[name].source == "model" else ())
+    return keys
+
+
+def write_routes(
+    detectors: list[str], sources: dict[str, str | Path], out: str | Path, model: dict | None = None
+) -> dict[str, int]:
+    """Write `out` (atomically, as a whole): <family>/<detector>/ for every detector of the list,
+    copies of `sources` ({key: file}) and `model` (the cell's model preset, as params.yaml holds it)
+    where `routed_keys` says. Returns how many detectors read the clustering, and how many not."""
     if missing := [f"{key} ({path})" for key, path in sources.items() if not Path(path).is_file()]:
-        raise DataError(f"route: missing {', '.join(missing)}: run the cluster and latency stages first")
-    readers = [name for name in detectors if name in CLUSTER_METHODS]
+        raise DataError(f"route: missing {', '.join(missing)}: run the stages that write them first")
+    readers = [name for name in detectors if reads_clustering(name)]
     with atomic_path(out, is_dir=True) as tmp:
-        for family, keys in FAMILIES.items():
+        for family in FAMILIES:
             for name in detectors:
                 here = tmp / family / name
                 here.mkdir(parents=True)
-                reads = keys if name in readers else ()
-                for key in reads:
-                    shutil.copyfile(sources[key], here / FILES[key])
-                manifest = {"detector": name, "reads": {key: FILES[key] for key in reads}}
+                reads = {key: FILES[key] for key in routed_keys(name, family)}
+                for key, file in reads.items():
+                    if key == MODEL:
+                        if model is None:
+                            raise DataError(f"route: {name} asks the model again: pass the model preset")
+                        (here / file).write_text(json.dumps(model, indent=2, sort_keys=True) + "\n")
+                    else:
+                        shutil.copyfile(sources[key], here / file)
+                manifest = {"detector": name, "reads": reads}
                 (here / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return {"read_the_clustering": len(readers), "not": len(detectors) - len(readers)}
 
@@ -72,12 +99,13 @@ def routed_inputs(directory: str | Path, method: str, family: str) -> dict[str, 
         raise DataError(f"{path}: not the route stage's manifest ({e}); re-run route") from None
     if name != method:
         raise DataError(f"{path} routes the clustering to {name!r}, not {method!r}: pass {method}'s own directory")
-    if (reader := method in CLUSTER_METHODS) != bool(reads):
+    keys = routed_keys(method, family)
+    if set(reads) != set(keys):
         raise DataError(
-            f"{path}: {method} {'reads' if reader else 'does not read'} the clustering, but the route stage wrote "
-            "otherwise: re-run route (its code or grid.detectors changed since)"
+            f"{path}: the route stage handed {method}'s {family} stage {sorted(reads) or 'nothing'}, not "
+            f"{sorted(keys) or 'nothing'}: re-run route (its code or grid.detectors changed since)"
         )
-    return {key: str(Path(directory) / reads[key]) if key in reads else None for key in FAMILIES[family]}
+    return {key: str(Path(directory) / reads[key]) if key in reads else None for key in (*FAMILIES[family], *keys)}
 
 
 def take_routed(args, family: str) -> None:
@@ -86,7 +114,7 @@ def take_routed(args, family: str) -> None:
     if not args.routed:
         return
     routed = routed_inputs(args.routed, args.method, family)
-    if given := [key for key in routed if getattr(args, key)]:
+    if given := [key for key in routed if getattr(args, key, None)]:
         raise DataError(f"pass --routed or --{', --'.join(k.replace('_', '-') for k in given)}, not both")
     for key, path in routed.items():
         setattr(args, key, path)

@@ -103,3 +103,9 @@ __all__ = [
     "register",
     "register_scores",
 ]
+
+
+def trained(detectors: Sequence[str]) -> list[str]:
+    """The detectors of a grid list that are trained on hidden states (not a score of methods/scores.py),
+    in its order: those with weights, layers and token evidence, and those transfer applies."""
+    return [name for name in detectors if name not in SCORES]

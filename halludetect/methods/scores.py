@@ -15,27 +15,73 @@ sampled answers and their clustering) and evaluation/p_true.py (the model again)
   p_true              -log p(True) of the model asked whether its answer is true, shown the
                       question's other answers (Kadavath et al. 2022): one more forward pass
 
-The last-token linear probe is trained on hidden states, so it is a method (`probe`), not a score.
+They are detectors like the trained ones: named in grid.detectors, each with its section
+detectors.<name>, and run by the same train and evaluate stages (stages/scores.py computes and
+evaluates them, and writes a bundle `halludetect score` reads). The last-token linear probe is
+trained on hidden states, so it is a method (`probe`), not a score.
 """
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from halludetect.core.sections import Device, PositiveInt, PSemVariant, Section
 from halludetect.methods.spec import Score, register_scores
 
-_B = "halludetect.evaluation.baselines"
+
+class NoParams(Section):
+    """A score with no setting: its section is empty (`{}`)."""
+
+
+class PSemParams(Section):
+    variant: PSemVariant = "sum"  # 1 - which P_sem of clusters.parquet (sum: the paper's formula)
+
+
+class SemanticEntropyParams(Section):
+    variant: Literal["mean", "sum", "discrete"] = "mean"  # which entropy of clusters.parquet
+
+
+class PTrueParams(Section):
+    """p(True) (Kadavath et al. 2022, the semantic-entropy code's prompt): one more forward pass per answer."""
+
+    few_shot: Annotated[int, Field(ge=0)] = 0  # labelled train questions shown first (the SE code: 20)
+    batch_size: PositiveInt = 32  # answers per forward pass
+    device: Device = "auto"
+
 
 register_scores(
-    Score("p_sem", "P_sem", ("sampling + NLI",), f"{_B}:p_sem", family="paper"),
-    Score("semantic_entropy", "Semantic entropy", ("sampling + NLI",), f"{_B}:semantic_entropy"),
-    Score("logprob", "Mean token log-prob", ("token log-probs",), f"{_B}:logprob"),
-    Score("length", "Answer length", (), f"{_B}:length"),
-    Score("lexical_similarity", "Lexical similarity (ROUGE-L)", ("sampling",), f"{_B}:lexical_similarity"),
-    Score("semantic_sets", "Number of semantic sets", ("sampling + NLI",), f"{_B}:semantic_sets"),
+    Score("p_sem", "P_sem", ("sampling + NLI",), "halludetect.evaluation.baselines:p_sem", PSemParams, family="paper"),
+    Score(
+        "semantic_entropy",
+        "Semantic entropy",
+        ("sampling + NLI",),
+        "halludetect.evaluation.baselines:semantic_entropy",
+        SemanticEntropyParams,
+    ),
+    Score("logprob", "Mean token log-prob", ("token log-probs",), "halludetect.evaluation.baselines:logprob", NoParams),
+    Score("length", "Answer length", (), "halludetect.evaluation.baselines:length", NoParams),
+    Score(
+        "lexical_similarity",
+        "Lexical similarity (ROUGE-L)",
+        ("sampling",),
+        "halludetect.evaluation.baselines:lexical_similarity",
+        NoParams,
+    ),
+    Score(
+        "semantic_sets",
+        "Number of semantic sets",
+        ("sampling + NLI",),
+        "halludetect.evaluation.baselines:semantic_sets",
+        NoParams,
+    ),
     Score(
         "p_true",
         "p(True)",
         ("sampling", "a forward pass"),
-        "halludetect.evaluation.p_true:p_true_scores",
+        "halludetect.evaluation.p_true:p_true",
+        PTrueParams,
         source="model",
     ),
 )

@@ -159,18 +159,23 @@ class Score:
     """A detector with nothing to train and no hidden states (methods/scores.py): one number per
     response, higher = more likely hallucinated, its sign fixed by definition."""
 
-    name: str  # the key of grid.baselines (source "answers") or grid.model_baselines ("model")
+    name: str  # its name in grid.detectors, and its params section detectors.<name>
     display: str  # the report's row name
     needs: tuple[str, ...]  # what one more response costs beyond the answer (the report's marks)
-    # "module:function" computing it: from the sampled answers and their clustering (generations,
-    # clusters, the baselines params) -> columns rid, score, resolved by evaluation/baselines.py;
-    # or, for p(True), the function its stage imports (a contract test holds each module to the
-    # code of the stage that computes it, so that an edit to it re-runs that stage).
+    # "module:function" computing it, resolved by stages/scores.py: from the sampled answers and
+    # their clustering ((generations, clusters, its params) -> columns rid, score:
+    # evaluation/baselines.py), or from the model asked again (evaluation/p_true.py). The code stage
+    # follows this module into the score's digest, so an edit to it re-runs that score alone.
     compute: str
-    # What it is computed from: the sampled answers (stage baselines, all in one stage per cell)
-    # or one more forward pass of the model per answer (stage model_baselines, one stage each).
+    params: type[Section]  # its section of params.yaml: detectors.<name>
+    # What it is computed from: the sampled answers, or one more forward pass of the model per
+    # answer (the route stage hands the model preset to those alone).
     source: Literal["answers", "model"] = "answers"
     family: Literal["paper", "field"] = "field"  # the report's block (P_sem is the paper's quantity)
+
+    @property
+    def reads_clusters(self) -> bool:
+        return "sampling + NLI" in self.needs  # P_sem, the entropy or the sets of its clustering
 
     def __post_init__(self):
         if self.source not in ("answers", "model") or self.family not in ("paper", "field"):
@@ -179,6 +184,8 @@ class Score:
             raise ValueError(f"score '{self.name}': needs {self.needs!r}: each one of {NEEDS}")
         if not _is_target(self.compute):
             raise ValueError(f"score '{self.name}': compute {self.compute!r} is not a 'module:function' string")
+        if not (isinstance(self.params, type) and issubclass(self.params, Section)):
+            raise ValueError(f"score '{self.name}': params is its section class (a core.sections.Section)")
 
 
 METHODS: dict[str, Method] = {}

@@ -45,7 +45,7 @@ from halludetect.detectors.evidence import (
 from halludetect.evaluation.evaluate import load_models
 from halludetect.labels.readers import read_clusters, read_judgments
 from halludetect.lm.token_text import char_spans, token_pieces
-from halludetect.methods import METHODS
+from halludetect.methods import METHODS, trained
 from halludetect.qa.responses import response_ids
 from halludetect.report import evidence_figures, figures
 
@@ -143,9 +143,9 @@ def evidence_cell(
     log: Callable[..., None] = lambda *a: None,
 ) -> dict:
     cell = f"{model} / {dataset}"
-    methods = list(grid.detectors)
+    methods = trained(grid.detectors)  # a score has no tokens to weigh
     if not methods:
-        raise DataError("no detector to explain: grid.detectors is empty")
+        raise DataError("no detector to explain: grid.detectors has no detector trained on hidden states")
     judged = read_judgments(judgments)
     gens = read_parquet(generations, "generate", "generations table")
     gens = gens.select(response_ids(gens).alias("rid"), "question_id", "text", "token_ids")

@@ -1,8 +1,9 @@
 """The figures of one grid cell, from what the earlier stages wrote (stage figures@<m>-<d>).
 
-Reads each detector's evaluate metrics (its best layer, chosen on validation), train's
-per-response test scores at that layer (checked: its seeds are train.seeds), the baselines'
-scores on the same test responses, and the labelled answers' lengths and P_sem; draws the five
+Reads each trained detector's evaluate metrics (its best layer, chosen on validation), train's
+per-response test scores at that layer (checked: its seeds are train.seeds), the scores' (those
+with nothing to train: their train stage's answers.parquet) on the test responses, and the
+labelled answers' lengths and P_sem; draws the five
 PNGs of figures.py and writes their data as DVC plots. (The sensitivity distributions of the
 analysed HaMI detectors are the analyze stage's.)
 """
@@ -17,14 +18,13 @@ import numpy as np
 import polars as pl
 
 from halludetect.activations.layer_format import layer_filename
-from halludetect.config import BaselinesParams, GridParams
+from halludetect.config import GridParams
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
-from halludetect.evaluation.baselines import baseline_scores
 from halludetect.evaluation.plot_data import class_histogram_data
 from halludetect.evaluation.score_tables import read_scores
 from halludetect.labels.readers import read_clusters, read_judgments
-from halludetect.methods import METHODS
+from halludetect.methods import METHODS, SCORES, trained
 from halludetect.metrics import auroc
 from halludetect.qa.responses import response_ids
 from halludetect.report import figures
@@ -35,7 +35,7 @@ def draw_cell(
     dataset: str,
     grid: GridParams,
     seeds: list[int],
-    baselines: BaselinesParams,
+    p_sem_variant: str,
     *,
     eval_dir: Path,
     scores_dir: Path,
@@ -47,7 +47,8 @@ def draw_cell(
     log: Callable[..., None] = lambda *a: None,
 ) -> None:
     cell = f"{model} / {dataset}"
-    detectors = list(grid.detectors)
+    detectors = trained(grid.detectors)  # a best layer each
+    scores = [m for m in grid.detectors if m in SCORES]
     evals = {m: json.loads((Path(eval_dir) / f"{m}.json").read_text()) for m in detectors}
     best = {m: int(e["best_layer"]) for m, e in evals.items()}
     judged = read_judgments(judgments)
@@ -67,19 +68,17 @@ def draw_cell(
         score_panels[f"{m} (layer {best[m]})"] = (pooled, np.tile(y, len(per_seed)))
         score_data[f"{m} (layer {best[m]})"] = class_histogram_data(pooled, np.tile(y, len(per_seed)))
     labels = judged.filter(pl.col("kept")).select(response_ids(judged).alias("rid"), "split", "label")
-    for name in grid.baselines:  # the same test responses' scores without hidden states
-        s = labels.filter(pl.col("split") == "test").join(
-            baseline_scores(name, generated, clustered, baselines), on="rid", how="inner"
-        )
-        s = s.filter(pl.col("score").is_finite())
+    for name in scores:  # the same test responses' scores with nothing to train (their train stage's)
+        s = read_parquet(Path(scores_dir) / name / "answers.parquet", f"train@{model}-{dataset}-{name}", "score table")
+        s = s.filter((pl.col("split") == "test") & pl.col("score").is_not_null() & pl.col("score").is_finite())
         y, score = s["label"].to_numpy(), s["score"].to_numpy()
         curves[name] = (y, [score])
         aurocs[name] = f"{auroc(y, score):.3f}, baseline"
 
-    # Answer length and P_sem (the variant baselines.p_sem names) by class, per split, over the labelled responses.
+    # Answer length and P_sem (detectors.p_sem.variant) by class, per split, over the labelled responses.
     lengths = generated.select(response_ids(generated).alias("rid"), "n_tokens")
     p_sem = clustered.filter(pl.col("valid")).select(
-        response_ids(clustered).alias("rid"), pl.col(f"p_sem_{baselines.p_sem}").alias("p_sem")
+        response_ids(clustered).alias("rid"), pl.col(f"p_sem_{p_sem_variant}").alias("p_sem")
     )
     per_response = labels.join(lengths, on="rid", how="left").join(p_sem, on="rid", how="left")
     response_panels, response_data = {}, {}
@@ -95,7 +94,7 @@ def draw_cell(
         response_data[f"P_sem ({split})"] = class_histogram_data(has["p_sem"].to_numpy(), has["label"].to_numpy())
 
     if not curves:
-        raise DataError("no method to draw: grid.detectors and grid.baselines are empty")
+        raise DataError("no method to draw: grid.detectors is empty")
     layers = {m: evals[m]["layers"] for m in detectors}
     # One file per figure, each written atomically: analyze writes sensitivity_<method>.png beside them.
     figures.save_png(figures.auroc_by_layer(layers, best, f"Test AUROC by layer, {cell}"), figs / "auroc_by_layer.png")
@@ -112,7 +111,7 @@ def draw_cell(
     figures.save_png(
         figures.class_panels(
             response_panels,
-            f"Answer length and P_sem ({baselines.p_sem}: baselines.p_sem) by class, {cell}",
+            f"Answer length and P_sem ({p_sem_variant}: detectors.p_sem.variant) by class, {cell}",
             {k: "answer tokens" if k.startswith("answer") else "P_sem" for k in response_panels},
             cols=2,
             discrete=tuple(k for k in response_panels if k.startswith("answer")),
@@ -121,8 +120,8 @@ def draw_cell(
     )
     # Margins after every epoch at the best layer (evaluate copies them from the layer's figures).
     by_epoch = {m: e["margin_by_epoch"] for m, e in evals.items() if e.get("margin_by_epoch")}
-    trained = [m for m in detectors if METHODS[m].fit.loop and METHODS[m].logits]  # by epochs, in logits
-    if missing := [m for m in trained if m not in by_epoch]:
+    looped = [m for m in detectors if METHODS[m].fit.loop and METHODS[m].logits]  # by epochs, in logits
+    if missing := [m for m in looped if m not in by_epoch]:
         raise DataError(f"{cell}: no margins by epoch in the evaluation of {missing}: re-run their train stages")
     figures.save_png(
         figures.margins_by_epoch(

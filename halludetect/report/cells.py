@@ -190,7 +190,7 @@ def p_sem_phrase(entries: list[dict]) -> tuple[str, list[str]]:
             if e.get("method") in SP_METHODS and e.get("params")
         }
     )
-    base = sorted({e["params"]["p_sem"] for e in entries if e.get("method") == "p_sem" and e.get("params")})
+    base = sorted({e["params"]["variant"] for e in entries if e.get("method") == "p_sem" and e.get("params")})
     parts = []
     if sp:
         parts.append(

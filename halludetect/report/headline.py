@@ -14,7 +14,7 @@ of one method has about a hundred keys, and the union of every file's made a 748
 `eval/<model>/<dataset>/<method>.json` tail: `halludetect sweep` finds a method's figures in
 `dvc exp show` by that tail and reads `best_layer` and `test.<metric>.mean`/`.stderr`, so a sweep
 over these headlines tabulates AUROC, PRR and FPR@95. The full JSON stays where it was
-(`metrics/eval/...`, `metrics/baselines/...`), a cached output that the report, export and figures
+(`metrics/eval/...`), a cached output that the report, export and figures
 read."""
 
 from __future__ import annotations

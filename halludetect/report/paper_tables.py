@@ -56,45 +56,20 @@ from halludetect.report.tables import Table, rank
 
 
 # -------------------------------------------------------------------- loading, building
-def load_metrics(
-    directory: str | Path,
-    models: list[str],
-    datasets: list[str],
-    methods: list[str],
-    baselines_dir: str | Path | None = None,
-    baselines: list[str] = (),
-    model_baselines: list[str] = (),
-) -> dict:
-    """Metrics of exactly the grid's cells: a missing file is an error, a stale one is ignored.
-    Baselines: `<baselines_dir>/<m>/<d>.json` (stage baselines), and those that run the model,
-    `<baselines_dir>/<m>/<d>/<name>.json` (stage model_baselines)."""
+def load_metrics(directory: str | Path, models: list[str], datasets: list[str], detectors: list[str]) -> dict:
+    """Metrics of exactly the grid's cells, `<directory>/<m>/<d>/<detector>.json` (the evaluate
+    stage's, for a trained method and a score alike): a missing file is an error, a stale one is ignored."""
     out, missing = {}, []
     for m in models:
         for d in datasets:
-            for method in methods:
-                path = Path(directory) / m / d / f"{method}.json"
-                if path.exists():
-                    out[(m, d, method)] = json.loads(path.read_text())
-                else:
-                    missing.append(str(path))
-            if baselines:
-                path = Path(baselines_dir) / m / f"{d}.json"
-                found = json.loads(path.read_text()) if path.exists() else {}
-                for name in baselines:
-                    if name in found:
-                        out[(m, d, name)] = found[name]
-                    else:
-                        missing.append(f"{path} [{name}]")
-            for name in model_baselines:
-                path = Path(baselines_dir) / m / d / f"{name}.json"
+            for name in detectors:
+                path = Path(directory) / m / d / f"{name}.json"
                 if path.exists():
                     out[(m, d, name)] = json.loads(path.read_text())
                 else:
                     missing.append(str(path))
     if missing:
-        raise FileNotFoundError(
-            f"metrics missing for {len(missing)} grid cell(s): {missing[:5]}; run evaluate and baselines first"
-        )
+        raise FileNotFoundError(f"metrics missing for {len(missing)} grid cell(s): {missing[:5]}; run evaluate first")
     return out
 
 

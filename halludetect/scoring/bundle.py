@@ -53,6 +53,11 @@ format 2 (written before the thresholds' test rates and the splits' hallucinated
 every check, saying what `show` cannot print and, when its default is the best F1 (the default
 then), what share of correct validation answers that flags. `dvc repro export` writes them again
 in format 3.
+
+A score with nothing to train (methods/scores.py) has a bundle of its own kind: no weights, its
+metadata says `kind: "score"` in its own format (score_bundle.py describes it and writes it).
+`load_bundle` recognises it and returns a `ScoreBundle`, checked here by `load_score_bundle` with
+the same pieces as a detector bundle (types and relations, thresholds' rates, the digest).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ from halludetect.detectors.build import (
     params_for,
 )
 from halludetect.detectors.evidence import Evidence, NoEvidence, describe, ensemble_evidence
-from halludetect.methods import SP_METHODS, PluginError
+from halludetect.methods import SCORES, SP_METHODS, PluginError
 from halludetect.methods import method as lookup_method
 from halludetect.methods.spec import Reads
 from halludetect.prompts import template_hash
@@ -285,32 +290,42 @@ class Bundle:
             ) from None
 
     def probability(self, z: np.ndarray) -> np.ndarray:
-        c = self.meta["calibration"]
-        x = c["a"] * np.asarray(z, dtype=np.float64) + c["b"]
-        return np.exp(-np.logaddexp(0.0, -x))  # sigmoid(x), without overflow for |x| > 709
+        return platt_probability(self.meta["calibration"], z)
 
     def threshold(self, choice: str | float | None = None) -> tuple[str, float]:
         """(name, value) of a stored threshold (`best_f1`, `fpr_0.05`, ...), the default one for
         None, or a number given as is."""
-        stored = self.meta["thresholds"]
-        if choice is None:
-            choice = self.meta["default_threshold"]
-        if isinstance(choice, int | float) and not isinstance(choice, bool):
-            name, value = f"{float(choice):g}", float(choice)
-        else:
-            name, value = str(choice), _number(choice)
-        if value is not None:
-            if not math.isfinite(value):
-                raise BundleError(
-                    f"threshold {choice!r} is not a finite logit: give one this bundle stores "
-                    f"({', '.join(sorted(stored))}) or a finite number"
-                )
-            return name, value
-        if choice not in stored:
+        return pick_threshold(self.meta, choice)
+
+
+def platt_probability(calibration: dict, z: np.ndarray) -> np.ndarray:
+    """A bundle's calibrated probability of its scores z [n]: sigmoid(a z + b)."""
+    x = calibration["a"] * np.asarray(z, dtype=np.float64) + calibration["b"]
+    return np.exp(-np.logaddexp(0.0, -x))  # sigmoid(x), without overflow for |x| > 709
+
+
+def pick_threshold(meta: dict, choice: str | float | None = None, unit: str = "logit") -> tuple[str, float]:
+    """(name, value) of a bundle's stored threshold (`best_f1`, `fpr_0.05`, ...), its default for
+    None, or a number given as is; `unit` names what the number is (a logit, or a score bundle's score)."""
+    stored = meta["thresholds"]
+    if choice is None:
+        choice = meta["default_threshold"]
+    if isinstance(choice, int | float) and not isinstance(choice, bool):
+        name, value = f"{float(choice):g}", float(choice)
+    else:
+        name, value = str(choice), _number(choice)
+    if value is not None:
+        if not math.isfinite(value):
             raise BundleError(
-                f"unknown threshold '{choice}': this bundle has {', '.join(sorted(stored))}, or give a logit value"
+                f"threshold {choice!r} is not a finite {unit}: give one this bundle stores "
+                f"({', '.join(sorted(stored))}) or a finite number"
             )
-        return str(choice), float(stored[choice]["threshold"])
+        return name, value
+    if choice not in stored:
+        raise BundleError(
+            f"unknown threshold '{choice}': this bundle has {', '.join(sorted(stored))}, or give a {unit} value"
+        )
+    return str(choice), float(stored[choice]["threshold"])
 
 
 def _number(text) -> float | None:
@@ -323,12 +338,17 @@ def _number(text) -> float | None:
 def save_bundle(path: str | Path, detectors: dict[int, dict[str, torch.Tensor]], meta: dict) -> None:
     """Write a bundle atomically: each seed's state dict under `seed_<S>.`, `meta` as one JSON entry,
     in the current format, with the digest of what is written (any digest in `meta` is replaced)."""
+    tensors = {f"seed_{seed}.{k}": v for seed, sd in detectors.items() for k, v in sd.items()}
+    write_bundle_file(path, tensors, meta | {"format": FORMAT, "format_version": FORMAT_VERSION})
+
+
+def write_bundle_file(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Any bundle's file (a detector's or a score's, score_bundle.py), written atomically: the
+    tensors, and `meta` as one sorted JSON entry with the digest of both (any digest in it replaced)."""
     from safetensors.torch import save_file
 
-    tensors = {
-        f"seed_{seed}.{k}": v.detach().cpu().contiguous() for seed, sd in detectors.items() for k, v in sd.items()
-    }
-    meta = {k: v for k, v in meta.items() if k != "digest"} | {"format": FORMAT, "format_version": FORMAT_VERSION}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    meta = {k: v for k, v in meta.items() if k != "digest"}
     meta["digest"] = {
         "algorithm": "sha256",
         "tensors": {name: tensor_digest(t) for name, t in sorted(tensors.items())},
@@ -336,6 +356,14 @@ def save_bundle(path: str | Path, detectors: dict[int, dict[str, torch.Tensor]],
     }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, allow_nan=False)})
+
+
+SCORE_FORMAT = "halludetect-score-bundle"  # a score with nothing to train: score_bundle.py
+
+
+def is_score_meta(meta: dict) -> bool:
+    """A score bundle's metadata (kind "score", its own format): checked by score_bundle.py, not here."""
+    return meta.get("kind") == "score" or meta.get("format") == SCORE_FORMAT
 
 
 RE_EXPORT = "re-export it (dvc repro evaluate@<model>-<dataset>-<method>) or copy it again"
@@ -355,15 +383,7 @@ def check_meta(path: Path, meta: object) -> dict:
             f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; this "
             f"halludetect reads {FORMAT!r} versions {', '.join(map(str, READS[:-1]))} and {READS[-1]}"
         )
-    try:
-        BundleMeta.model_validate(meta)
-    except ValidationError as e:
-        problems = [
-            f"'{_key(err['loc'])}': {err['msg'].lower()}"
-            + ("" if err["type"] == "missing" else f" (got {json.dumps(err['input'])[:60]})")
-            for err in e.errors()
-        ]
-        raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}") from None
+    validate_meta(path, meta, BundleMeta)
     problems = []
     base, inputs = meta["base_model"], meta["inputs"]
     if meta["layer"] > meta["n_layers"]:
@@ -380,7 +400,10 @@ def check_meta(path: Path, meta: object) -> dict:
         problems.append("'inputs.prompt_template' does not match 'inputs.prompt_hash'")
     if meta["format_version"] >= 2 and meta.get("digest") is None:
         problems.append(f"'digest' is missing (format version {meta['format_version']} records it)")
-    problems += _threshold_problems(meta)
+    problems += threshold_problems(meta["thresholds"], rates=meta["format_version"] >= 3)
+    if meta["format_version"] >= 3:
+        missing = [k for k in V3_EVALUATION_KEYS if meta["evaluation"].get(k) is None]
+        problems += [f"'evaluation.{k}' is missing (format 3 records it)" for k in missing]
     if problems:
         raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}")
     return meta
@@ -391,12 +414,26 @@ V3_THRESHOLD_KEYS = ("val_fpr", "val_tpr", "test_fpr", "test_tpr")
 V3_EVALUATION_KEYS = ("n_val", "n_test", "n_val_hallucinated", "n_test_hallucinated")
 
 
-def _threshold_problems(meta: dict) -> list[str]:
-    """How the thresholds fit their names and rates; in format 3, the keys it records."""
+def validate_meta(path: Path, meta: dict, shape: type[BaseModel]) -> None:
+    """The metadata's types and shapes against `shape`: a `BundleError` naming the bundle and every
+    key that is wrong."""
+    try:
+        shape.model_validate(meta)
+    except ValidationError as e:
+        problems = [
+            f"'{_key(err['loc'])}': {err['msg'].lower()}"
+            + ("" if err["type"] == "missing" else f" (got {json.dumps(err['input'])[:60]})")
+            for err in e.errors()
+        ]
+        raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}") from None
+
+
+def threshold_problems(thresholds: dict, *, rates: bool) -> list[str]:
+    """How the thresholds fit their names and rates; with `rates` (format 3, score bundles), that
+    each records its validation and test rates."""
     problems = []
-    v3 = meta["format_version"] >= 3
-    for name, entry in sorted(meta["thresholds"].items()):
-        if v3:
+    for name, entry in sorted(thresholds.items()):
+        if rates:
             missing = [k for k in V3_THRESHOLD_KEYS if entry.get(k) is None]
             problems += [f"'thresholds.{name}.{k}' is missing (format 3 records it)" for k in missing]
         target = entry.get("target_fpr")
@@ -404,9 +441,6 @@ def _threshold_problems(meta: dict) -> list[str]:
             problems.append(f"'thresholds.{name}.target_fpr' is {target!r}, not the rate its name says")
         elif target is not None and entry.get("val_fpr") is not None and entry["val_fpr"] > target:
             problems.append(f"'thresholds.{name}.val_fpr' {entry['val_fpr']:g} is above its 'target_fpr' {target:g}")
-    if v3:
-        missing = [k for k in V3_EVALUATION_KEYS if meta["evaluation"].get(k) is None]
-        problems += [f"'evaluation.{k}' is missing (format 3 records it)" for k in missing]
     return problems
 
 
@@ -474,12 +508,13 @@ def check_tensors(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> l
     return warnings
 
 
-def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False) -> Bundle:
+def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False) -> Bundle | ScoreBundle:
     """Rebuild a bundle's detectors from its file (weights by safetensors, no pickles), after
     checking its metadata, its digest and its weights (module docstring). A plugin's bundle whose
     plugin is not registered here is a `PluginError` saying how to register it; with
     `metadata_only_without_plugin` (`halludetect show`) it is loaded without detectors instead,
-    every check but the rebuild done, with a warning saying so."""
+    every check but the rebuild done, with a warning saying so. A score bundle (a score with
+    nothing to train, kind "score") is checked and returned by score_bundle.py's `load_score_bundle`."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -502,6 +537,8 @@ def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False)
         meta = json.loads(raw)
     except ValueError as e:  # JSONDecodeError; also NaN spelt out, which the export never writes
         raise BundleError(f"{path}: the bundle metadata is not valid JSON ({e}): damaged; {RE_EXPORT}") from None
+    if isinstance(meta, dict) and is_score_meta(meta):
+        return load_score_bundle(path, meta, tensors)
     meta = check_meta(path, meta)
     warnings = check_tensors(path, meta, tensors) + format_warnings(path, meta)
     try:
@@ -534,26 +571,242 @@ def load_bundle(path: str | Path, *, metadata_only_without_plugin: bool = False)
     return Bundle(meta=meta, detectors=detectors, path=path, sha256=file_sha256(path), warnings=warnings)
 
 
+# What each P_sem variant weights an answer by (the pipeline's clusters.parquet p_sem_<variant>).
+P_SEM_WEIGHTS = {
+    "sum": "summed likelihoods P(A|q), the product of the token probabilities (the paper's formula)",
+    "mean": "length-normalised likelihoods exp(mean token log-prob)",
+    "count": "the cluster's share of the answers (the HaMI code's)",
+}
+
+
+def p_sem_words(variant: str, k, equivalence: str | None = None, backend: str | None = None) -> str:
+    """The P_sem an input row must carry, in words: its variant, K and clustering."""
+    answers = f"K = {k} answers per question" if k else "K not recorded (re-export the bundle)"
+    clustering = f", clustered with the {equivalence} equivalence rule ({backend} NLI)" if equivalence else ""
+    return (
+        f"each row's p_sem: its semantic cluster's probability over {answers}{clustering}, each answer "
+        f"weighted by its {P_SEM_WEIGHTS.get(variant, variant)} (P_sem variant '{variant}')"
+    )
+
+
 def p_sem_requirement(meta: dict) -> str | None:
     """What a bundle's input rows need as p_sem, in words (None: the method reads none)."""
+    if is_score_meta(meta):
+        return score_p_sem_requirement(meta)
     if meta.get("method") not in SP_METHODS:
         return None
     info = meta.get("inputs", {}).get("p_sem") or {}
     variant = info.get("variant", meta.get("params", {}).get("p_sem", "?"))
-    k = info.get("samples_per_question")
-    how = {
-        "sum": "summed likelihoods P(A|q), the product of the token probabilities (the paper's formula)",
-        "mean": "length-normalised likelihoods exp(mean token log-prob)",
-        "count": "the cluster's share of the answers (the HaMI code's)",
-    }.get(variant, variant)
-    answers = f"K = {k} answers per question" if k else "K not recorded (re-export the bundle)"
-    clustering = (
-        f", clustered with the {info['equivalence']} equivalence rule ({info['backend']} NLI)"
-        if info.get("equivalence")
-        else ""
-    )
-    return (
-        f"each row's p_sem: its semantic cluster's probability over {answers}{clustering}, each answer "
-        f"weighted by its {how} (P_sem variant '{variant}'); the detector scales states by "
-        f"(1 + {info.get('lam', meta.get('params', {}).get('lam', '?'))} p_sem)"
-    )
+    words = p_sem_words(variant, info.get("samples_per_question"), info.get("equivalence"), info.get("backend"))
+    lam = info.get("lam", meta.get("params", {}).get("lam", "?"))
+    return f"{words}; the detector scales states by (1 + {lam} p_sem)"
+
+
+# ======================================================== score bundles (score_bundle.py)
+SCORE_FORMAT_VERSION = 1
+KIND = "score"
+SPLITS = ("val", "test")
+P_SEM_VARIANTS = tuple(P_SEM_WEIGHTS)  # sum, mean, count
+# The scores `halludetect score` computes for one answer alone, and what from: the row's own p_sem
+# column, the base model's tokenizer (no weights), or the base model run teacher forced.
+ONE_ANSWER: dict[str, Literal["p_sem", "tokenizer", "model"]] = {
+    "p_sem": "p_sem",
+    "length": "tokenizer",
+    "logprob": "model",
+}
+# What the others read beyond the answer, in words (from their declaration's `needs`).
+NEEDS_WORDS = {
+    "sampling": "the question's K sampled answers",
+    "sampling + NLI": "the question's K sampled answers and their semantic clustering (NLI)",
+    "a forward pass": "one more forward pass of the model over them (asked whether the answer is true)",
+    "token log-probs": "the answer's token log-probs",
+}
+
+
+# ------------------------------------------------------------------ the metadata's shape
+class ScoreDeclMeta(_Meta):
+    name: str
+    display: str
+    needs: list[str]
+    source: Literal["answers", "model"]
+    family: str
+
+
+class ScoreInputsMeta(_Meta):
+    prompt_template: str
+    prompt_hash: str
+    chat_template: bool
+
+
+class ScoreEvaluationMeta(_Meta):
+    val_auroc: FiniteFloat
+    test_auroc: FiniteFloat
+    n_val: PositiveInt
+    n_test: PositiveInt
+    n_val_hallucinated: NonNegativeInt
+    n_test_hallucinated: NonNegativeInt
+    unscored: dict[Literal["val", "test"], NonNegativeInt]
+
+
+class ScoreRangeMeta(_Meta):
+    split: Literal["val"]
+    n: PositiveInt
+    min: FiniteFloat
+    max: FiniteFloat
+
+
+class ScoreBundleMeta(_Meta):
+    """What `load_score_bundle` requires of the metadata, type by type (relations: `check_score_meta`)."""
+
+    format: Literal["halludetect-score-bundle"]
+    format_version: Literal[1]
+    kind: Literal["score"]
+    score: ScoreDeclMeta
+    params: dict[str, Any]
+    model: str
+    dataset: str
+    base_model: BaseModelMeta
+    inputs: ScoreInputsMeta
+    generation: dict[str, Any] | None = None
+    thresholds: dict[str, ThresholdMeta] = Field(min_length=1)
+    default_threshold: str
+    calibration: CalibrationMeta
+    evaluation: ScoreEvaluationMeta
+    score_range: ScoreRangeMeta
+    digest: DigestMeta
+
+
+# ---------------------------------------------------------------------------- the bundle
+@dataclass
+class ScoreBundle:
+    """A loaded score bundle: its checked metadata (no detectors: nothing was trained)."""
+
+    meta: dict
+    path: Path | None = None
+    sha256: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    kind = KIND
+    layer = None  # no hidden state is read: what summaries print for a detector's layer
+
+    @property
+    def method(self) -> str:
+        """The score's name (what messages and summaries name a detector bundle's method by)."""
+        return self.meta["score"]["name"]
+
+    @property
+    def reads(self) -> str | None:
+        """What `halludetect score` computes it from (`ONE_ANSWER`), None for a score it cannot compute."""
+        return ONE_ANSWER.get(self.method)
+
+    def refusal(self) -> str | None:
+        """Why `halludetect score` cannot compute this score for one answer, or None."""
+        if self.reads is not None:
+            return None
+        decl = self.meta["score"]
+        needs = [NEEDS_WORDS.get(n, n) for n in decl["needs"]] or ["more than the answer"]
+        return (
+            f"{self.path or 'the bundle'} is a score bundle of '{self.method}' ({decl['display']}), which needs "
+            f"{' and '.join(needs)}: halludetect score scores one answer at a time, so it cannot compute it. "
+            "Evaluate it in the DAG, or score answers with a bundle of p_sem (give each row's p_sem), "
+            "logprob, length or a trained detector"
+        )
+
+    def probability(self, z: np.ndarray) -> np.ndarray:
+        return platt_probability(self.meta["calibration"], z)
+
+    def threshold(self, choice: str | float | None = None) -> tuple[str, float]:
+        """(name, value) of a stored threshold, the default for None, or a score value given as is."""
+        return pick_threshold(self.meta, choice, unit="score")
+
+    def out_of_range(self, z: float) -> str | None:
+        """Why a score lies outside the validation scores', or None."""
+        r = self.meta["score_range"]
+        side = "below the lowest" if z < r["min"] else "above the highest" if z > r["max"] else None
+        if side is None:
+            return None
+        return (
+            f"score {z:.4g} is {side} of the {r['n']:,} validation scores (their range [{r['min']:.4g}, "
+            f"{r['max']:.4g}]): the thresholds and calibration were never fitted there"
+        )
+
+
+# What a score bundle can score (the summary of `halludetect score`, docs/scoring.md).
+SCORE_CAN_SCORE = (
+    "answers given one at a time: p_sem from each row's P_sem, length and logprob from the answer under the "
+    "base model (its own answers are the ones the score was measured on: text written elsewhere gets a "
+    "score, but on answers unlike those its thresholds were chosen on); each row's in_distribution is false "
+    "where the score is outside the validation scores' range"
+)
+RANGE_RULE = (
+    "out of distribution when its score is outside the range of the validation scores that chose the "
+    "thresholds and the calibration"
+)
+
+
+def check_score_meta(path: Path, meta: dict) -> dict:
+    """A score bundle's metadata: types and shapes, then how its entries fit together; a
+    `BundleError` naming the bundle and every key that is wrong."""
+    if meta.get("format") != SCORE_FORMAT or meta.get("format_version") != SCORE_FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r} (kind "
+            f"{meta.get('kind')!r}); this halludetect reads score bundles of {SCORE_FORMAT!r} version "
+            f"{SCORE_FORMAT_VERSION}"
+        )
+    validate_meta(path, meta, ScoreBundleMeta)
+    problems = threshold_problems(meta["thresholds"], rates=True)
+    if meta["default_threshold"] not in meta["thresholds"]:
+        problems.append(f"'default_threshold' {meta['default_threshold']!r} is none of 'thresholds'")
+    if template_hash(meta["inputs"]["prompt_template"]) != meta["inputs"]["prompt_hash"]:
+        problems.append("'inputs.prompt_template' does not match 'inputs.prompt_hash'")
+    ev, rng = meta["evaluation"], meta["score_range"]
+    for split in SPLITS:
+        if ev[f"n_{split}_hallucinated"] > ev[f"n_{split}"]:
+            problems.append(f"'evaluation.n_{split}_hallucinated' is above 'evaluation.n_{split}'")
+    if rng["n"] != ev["n_val"] or rng["min"] > rng["max"]:
+        problems.append(f"'score_range' ({rng['n']} scores in [{rng['min']}, {rng['max']}]) is not the validation's")
+    if meta["score"]["name"] == "p_sem" and meta["params"].get("variant") not in P_SEM_VARIANTS:
+        problems.append(
+            f"'params.variant' is {meta['params'].get('variant')!r}, not one of {', '.join(P_SEM_VARIANTS)}"
+        )
+    if problems:
+        raise BundleError(f"{path}: bundle metadata {'; '.join(problems)}: {RE_EXPORT}")
+    return meta
+
+
+def _check_val_tensors(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The stored validation scores and labels are the ones the metadata describes."""
+    z, y = tensors.get("val_score"), tensors.get("val_label")
+    ev, rng = meta["evaluation"], meta["score_range"]
+    if z is None or y is None or z.shape != (ev["n_val"],) or y.shape != (ev["n_val"],):
+        raise BundleError(
+            f"{path}: tensors 'val_score' and 'val_label' must hold the {ev['n_val']} validation answers: {RE_EXPORT}"
+        )
+    z, y = z.double().numpy(), y.numpy()
+    if int(y.sum()) != ev["n_val_hallucinated"] or not set(np.unique(y).tolist()) <= {0, 1}:
+        raise BundleError(f"{path}: tensor 'val_label' is not 'evaluation.n_val_hallucinated' labels 0/1: {RE_EXPORT}")
+    if float(z.min()) != rng["min"] or float(z.max()) != rng["max"]:
+        raise BundleError(f"{path}: tensor 'val_score' does not span 'score_range': {RE_EXPORT}")
+
+
+def load_score_bundle(path: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> ScoreBundle:
+    """A score bundle read by `load_bundle` (its raw metadata and tensors): checked as a detector
+    bundle is (types, relations, the digest of every tensor and of the metadata, finite values)."""
+    meta = check_score_meta(path, meta)
+    warnings = check_tensors(path, meta, tensors)
+    _check_val_tensors(path, meta, tensors)
+    if meta["score"]["name"] not in SCORES:
+        warnings.append(
+            f"{path}: the score '{meta['score']['name']}' is not one this halludetect declares "
+            "(a newer version's?): it is shown from its metadata, and cannot be scored here"
+        )
+    return ScoreBundle(meta=meta, path=path, sha256=file_sha256(path), warnings=warnings)
+
+
+def score_p_sem_requirement(meta: dict) -> str | None:
+    """What a p_sem score bundle's input rows need as p_sem, in words (None for the other scores)."""
+    if meta.get("score", {}).get("name") != "p_sem":
+        return None
+    gen = meta.get("generation") or {}
+    k = gen.get("samples_per_question", gen.get("n_samples"))
+    words = p_sem_words(meta["params"].get("variant", "?"), k, gen.get("equivalence"), gen.get("backend"))
+    return f"{words}; the score is 1 - p_sem"

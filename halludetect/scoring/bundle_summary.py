@@ -13,7 +13,7 @@ import textwrap
 from halludetect.core.lookup import UnknownName
 from halludetect.methods import method as lookup_method
 from halludetect.scoring.answer_range import describe_range
-from halludetect.scoring.bundle import Bundle, p_sem_requirement
+from halludetect.scoring.bundle import RANGE_RULE, Bundle, ScoreBundle, p_sem_requirement
 
 WIDTH = 13  # the labels' column
 
@@ -49,11 +49,11 @@ def _model(base: dict) -> list[str]:
     ]
 
 
-def _rule(name: str, entry: dict) -> str:
+def _rule(name: str, entry: dict, unit: str = "logit") -> str:
     if name == "best_f1":
-        return "the validation logit of the best F1"
+        return f"the validation {unit} of the best F1"
     target = entry.get("target_fpr")
-    return f"the lowest validation logit whose false-positive rate is at most {_pct(target)}"
+    return f"the lowest validation {unit} whose false-positive rate is at most {_pct(target)}"
 
 
 def _rates(entry: dict) -> str:
@@ -70,19 +70,19 @@ def _split(ev: dict, split: str) -> str:
     return f"{n:,} answers, {bad:,} hallucinated" if bad is not None else f"{n:,} answers"
 
 
-def _thresholds(meta: dict) -> list[str]:
+def _thresholds(meta: dict, unit: str = "logit") -> list[str]:
     default = meta["default_threshold"]
     t = meta["thresholds"][default]
     out = [
-        _line("threshold", f"{default} = {t['threshold']:.4g} (the default): {_rule(default, t)}"),
+        _line("threshold", f"{default} = {t['threshold']:.4g} (the default): {_rule(default, t, unit)}"),
         _more(_rates(t)),
         *(
             [_more("it flags no validation answer: no threshold that flags one stays within the rate")]
             if t.get("val_fpr") == 0.0 and t.get("val_tpr") == 0.0  # threshold_at_fpr's edge: above every score
             else []
         ),
-        _more("flag = score >= threshold; --threshold NAME (or a logit) picks another:"),
-        _more(f"  {'name':<10}{'logit':>9}{'val FPR':>9}{'val TPR':>9}{'test FPR':>10}{'test TPR':>10}"),
+        _more(f"flag = score >= threshold; --threshold NAME (or a {unit}) picks another:"),
+        _more(f"  {'name':<10}{unit:>9}{'val FPR':>9}{'val TPR':>9}{'test FPR':>10}{'test TPR':>10}"),
     ]
 
     def order(name):  # the rates from the lowest, then best F1
@@ -100,8 +100,72 @@ def _thresholds(meta: dict) -> list[str]:
     return out
 
 
-def summary_text(b: Bundle) -> str:
+def _calibration(cal: dict) -> str:
+    return _line(
+        "calibration",
+        f"Platt: probability = sigmoid({cal['a']:.4g} score {'+' if cal['b'] >= 0 else '-'} {abs(cal['b']):.4g})"
+        + (f", fitted on {cal['n']:,} validation answers" if "n" in cal else ", fitted on validation")
+        + (f" (log loss {cal['val_log_loss']:.3f}, Brier {cal['val_brier']:.3f})" if "val_brier" in cal else "")
+        + (
+            "; the fit did not converge: the validation scores separate the classes, so its probabilities "
+            "are near 0 or 1 and overconfident"
+            if cal.get("converged") is False
+            else ""
+        ),
+    )
+
+
+# What `halludetect score` computes with a score bundle, per what it reads (score_bundle.ONE_ANSWER).
+SCORE_INPUT = {
+    "p_sem": "rows: question, answer, p_sem[, id]; the score is 1 - p_sem (no model runs)",
+    "tokenizer": "rows: question, answer[, id, answer_token_ids]; the score is the answer's length in tokens "
+    "under the base model's tokenizer (no weights load)",
+    "model": "rows: question, answer[, id, answer_token_ids]; the score is minus the mean token log-prob of the "
+    "answer under the base model, run teacher forced on the prompt below + the answer",
+}
+
+
+def score_summary_text(b: ScoreBundle) -> str:
+    """The readable summary of a score bundle: the score, what it was measured on, its thresholds
+    and calibration (on the score's own scale), what `score` computes it from, or why it cannot."""
+    meta = b.meta
+    decl, ev, rng, inputs = meta["score"], meta["evaluation"], meta["score_range"], meta["inputs"]
+    params = ", ".join(f"{k} {v}" for k, v in sorted(meta["params"].items())) or "none"
+    unscored = ", ".join(f"{n:,} {split}" for split, n in ev["unscored"].items() if n) or "none"
+    lines = [
+        _line(
+            "bundle", f"{b.path} (score bundle, format {meta['format_version']}, sha256 {(b.sha256 or '?')[:16]}...)"
+        ),
+        _line("score", f"{decl['name']} ({decl['display']}): nothing trained, higher = more likely hallucinated"),
+        _more(f"params: {params}; needs beyond the answer: {', '.join(decl['needs']) or 'nothing'}"),
+        *_model(meta["base_model"]),
+        _para(
+            "measured on",
+            f"model '{meta['model']}', dataset '{meta['dataset']}'; validation chose the thresholds and the "
+            f"calibration; answers left out unscored: {unscored}",
+        ),
+        _line("validation", f"{_split(ev, 'val')}: AUROC {ev['val_auroc']:.3f}"),
+        _line("test", f"{_split(ev, 'test')}: AUROC {ev['test_auroc']:.3f}"),
+        *_thresholds(meta, "score"),
+        _calibration(meta["calibration"]),
+        _line("range", f"validation scores from {rng['min']:.4g} to {rng['max']:.4g}: a row is {RANGE_RULE}"),
+    ]
+    if (refusal := b.refusal()) is not None:
+        lines.append(_para("input", refusal))
+    else:
+        lines.append(_para("input", SCORE_INPUT[b.reads]))
+        if b.reads == "model":
+            chat = "yes" if inputs["chat_template"] else "no"
+            lines.append(_more(f"prompt {json.dumps(inputs['prompt_template'])} (chat template: {chat})"))
+    if needs := p_sem_requirement(meta):
+        lines.append(_more(f"needs {needs}"))
+    return "\n".join(lines)
+
+
+def summary_text(b: Bundle | ScoreBundle) -> str:
     """The readable summary of a loaded bundle (its metadata already checked by `load_bundle`)."""
+    if isinstance(b, ScoreBundle):
+        return score_summary_text(b)
     meta = b.meta
     ev, inputs, cal = meta["evaluation"], meta["inputs"], meta["calibration"]
     origin = meta.get("origin")
@@ -139,18 +203,7 @@ def summary_text(b: Bundle) -> str:
             "test", f"{_split(ev, 'test')}: AUROC {ev['test_auroc_ensemble']:.3f} (the seeds' mean logit){seed_auroc}"
         ),
         *_thresholds(meta),
-        _line(
-            "calibration",
-            f"Platt: probability = sigmoid({cal['a']:.4g} score {'+' if cal['b'] >= 0 else '-'} {abs(cal['b']):.4g})"
-            + (f", fitted on {cal['n']:,} validation answers" if "n" in cal else ", fitted on validation")
-            + (f" (log loss {cal['val_log_loss']:.3f}, Brier {cal['val_brier']:.3f})" if "val_brier" in cal else "")
-            + (
-                "; the fit did not converge: the validation scores separate the classes, so its probabilities "
-                "are near 0 or 1 and overconfident"
-                if cal.get("converged") is False
-                else ""
-            ),
-        ),
+        _calibration(cal),
         _para(
             "input",
             "the base model's own answers: sampled from this model with the prompt below. Text written "

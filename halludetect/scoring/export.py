@@ -48,6 +48,46 @@ def p_sem_inputs(method: str, params: dict, given: dict | None) -> dict:
     return {"p_sem": {"variant": params["p_sem"], "lam": params["lam"], **given}}
 
 
+def base_model_meta(manifest: dict) -> dict:
+    """A bundle's `base_model`, from the model manifest (data/models/<m>.json): what pins the model."""
+    preset = manifest["preset"]
+    return {
+        "name": manifest["name"],
+        "path": preset["path"],
+        "revision": preset.get("revision"),
+        "resolved_revision": manifest.get("resolved_revision"),
+        "files": manifest.get("files"),
+        "hidden_size": int(manifest["hidden_size"]),
+        "num_hidden_layers": int(manifest["num_hidden_layers"]),
+        "preset": preset,
+    }
+
+
+def bundle_thresholds(
+    val: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    fpr_targets: list[float],
+    default_threshold: str,
+    source: str,
+    fix: str,
+) -> dict[str, dict]:
+    """A bundle's thresholds, chosen on validation (labels, scores) and measured on test: at each
+    rate of `fpr_targets`, at export.threshold's (`default_threshold`) and at the best F1; each
+    split must hold both classes (`source` and `fix` name where and what to re-run)."""
+    for split, (y, _) in (("val", val), ("test", test)):
+        if y.min() == y.max():
+            raise DataError(
+                f"{source}: every {split} answer is {'hallucinated' if y[0] else 'correct'}: a flag "
+                f"threshold's false- and true-positive rates need both; {fix}"
+            )
+    # export.threshold may name a rate that fpr_targets does not list: it is stored too
+    targets = sorted({*fpr_targets, *([float(default_threshold[4:])] if default_threshold != "best_f1" else [])})
+    thresholds = choose_thresholds(*val, targets, test)
+    if default_threshold not in thresholds:
+        raise DataError(f"export.threshold '{default_threshold}' is none of {sorted(thresholds)}")
+    return thresholds
+
+
 def export_bundle(
     out: str | Path,
     *,
@@ -97,17 +137,9 @@ def export_bundle(
     check_scores_match_metrics(scores, metrics, layer, str(scores_path))
     y_val, z_val = ensemble_scores(scores, "val", seeds, str(scores_path))
     y_test, z_test = ensemble_scores(scores, "test", seeds, str(scores_path))
-    for split, y in (("val", y_val), ("test", y_test)):
-        if y.min() == y.max():
-            raise DataError(
-                f"{scores_path}: every {split} answer is {'hallucinated' if y[0] else 'correct'}: a flag "
-                "threshold's false- and true-positive rates need both; re-run judge and train"
-            )
-    # export.threshold may name a rate that fpr_targets does not list: it is stored too
-    targets = sorted({*fpr_targets, *([float(default_threshold[4:])] if default_threshold != "best_f1" else [])})
-    thresholds = choose_thresholds(y_val, z_val, targets, (y_test, z_test))
-    if default_threshold not in thresholds:
-        raise DataError(f"export.threshold '{default_threshold}' is none of {sorted(thresholds)}")
+    thresholds = bundle_thresholds(
+        (y_val, z_val), (y_test, z_test), fpr_targets, default_threshold, str(scores_path), "re-run judge and train"
+    )
     preset = manifest["preset"]
     meta = {
         "format": FORMAT,
@@ -118,16 +150,7 @@ def export_bundle(
         "d": d,
         "layer": layer,
         "n_layers": int(manifest["num_hidden_layers"]),
-        "base_model": {
-            "name": manifest["name"],
-            "path": preset["path"],
-            "revision": preset.get("revision"),
-            "resolved_revision": manifest.get("resolved_revision"),
-            "files": manifest.get("files"),
-            "hidden_size": int(manifest["hidden_size"]),
-            "num_hidden_layers": int(manifest["num_hidden_layers"]),
-            "preset": preset,
-        },
+        "base_model": base_model_meta(manifest),
         "inputs": {
             "positions": positions,
             "prompt_template": prompt_template,

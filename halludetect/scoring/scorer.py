@@ -87,7 +87,7 @@ from halludetect.scoring.answer_files import (
     write_output,
 )
 from halludetect.scoring.answer_range import CAN_SCORE, RULE, answer_stats, check
-from halludetect.scoring.bundle import Bundle, load_bundle
+from halludetect.scoring.bundle import RANGE_RULE, SCORE_CAN_SCORE, Bundle, ScoreBundle, load_bundle, p_sem_requirement
 
 # The code a finished part depends on: an edit to any of it discards parts kept from an earlier run.
 MAX_NAMED = 20  # rows named one by one in the log per reason; the output's reason column has them all
@@ -323,8 +323,12 @@ class Scorer:
         batch_size = at_least_one("batch_size (--batch-size)", batch_size)
         generate = checked_generate(generate)
         self.device = device if device_map else resolve_device(device, "--device")
-        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.bundle = bundle if isinstance(bundle, Bundle | ScoreBundle) else load_bundle(bundle)
         b = self.bundle
+        if isinstance(b, ScoreBundle):  # ScoreBundleScorer scores it
+            raise UserError(
+                f"{b.path} is a score bundle ('{b.method}'): score it with make_scorer, score_answers or score_file"
+            )
         inputs = b.meta["inputs"]
         for warning in b.warnings:
             log(f"warning: {warning}")
@@ -352,8 +356,24 @@ class Scorer:
         # the DAG leaves shorter bags out (detectors/data.py, `too_short`): the token it reads is not there
         self.min_tokens = lookup_method(b.method).reads.min_tokens
         self.states_dtype = DTYPES[inputs["states_dtype"]]
+        self.needs_p_sem = b.reads.p_sem
         self._named: Counter = Counter()
         self._loaded = False
+        self._setup_model(model, tokenizer, revision, dtype, device_map, positions, "states")
+        self.answer_range, self.range_note = self._range(check_distribution)
+        self.range_rule, self.can_score = RULE, CAN_SCORE
+        self.out_of_range_means = (
+            "their answers are not ones the base model would have written, so their scores say little about "
+            "whether they are true"
+        )
+        if self.range_note:
+            log(f"note: {self.range_note}")
+
+    def _setup_model(self, model, tokenizer, revision, dtype, device_map, positions, what: str) -> None:
+        """The base model checked against the bundle's (a loaded one, or a preset: from its config and
+        files, loading nothing); sets preset, model, tokenizer, identity, vocab_size and context.
+        `what` the bundle read of the model, for the note on another dtype (states, log-probs)."""
+        b, log = self.bundle, self.log
         if model is not None and not isinstance(model, str | Path | ModelPreset):  # a loaded model
             if tokenizer is None:
                 raise UserError("a loaded model comes with its tokenizer: pass tokenizer=")
@@ -365,8 +385,8 @@ class Scorer:
             trained_dtype = b.meta["base_model"]["preset"].get("dtype")
             if self.preset.dtype != trained_dtype:
                 log(
-                    f"the detector was trained on states of the model in {trained_dtype}; running it in "
-                    f"{self.preset.dtype} gives slightly different states (and scores)"
+                    f"the bundle was fitted on {what} of the model in {trained_dtype}; running it in "
+                    f"{self.preset.dtype} gives slightly different {what} (and scores)"
                 )
             self.model, self.tokenizer = None, tokenizer
             self.identity = check_model(b, self.preset, positions)  # hashes a local model's files; loads nothing
@@ -374,9 +394,6 @@ class Scorer:
             check_config(b, config)
         self.vocab_size = int(config.get_text_config().vocab_size)
         self.context = context_length(config)
-        self.answer_range, self.range_note = self._range(check_distribution)
-        if self.range_note:
-            log(f"note: {self.range_note}")
 
     def _range(self, check_distribution: bool) -> tuple[dict | None, str | None]:
         """The bundle's range of fit answers' log-probs, or None and why no row will be checked."""
@@ -495,32 +512,37 @@ class Scorer:
             keys = [(p.seed, str(r.row if r.id is None else r.id), 0, 0) for r in rows]
             self._score_sampled(rows, out, keys, p, self.greedy, self.explain)
         else:
-            todo = []  # (index, prompt ids, answer ids)
-            for i, r in enumerate(rows):
-                prompt, answer = self._prompt(r.question), self._answer_ids(r)
-                out[i]["n_tokens"] = len(answer)
-                total = len(prompt) + len(answer)
-                if not answer:
-                    self._skip(out[i], r, "empty_answer")
-                elif len(answer) < self.min_tokens:
-                    self._skip(out[i], r, "too_short", self._too_short(len(answer)))
-                elif self.context is not None and total > self.context:
-                    self._skip(
-                        out[i],
-                        r,
-                        "too_long",
-                        f"{total} tokens (prompt + answer) do not fit the model's context of {self.context}",
-                    )
-                elif self.bundle.reads.p_sem and r.p_sem is None:
-                    self._skip(out[i], r, "no_p_sem", f"'{self.bundle.method}' reads P_sem and the row has none")
-                else:
-                    todo.append((i, prompt, answer))
+            todo = self._to_score(rows, out)
             for a in range(0, len(todo), self.batch_size):
                 self._score_forced(todo[a : a + self.batch_size], rows, out)
         if not self.per_seed:
             for o in out:
                 del o["seed_scores"]
         return out
+
+    def _to_score(self, rows: list[AnswerRow], out: list[dict]) -> list[tuple[int, list[int], list[int]]]:
+        """(index, prompt ids, answer ids) of the rows that can be scored; the others get their reason."""
+        todo = []
+        for i, r in enumerate(rows):
+            prompt, answer = self._prompt(r.question), self._answer_ids(r)
+            out[i]["n_tokens"] = len(answer)
+            total = len(prompt) + len(answer)
+            if not answer:
+                self._skip(out[i], r, "empty_answer")
+            elif len(answer) < self.min_tokens:
+                self._skip(out[i], r, "too_short", self._too_short(len(answer)))
+            elif self.context is not None and total > self.context:
+                self._skip(
+                    out[i],
+                    r,
+                    "too_long",
+                    f"{total} tokens (prompt + answer) do not fit the model's context of {self.context}",
+                )
+            elif self.needs_p_sem and r.p_sem is None:
+                self._skip(out[i], r, "no_p_sem", f"'{self.bundle.method}' reads P_sem and the row has none")
+            else:
+                todo.append((i, prompt, answer))
+        return todo
 
     @staticmethod
     def _blank(r: AnswerRow, explain: bool) -> dict:
@@ -560,8 +582,7 @@ class Scorer:
         b, device = self.bundle, input_device(self.model)
         starts = [bag_slice(len(p), len(a), b.positions).start for _, p, a in batch]
         lengths = [len(a) for _, _, a in batch]
-        ids, mask = pad_ids([p + a for _, p, a in batch], self.tokenizer.pad_token_id, left=False)  # [B, W]
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = self._forced_inputs(batch)  # [B, W]
         logprobs = None
         if self.answer_range is None:
             h = states_until(self.model, b.layer, b.n_layers, ids, mask)  # [B, W, d]
@@ -569,15 +590,28 @@ class Scorer:
             with torch.no_grad(), capture(self.model, [b.layer]) as store:
                 logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, W, V]
             h = store[b.layer]  # [B, W, d]
-            # each answer token's log-prob, from the position that predicts it (the dump's check's)
-            p_row, p_col = (t.to(device) for t in bag_positions([len(p) - 1 for _, p, _ in batch], lengths))
-            answer = torch.tensor([t for _, _, a in batch for t in a], device=device)  # [N]
-            logprobs = [x.tolist() for x in teacher_forced_logprobs(logits, p_row, p_col, answer).split(lengths)]
+            logprobs = self._answer_logprobs(batch, logits)
             del logits
         row, col = (t.to(device) for t in bag_positions(starts, lengths))
         # The dump stores the states in the bundle's dtype; evaluate reads them back as float32.
         tokens = h[row, col].to(self.states_dtype).float()  # [N, d]
         self._finish([i for i, _, _ in batch], tokens, lengths, rows, out, [a for _, _, a in batch], logprobs)
+
+    def _forced_inputs(self, batch: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, mask [B, W] of (index, prompt ids, answer ids) rows, prompt + answer right-padded
+        as the dump pads them, on the model's input device."""
+        ids, mask = pad_ids([p + a for _, p, a in batch], self.tokenizer.pad_token_id, left=False)  # [B, W]
+        device = input_device(self.model)
+        return ids.to(device), mask.to(device)
+
+    def _answer_logprobs(self, batch: list[tuple], logits: torch.Tensor) -> list[list[float]]:
+        """Each answer token's log-prob under the logits [B, W, V] of `_forced_inputs(batch)`, from the
+        position that predicts it (the dump's check's, and the generations' token_logprobs)."""
+        device = logits.device
+        lengths = [len(a) for _, _, a in batch]
+        p_row, p_col = (t.to(device) for t in bag_positions([len(p) - 1 for _, p, _ in batch], lengths))
+        answer = torch.tensor([t for _, _, a in batch for t in a], device=device)  # [N]
+        return [x.tolist() for x in teacher_forced_logprobs(logits, p_row, p_col, answer).split(lengths)]
 
     def _score_sampled(
         self, rows: list[AnswerRow], out: list[dict], keys: list[tuple], p: GenerateParams, greedy: bool, explain: bool
@@ -655,19 +689,19 @@ class Scorer:
         logits = b.seed_logits(bags).double().cpu().numpy()  # [S, B]
         if not np.isfinite(logits).all():
             self._non_finite(index, tokens, lengths, logits, rows)
-        z = logits.mean(0)  # [B] the ensemble's logit
-        prob = b.probability(z)
+        self._record(index, logits.mean(0), out)  # the ensemble's logit [B]
         for k, i in enumerate(index):
-            out[i] |= {
-                "score": float(z[k]),
-                "probability": float(prob[k]),
-                "flag": bool(z[k] >= self.threshold),
-                "seed_scores": logits[:, k].tolist(),
-            }
+            out[i]["seed_scores"] = logits[:, k].tolist()
         if logprobs is not None:
             self._check_range(index, answer_ids, logprobs, out)
         if self.explain if explain is None else explain:
             self._explain(index, bags, answer_ids, out)
+
+    def _record(self, index: list[int], z: np.ndarray, out: list[dict]) -> None:
+        """The rows' scores z [B]: each with its calibrated probability and its flag at the threshold."""
+        prob = self.bundle.probability(z)
+        for k, i in enumerate(index):
+            out[i] |= {"score": float(z[k]), "probability": float(prob[k]), "flag": bool(z[k] >= self.threshold)}
 
     def _check_range(
         self, index: list[int], answer_ids: list[list[int]], logprobs: list[list[float]], out: list[dict]
@@ -691,13 +725,12 @@ class Scorer:
         if checked and out_of_distribution:
             self.log(
                 f"warning: {out_of_distribution} of {scored} scored row(s) are out of the detector's distribution "
-                "(in_distribution false; ood_reason says why): their answers are not ones the base model would "
-                "have written, so their scores say little about whether they are true"
+                f"(in_distribution false; ood_reason says why): {self.out_of_range_means}"
             )
         return {
             "checked": checked,
             "out_of_distribution": out_of_distribution if checked else None,
-            "rule": RULE if checked else None,
+            "rule": self.range_rule if checked else None,
             "note": self.range_note,
         }
 
@@ -756,12 +789,166 @@ class Scorer:
         }
 
 
+class ScoreBundleScorer(Scorer):
+    """A score bundle (score_bundle.py: a score with nothing to train) scoring rows, through the same
+    rows, thresholds, calibration and output as a detector's: `p_sem` is 1 - the row's p_sem (no
+    model); `length` the answer's tokens under the base model's tokenizer, as generate counts them
+    (n_tokens; no weights); `logprob` minus the mean log-prob of the answer's tokens under the base
+    model run teacher forced on prompt + answer (the log-probs the dump checks the generations'
+    against). The scores that read the question's other answers are refused before anything loads;
+    so are the options that read a detector's states or seeds. `in_distribution` says whether the
+    score lies within the validation scores' range (`RANGE_RULE`)."""
+
+    def __init__(
+        self,
+        bundle: ScoreBundle | str | Path,
+        model=None,
+        *,
+        tokenizer=None,
+        revision: str | None = None,
+        dtype: str | None = None,
+        device: str = "auto",
+        device_map: str | None = None,
+        positions: str | None = None,
+        generate: GenerateParams | None = None,
+        greedy: bool = False,
+        threshold: str | float | None = None,
+        batch_size: int = 32,
+        per_seed: bool = False,
+        explain: bool = False,
+        check_distribution: bool = True,
+        log=print,
+    ):
+        self.batch_size = at_least_one("batch_size (--batch-size)", batch_size)
+        self.bundle = b = bundle if isinstance(bundle, ScoreBundle) else load_bundle(bundle)
+        if not isinstance(b, ScoreBundle):
+            raise UserError(f"{b.path} holds a trained '{b.method}' detector, not a score: use Scorer")
+        for warning in b.warnings:
+            log(f"warning: {warning}")
+        if (refusal := b.refusal()) is not None:
+            raise UserError(refusal)
+        what = f"{b.path} is a score bundle of '{b.method}', which reads no hidden states"
+        refused = {
+            "--positions (positions=)": (positions is not None, f"{what}: it has no token positions"),
+            "--generate (generate=)": (
+                generate is not None or greedy,
+                f"{what}: it scores answers given (rows with question and answer), not sampled ones",
+            ),
+            "--explain (explain=)": (explain, f"{what}: it has no token evidence"),
+            "--per-seed (per_seed=)": (per_seed, f"{what}: nothing was trained, it has no seeds"),
+        }
+        if b.reads == "p_sem":  # runs no model: an option naming one would be silently ignored
+            given = (model, tokenizer, revision, dtype, device_map)
+            refused["--model, --revision, --dtype and --device-map"] = (
+                any(x is not None for x in given),
+                f"{b.path} is a score bundle of 'p_sem': it reads each row's p_sem column and runs no model",
+            )
+        for option, (given, why) in refused.items():
+            if given:
+                raise OptionError(f"{why}; drop {option}")
+        self.generate, self.greedy, self.per_seed, self.explain, self.evidence_rule = None, False, False, False, None
+        self.log, self.needs_p_sem, self.min_tokens = log, b.reads == "p_sem", 1
+        self.threshold_name, self.threshold = b.threshold(threshold)
+        self._named: Counter = Counter()
+        self._loaded = False
+        self.device = device if device_map else resolve_device(device, "--device")
+        if b.reads == "p_sem":
+            self.preset = self.model = self.tokenizer = self.vocab_size = self.context = None
+            self.identity = {"path": None, "local": None, "files": None, "commit": None}
+        else:
+            self._setup_model(model, tokenizer, revision, dtype, device_map, None, "log-probs")
+            if b.reads == "tokenizer":
+                self.context = None  # counting tokens runs no model: any length is counted
+        self.range_rule, self.can_score = RANGE_RULE, SCORE_CAN_SCORE
+        self.out_of_range_means = (
+            "their scores lie where no validation score did, so their probabilities and flags extrapolate"
+        )
+        self.answer_range, self.range_note = (b.meta["score_range"], None) if check_distribution else (None, None)
+        if not check_distribution:
+            self.range_note = "in_distribution is not checked (--no-distribution-check): every row's is null"
+            log(f"note: {self.range_note}")
+
+    def load(self) -> ScoreBundleScorer:
+        """What the score reads, once: nothing (p_sem), the tokenizer (length), the whole causal LM (logprob)."""
+        if self._loaded:
+            return self
+        if self.bundle.reads == "model":
+            if self.model is None:
+                self.model = load_model(self.preset, self.device)
+            if getattr(self.model, "get_output_embeddings", lambda: None)() is None:
+                raise UserError(
+                    f"{self.bundle.path} is a score bundle of 'logprob': it needs the model's LM head for the "
+                    "answers' token log-probs, and the model given has none; pass the causal LM"
+                )
+        if self.bundle.reads != "p_sem" and self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.preset)
+        self._prompts: dict[str, list[int]] = {}
+        self._loaded = True
+        return self
+
+    def score(self, rows: list[AnswerRow]) -> list[dict]:
+        """One result per row, in order (columns: answer_files.output_schema)."""
+        self.load()
+        out = [self._blank(r, False) for r in rows]
+        for o in out:
+            del o["seed_scores"]
+        index, z = [], []
+        if self.bundle.reads == "p_sem":  # the answer is never tokenized: n_tokens stays null
+            for i, r in enumerate(rows):
+                out[i]["n_tokens"] = None
+                if not r.answer.strip():
+                    self._skip(out[i], r, "empty_answer")
+                elif r.p_sem is None:
+                    self._skip(out[i], r, "no_p_sem", "a 'p_sem' score bundle reads the row's p_sem and it has none")
+                else:
+                    index.append(i)
+                    z.append(1.0 - r.p_sem)  # the score the DAG evaluated: 1 - P_sem (evaluation/baselines.py)
+        elif self.bundle.reads == "tokenizer":
+            todo = self._to_score(rows, out)
+            index, z = [i for i, _, _ in todo], [float(len(a)) for _, _, a in todo]
+        else:
+            todo = self._to_score(rows, out)
+            for a in range(0, len(todo), self.batch_size):
+                batch = todo[a : a + self.batch_size]
+                ids, mask = self._forced_inputs(batch)  # [B, W]
+                with torch.no_grad():
+                    logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, W, V]
+                for (i, _, _), lps in zip(batch, self._answer_logprobs(batch, logits)):
+                    mean = float(np.mean(lps))
+                    if not np.isfinite(lps).all():
+                        raise NonFiniteScore(
+                            f"{rows[i].where}{'' if rows[i].id is None else f' (id {rows[i].id!r})'}: a token "
+                            "log-prob of its answer is not finite (an overflow in the model's dtype? try "
+                            "--dtype float32). Nothing non-finite is written: the rows before it are kept for a re-run"
+                        )
+                    index.append(i)
+                    z.append(-mean)  # the score the DAG evaluated: minus the mean token log-prob
+                    out[i] |= {"mean_logprob": mean, "min_logprob": float(np.min(lps))}
+                del logits
+        if index:
+            self._record(index, np.asarray(z, dtype=np.float64), out)
+        if self.answer_range is not None:
+            for k, i in enumerate(index):
+                reason = self.bundle.out_of_range(z[k])
+                out[i] |= {"in_distribution": reason is None, "ood_reason": reason}
+        return out
+
+    def sample_and_score(self, *a, **k):
+        raise UserError(f"{self.bundle.path} is a score bundle: it scores answers given, not sampled ones")
+
+
+def make_scorer(bundle: Bundle | ScoreBundle | str | Path, model=None, **kw) -> Scorer:
+    """The scorer of a bundle: a trained detector's (`Scorer`) or a score's (`ScoreBundleScorer`)."""
+    b = bundle if isinstance(bundle, Bundle | ScoreBundle) else load_bundle(bundle)
+    return (ScoreBundleScorer if isinstance(b, ScoreBundle) else Scorer)(b, model, **kw)
+
+
 # ------------------------------------------------------------------------------ entry points
 def score_answers(bundle: Bundle | str | Path, rows: Iterable[dict] | pl.DataFrame, model=None, **kw) -> pl.DataFrame:
     """Score rows in memory (dicts or a DataFrame with question, answer[, id, answer_token_ids,
     p_sem]). `kw` are `Scorer`'s options; with `generate=GenerateParams(...)` the rows hold
     questions only. Returns one row per input row (columns: answer_files.output_schema)."""
-    scorer = Scorer(bundle, model, **kw)
+    scorer = make_scorer(bundle, model, **kw)
     records = rows.to_dicts() if isinstance(rows, pl.DataFrame) else list(rows)
     seen = RowCheck("rows", scorer.vocab_size)
     parsed = []
@@ -809,13 +996,18 @@ def score_file(
         {"input (--input)": input_path, "bundle (--bundle)": None if isinstance(bundle, Bundle) else bundle},
     )
     output_format(output_path)
-    scorer = Scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
+    scorer = make_scorer(bundle, model, log=log, **kw)  # bundle and model checked, nothing loaded yet
     generate = scorer.generate is not None
     src = AnswerFile(input_path, generate=generate).check(scorer.vocab_size)  # every row, before any weights
-    if scorer.bundle.reads.p_sem and not src.has_p_sem:
+    if scorer.needs_p_sem and not src.has_p_sem:
+        what = (
+            "is a score bundle of 'p_sem', 1 - each answer's P_sem"
+            if isinstance(scorer, ScoreBundleScorer)
+            else (f"holds a '{scorer.bundle.method}' detector, which reads each answer's P_sem")
+        )
         raise UserError(
-            f"{scorer.bundle.path} holds a '{scorer.bundle.method}' detector, which reads each answer's "
-            f"P_sem: {input_path} has no p_sem values (add a p_sem column)"
+            f"{scorer.bundle.path} {what}: {input_path} has no p_sem values (add a p_sem column: "
+            f"{p_sem_requirement(scorer.bundle.meta)})"
         )
     schema = output_schema(src.id_type, generate, scorer.per_seed, scorer.explain)
     n_parts = -(-src.n_rows // rows_per_part)
@@ -857,6 +1049,7 @@ def score_file(
         "input": str(input_path),
         "output": str(output_path),
         "bundle": str(scorer.bundle.path),
+        "kind": "score" if isinstance(scorer, ScoreBundleScorer) else "detector",
         "method": scorer.bundle.method,
         "layer": scorer.bundle.layer,
         "model": scorer.identity["path"],
@@ -865,7 +1058,7 @@ def score_file(
         "flagged": counts["flagged"],
         "not_scored": not_scored,
         "in_distribution": scorer.distribution_summary(scored, counts["out_of_distribution"]),
-        "can_score": CAN_SCORE,
+        "can_score": scorer.can_score,
         "threshold": {"name": scorer.threshold_name, "value": scorer.threshold},
         **({"evidence": scorer.evidence_rule} if scorer.explain else {}),
         "parts_kept_from_earlier_run": kept,

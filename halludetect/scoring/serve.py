@@ -78,6 +78,7 @@ from halludetect.core.credentials import url_credentials
 from halludetect.core.errors import UserError
 from halludetect.lm.model_inputs import encode_prompt
 from halludetect.scoring.answer_files import AnswerRow
+from halludetect.scoring.bundle import ScoreBundle, load_bundle
 from halludetect.scoring.scorer import OptionError, Scorer, at_least_one
 
 # what a choice's `hallucination` holds, from the scorer's row (answer_files.output_schema)
@@ -297,6 +298,15 @@ class EngineClient:
         return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
 
 
+def score_bundle_refusal(b: ScoreBundle) -> str:
+    """Why a score bundle is not served: its scores are computed from answers given, in a file."""
+    return (
+        f"{b.path} is a score bundle of '{b.method}' (a score with nothing to train): halludetect serve scores "
+        "the answers it samples with a trained detector's bundle. Score answers with this one by "
+        "`halludetect score --bundle ... --input ...`, or serve a detector's bundle (max, mean, hami, ...)"
+    )
+
+
 class Service:
     """The bundle's scorer behind the server: checks requests, batches them, samples and scores.
 
@@ -317,6 +327,8 @@ class Service:
         log: Callable[[str], None] = print,
     ):
         b = scorer.bundle
+        if isinstance(b, ScoreBundle):
+            raise UserError(score_bundle_refusal(b))
         if b.reads.p_sem or b.reads.question:
             need = "each answer's P_sem (K answers clustered by entailment)" if b.reads.p_sem else "the K answers"
             raise UserError(
@@ -839,7 +851,10 @@ def serve(
     import signal
 
     key = api_key_from(api_key_env)
-    scorer = Scorer(bundle, model, log=log, **scorer_options)
+    loaded = load_bundle(bundle)
+    if isinstance(loaded, ScoreBundle):  # before the scorer, whose own refusal (--generate) says less
+        raise UserError(score_bundle_refusal(loaded))
+    scorer = Scorer(loaded, model, log=log, **scorer_options)
     service = Service(scorer, name=name, limits=limits, engine=engine, log=log)
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback

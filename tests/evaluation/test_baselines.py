@@ -6,33 +6,37 @@ import pytest
 from sklearn.metrics import roc_auc_score
 from support import world_like_tables
 
-from halludetect.config import BaselinesParams
 from halludetect.detectors.data import DataError
 from halludetect.evaluation.baselines import baseline_scores, evaluate_baseline
+from halludetect.methods import SCORES
+
+
+def section(name, **values):
+    """The score's own params section (detectors.<name>)."""
+    return SCORES[name].params(**values)
 
 
 def test_baselines_score_with_a_fixed_sign_and_count_what_they_cannot_score():
     labels, gens, clusters = world_like_tables()
-    params = BaselinesParams()
-    scores = baseline_scores("p_sem", gens, clusters, params)
+    scores = baseline_scores("p_sem", gens, clusters, section("p_sem"))
     m = evaluate_baseline(scores, labels, bootstrap=50, seed=0)
     assert m["excluded"]["test"] == {"no_score": 2}  # test0's question did not cluster
     joined = labels.filter((pl.col("split") == "test") & (pl.col("question_id") != "test0")).join(
         clusters, on=["question_id", "sample_index"]
     )
     assert m["test"]["auroc"]["mean"] == pytest.approx(roc_auc_score(joined["label"], 1 - joined["p_sem_sum"]))
-    mean = baseline_scores("p_sem", gens, clusters, BaselinesParams(p_sem="mean"))  # another variant: other scores
+    mean = baseline_scores("p_sem", gens, clusters, section("p_sem", variant="mean"))  # another variant: other scores
     assert evaluate_baseline(mean, labels, bootstrap=0, seed=0)["test"]["auroc"]["mean"] == pytest.approx(0.5)
     assert m["test"]["margin"] is None and m["best_layer"] is None
     for name in ("semantic_entropy", "logprob", "length"):
         assert (
-            evaluate_baseline(baseline_scores(name, gens, clusters, params), labels, bootstrap=0, seed=0)["test"][
-                "auroc"
-            ]["mean"]
+            evaluate_baseline(baseline_scores(name, gens, clusters, section(name)), labels, bootstrap=0, seed=0)[
+                "test"
+            ]["auroc"]["mean"]
             > 0.9
         )
     with pytest.raises(KeyError, match="did you mean 'length'"):
-        baseline_scores("lenght", gens, clusters, params)
+        baseline_scores("lenght", gens, clusters, section("length"))
     one_class = labels.with_columns(pl.when(pl.col("split") == "val").then(1).otherwise(pl.col("label")).alias("label"))
     with pytest.raises(DataError, match=r"split 'val' has one class only \(40 hallucinated of 40 kept\)"):
         evaluate_baseline(scores, one_class, bootstrap=0, seed=0)
@@ -55,7 +59,7 @@ def test_lexical_similarity_is_one_minus_the_mean_pairwise_rouge_l_by_hand():
             "n_tokens": [3, 3, 3, 1, 0],
         }
     ).with_columns(pl.col("sample_index").cast(pl.Int32))
-    got = baseline_scores("lexical_similarity", gens, None, BaselinesParams()).sort("rid")
+    got = baseline_scores("lexical_similarity", gens, None, section("lexical_similarity")).sort("rid")
     assert got["rid"].to_list() == ["a/0", "a/1", "a/2"]  # b has one non-empty answer: no score
     assert got["score"].to_list() == pytest.approx([2 / 3] * 3)
 
@@ -71,5 +75,5 @@ def test_the_number_of_semantic_sets_is_the_questions_cluster_count():
             "n_clusters": [2, 2, 2, None, None],
         }
     ).with_columns(pl.col("sample_index").cast(pl.Int32))
-    got = baseline_scores("semantic_sets", None, clusters, BaselinesParams()).sort("rid")
+    got = baseline_scores("semantic_sets", None, clusters, section("semantic_sets")).sort("rid")
     assert got["rid"].to_list() == ["a/0", "a/1", "a/2"] and got["score"].to_list() == [2.0, 2.0, 2.0]

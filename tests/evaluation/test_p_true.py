@@ -7,6 +7,7 @@ import polars as pl
 import pytest
 import torch
 
+from halludetect.core.errors import DataError
 from halludetect.evaluation.p_true import TRUE, few_shot_block, log_p_true, p_true_prompt, p_true_scores
 
 
@@ -39,7 +40,7 @@ def test_few_shot_examples_carry_the_judges_label_as_the_letter():
         "Question: Q two?\nBrainstormed Answers: c \nd \nPossible answer: c\nIs the possible answer:\n"
         "A) True\nB) False\nThe possible answer is: B"
     )
-    with pytest.raises(ValueError, match="p_true.few_shot is 3 but only 2 labelled train questions exist"):
+    with pytest.raises(DataError, match="detectors.p_true.few_shot is 3 but only 2 labelled train questions exist"):
         few_shot_block(questions, gens, judged, 3)
 
 

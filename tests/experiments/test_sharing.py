@@ -330,3 +330,19 @@ def test_exp_push_leaves_out_an_experiment_ref_at_its_own_baseline_and_says_so(p
     assert f"warning: not pushed: refs/exps/{base[:2]}/{base[2:]}/at-head points at its baseline" in err
     code, _, err = exp_push("origin", "at-head", capsys=capsys)
     assert code == 2 and "error: experiment at-head cannot be pushed: refs/exps/" in err
+
+
+@pytest.mark.hostile
+def test_train_layer_refuses_a_score_with_nothing_to_train():
+    """A score has no layers: `halludetect train-layer` names its train stage instead of pulling the
+    cell's states for nothing."""
+    from support import ROOT
+
+    from halludetect.config import load_params
+
+    params = load_params(ROOT / "params.yaml")
+    with pytest.raises(
+        SharingError, match=r"p_sem is a score with nothing to train: .*dvc repro train@world-world-p_sem"
+    ):
+        sharing.check_in_grid(params, "world", "world", "p_sem")
+    sharing.check_in_grid(params, "world", "world", "hami")  # a trained one passes

@@ -1,4 +1,4 @@
-"""The label tables as train, evaluate and baselines read them (halludetect/labels/readers.py), the
+"""The label tables as train and evaluate read them (halludetect/labels/readers.py), the
 hostile cases: a kept label of 2 or null, one answer twice with opposite labels, a judgments file
 that is not Parquet, and P_sem outside [0, 1] are each named with the file, the rows and the fix,
 before any training."""
@@ -27,7 +27,7 @@ def test_train_rejects_a_kept_label_of_2_naming_file_and_row(tmp_path):
 
 
 def judgments_error(path: Path) -> str:
-    """What train, evaluate and baselines say about a judgments file (they all read it so)."""
+    """What train and evaluate say about a judgments file (they all read it so)."""
     from halludetect.labels.readers import read_judgments
 
     with pytest.raises(DataError) as e:
@@ -70,7 +70,7 @@ def test_train_names_a_judgments_file_that_is_not_parquet(tmp_path):
 
 
 @pytest.mark.hostile
-def test_baselines_reject_a_clusters_table_with_p_sem_outside_0_1_naming_the_row(tmp_path):
+def test_the_p_sem_score_rejects_a_clusters_table_with_p_sem_outside_0_1_naming_the_row(tmp_path):
     from support import world_like_tables
 
     labels, gens, clusters = world_like_tables()
@@ -83,24 +83,26 @@ def test_baselines_reject_a_clusters_table_with_p_sem_outside_0_1_naming_the_row
         pl.when(pl.col("question_id") == "val1").then(1.7).otherwise(pl.col("p_sem_mean")).alias("p_sem_mean")
     )
     bad.write_parquet(tmp_path / "c.parquet")
-    res = stage(
-        "stages.baselines",
-        "--model",
-        "m",
-        "--dataset",
-        "d",
+    res = stage(  # a score with nothing to train, in its train stage (stages/scores.py)
+        "stages.train",
+        "--method",
+        "p_sem",
+        "--activations",
+        str(tmp_path / "activations"),
         "--generations",
         str(tmp_path / "g.parquet"),
         "--judgments",
         str(tmp_path / "j.parquet"),
         "--clusters",
         str(tmp_path / "c.parquet"),
-        "--timings",
-        str(tmp_path / "t.parquet"),
-        "--generation-metrics",
-        str(tmp_path / "g.json"),
         "--out",
-        str(tmp_path / "b.json"),
+        str(tmp_path / "detectors"),
+        "--scores",
+        str(tmp_path / "scores"),
+        "--metrics",
+        str(tmp_path / "layers"),
+        "--timing",
+        str(tmp_path / "timing.json"),
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert (

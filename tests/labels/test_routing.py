@@ -69,8 +69,30 @@ def test_a_stage_reads_the_files_of_its_own_directory_and_refuses_another(tmp_pa
     stale = out / "train" / "stale"
     stale.mkdir()
     (stale / MANIFEST).write_text(json.dumps({"detector": "hami_sp", "reads": {}}))
-    with pytest.raises(DataError, match="hami_sp reads the clustering, but the route stage wrote otherwise"):
+    with pytest.raises(DataError, match=r"the route stage handed hami_sp's train stage nothing, not \['clusters'\]"):
         routed_inputs(stale, "hami_sp", "train")
+
+
+def test_the_scores_get_what_they_are_computed_from_and_p_true_the_model_preset(tmp_path):
+    """A score's train stage reads the generations (p_sem the clustering too, p_true the questions and
+    the preset, which no other detector gets: a preset edit re-runs p_true alone); its evaluate stage
+    the cluster timings where it reads the clustering (its cost)."""
+    out, preset = tmp_path / "routed", {"path": "data/world/model", "dtype": "float32"}
+    write_routes(["hami", "p_sem", "length", "p_true"], sources(tmp_path / "src", "x"), out, model=preset)
+    train = {name: sorted(tree(out / "train" / name)) for name in ("hami", "p_sem", "length", "p_true")}
+    assert train == {
+        "hami": [MANIFEST],
+        "p_sem": sorted([MANIFEST, FILES["clusters"], FILES["generations"]]),
+        "length": sorted([MANIFEST, FILES["generations"]]),
+        "p_true": sorted([MANIFEST, FILES["generations"], FILES["questions"], FILES["model_preset"]]),
+    }
+    assert json.loads((out / "train" / "p_true" / FILES["model_preset"]).read_text()) == preset
+    assert sorted(tree(out / "evaluate" / "p_sem")) == sorted([MANIFEST, *(FILES[k] for k in FAMILIES["evaluate"])])
+    assert sorted(tree(out / "evaluate" / "length")) == sorted(tree(out / "evaluate" / "p_true")) == [MANIFEST]
+    got = routed_inputs(out / "train" / "p_true", "p_true", "train")
+    assert got["clusters"] is None and all(Path(got[k]).is_file() for k in ("generations", "questions", "model_preset"))
+    with pytest.raises(DataError, match="p_true asks the model again: pass the model preset"):
+        write_routes(["p_true"], sources(tmp_path / "src", "x"), tmp_path / "none")
 
 
 @pytest.mark.hostile
@@ -86,7 +108,7 @@ def test_a_missing_or_damaged_manifest_says_which_stage_writes_it(tmp_path):
 def test_a_missing_source_fails_before_anything_is_written(tmp_path):
     src = sources(tmp_path / "src", "x")
     src["latency"].unlink()
-    with pytest.raises(DataError, match=r"missing latency \(.*latency.json\): run the cluster and latency stages"):
+    with pytest.raises(DataError, match=r"missing latency \(.*latency.json\): run the stages that write them first"):
         write_routes(DETECTORS, src, tmp_path / "routed")
     assert not (tmp_path / "routed").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temporary directory left either

@@ -11,7 +11,9 @@ from halludetect.methods import ANALYZABLE, CLUSTER_METHODS, METHODS, SP_METHODS
 
 
 def test_registry_covers_every_params_section():
-    assert set(DETECTORS) == set(DetectorsParams.model_fields)
+    from halludetect.methods import SCORES
+
+    assert set(DETECTORS) | set(SCORES) == set(DetectorsParams.model_fields) and not set(DETECTORS) & set(SCORES)
 
 
 def test_a_name_registered_twice_is_refused():
@@ -79,15 +81,17 @@ def test_a_declaration_of_the_wrong_type_is_refused_at_registration(change, mess
     assert "bad_max" not in METHODS
 
 
-def test_the_scores_with_nothing_to_train_are_declared_once_and_the_grid_lists_follow():
-    from halludetect.config import BASELINES, MODEL_BASELINES
+def test_the_scores_with_nothing_to_train_are_declared_once_with_their_params_section():
     from halludetect.core.registry import load_target
     from halludetect.methods import SCORES
     from halludetect.report.cells import NAMES, family
 
-    assert BASELINES == ("p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets")
-    assert MODEL_BASELINES == ("p_true",)
+    assert list(SCORES) == [
+        "p_sem", "semantic_entropy", "logprob", "length", "lexical_similarity", "semantic_sets", "p_true"
+    ]  # fmt: skip
+    assert [n for n, s in SCORES.items() if s.source == "model"] == ["p_true"]
     for name, s in SCORES.items():
+        assert DetectorsParams.model_fields[name].annotation is s.params
         assert callable(load_target(s.compute, name)) and NAMES[name] == s.display and family(name) == s.family
     assert not set(SCORES) & set(METHODS)
 

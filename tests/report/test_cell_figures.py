@@ -77,6 +77,18 @@ def write_cell(root: Path) -> list[str]:
         ]
         (root / "scores" / m).mkdir(parents=True)
         pl.concat(frames).write_parquet(root / "scores" / m / "layer_1.parquet")
+    # the scores with nothing to train: their train stage's answers.parquet (stages/scores.py), one null
+    answers = labels.filter(pl.col("split").is_in(["val", "test"]))
+    for name in ("p_sem", "length"):
+        (root / "scores" / name).mkdir(parents=True)
+        answers.select(
+            pl.concat_str(["question_id", pl.col("sample_index").cast(pl.String)], separator="/").alias("response_id"),
+            "question_id",
+            "sample_index",
+            "split",
+            "label",
+            pl.Series("score", np.where(np.arange(answers.height) == 0, np.nan, rng.random(answers.height))),
+        ).with_columns(pl.col("score").fill_nan(None)).write_parquet(root / "scores" / name / "answers.parquet")
     return methods
 
 
@@ -84,8 +96,7 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
     methods = write_cell(tmp_path)
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["grid"] |= {
-        "detectors": ["max", "hami_sp"],
-        "baselines": ["p_sem", "length"],
+        "detectors": ["max", "hami_sp", "p_sem", "length"],
         "analyze": ["hami_sp"],
     }
     data["train"]["seeds"] = [0, 1]

@@ -162,8 +162,8 @@ def test_captions_name_the_seeds_and_the_p_sem_variant_and_flag_other_run_counts
         ("world", "tqa", "hami_sp"): entry(0.8, seeds=[0, 1, 2], method="hami_sp", params=params),
         ("my-llama", "tqa", "max"): entry(0.85, seeds=[0, 1, 2, 3, 4], method="max"),
         ("world", "tqa", "max"): entry(0.7, seeds=[0, 1, 2], method="max"),
-        ("my-llama", "tqa", "p_sem"): entry(0.8, family="baseline", method="p_sem", params={"p_sem": "mean"}),
-        ("world", "tqa", "p_sem"): entry(0.7, family="baseline", method="p_sem", params={"p_sem": "mean"}),
+        ("my-llama", "tqa", "p_sem"): entry(0.8, family="baseline", method="p_sem", params={"variant": "mean"}),
+        ("world", "tqa", "p_sem"): entry(0.7, family="baseline", method="p_sem", params={"variant": "mean"}),
     }
     tables = {t.name: t for t in build_tables(metrics, two)}
     auroc = tables["auroc"]
@@ -278,12 +278,11 @@ def test_sweep_table_puts_the_papers_d_sweep_beside_ours():
 def test_load_metrics_names_what_is_missing(tmp_path):
     (tmp_path / "eval" / "m" / "d").mkdir(parents=True)
     (tmp_path / "eval" / "m" / "d" / "max.json").write_text(json.dumps(entry()))
-    (tmp_path / "base" / "m").mkdir(parents=True)
-    (tmp_path / "base" / "m" / "d.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
-    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["p_sem"])
+    (tmp_path / "eval" / "m" / "d" / "p_sem.json").write_text(json.dumps(entry(family="baseline")))
+    metrics = load_metrics(tmp_path / "eval", ["m"], ["d"], ["max", "p_sem"])
     assert set(metrics) == {("m", "d", "max"), ("m", "d", "p_sem")}
-    with pytest.raises(FileNotFoundError, match=r"d.json \[length\]"):
-        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max"], tmp_path / "base", ["length"])
+    with pytest.raises(FileNotFoundError, match=r"m/d/length.json"):
+        load_metrics(tmp_path / "eval", ["m"], ["d"], ["max", "length"])
 
 
 def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
@@ -291,22 +290,20 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     data["grid"] |= {
         "models": ["my-llama"],
         "datasets": ["tqa"],
-        "detectors": ["hami", "max"],
-        "baselines": ["p_sem"],
-        "model_baselines": ["p_true"],
+        "detectors": ["hami", "max", "p_sem", "p_true"],
         "analyze": ["hami"],
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
     cost = {"needs": ["sampling", "a forward pass"], "seconds": 0.0123, "samples_per_s": 81.3}
-    (tmp_path / "base" / "my-llama" / "tqa").mkdir(parents=True)
-    (tmp_path / "base" / "my-llama" / "tqa" / "p_true.json").write_text(
+    (tmp_path / "eval" / "my-llama" / "tqa").mkdir(parents=True)
+    (tmp_path / "eval" / "my-llama" / "tqa" / "p_true.json").write_text(
         json.dumps(entry(0.61, family="baseline", cost_per_response=cost))
     )
     for method in ("hami", "max"):
         path = tmp_path / "eval" / "my-llama" / "tqa" / f"{method}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(trained(method)))
-    (tmp_path / "base" / "my-llama" / "tqa.json").write_text(json.dumps({"p_sem": entry(family="baseline")}))
+    (tmp_path / "eval" / "my-llama" / "tqa" / "p_sem.json").write_text(json.dumps(entry(family="baseline")))
     cls = {"n": 10, "p_sem": 0.5, "c": -2.0, "p_sem_c": -1.0}
     mean = {"neg": cls, "pos": cls, "gamma": 1.0, "inv_gamma": 1.0, "class_ratio": 1.0, "condition_holds_seeds": [0, 0]}
     analysis = tmp_path / "eval" / "my-llama" / "tqa" / "analysis" / "hami.json"  # beside evaluate's metrics
@@ -369,8 +366,6 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
             str(tmp_path / "params.yaml"),
             "--metrics-dir",
             str(tmp_path / "eval"),
-            "--baselines-dir",
-            str(tmp_path / "base"),
             "--labels-dir",
             str(tmp_path / "labels"),
             "--evidence-dir",
@@ -411,7 +406,7 @@ def test_report_stage_writes_one_md_and_tex_per_table(tmp_path):
     assert "LLaMA-3.1-8B 140 s" in times  # the paper's appendix total, in the notes
     labels = (tmp_path / "tables" / "label_distribution.md").read_text()
     assert "| my-llama / tqa [leak] / test | 1,257 (1257) | 4,097 (4097) | 3.26 (3.26) |" in labels
-    # p(True) (stage model_baselines) in the block of the field's baselines, under the paper's methods
+    # p(True) (a score with nothing to train) in the block of the field's baselines, under the paper's methods
     main = (tmp_path / "tables" / "auroc.md").read_text()
     assert "| p(True) [sampling, a forward pass] | <u>0.610</u> ± 0.005 [0.590, 0.630] 12.3 ms/resp. |" in main
     assert main.index("| Max pooling |") < main.index("| p(True) [")
