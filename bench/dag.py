@@ -45,7 +45,8 @@ trained"): Llama-3.1-8B 32 blocks + embeddings (33), Mistral-NeMo-12B 41, Llama-
 3 x 52 = 156 pairs, the paper's count of per-layer stages to one. `--layers 81` lists the 70B's
 (over-counting the smaller models'); `--layers 33` only layers every model has. `--models`,
 `--datasets` take a count (the first N of the paper's) or a comma list; `--methods` `all` or a
-comma list.
+comma list (of trained methods and, for a revision where they are detectors, scores; a revision
+before that always has its baselines' stages).
 
 At the paper's scale today's design has thousands of stages and a lock of tens of MB: its
 `dvc repro` would run for hours to days, since DVC rewrites the whole lock after every stage.
@@ -227,8 +228,8 @@ def grid_for(repo: Path, models: list[str], datasets: list[str], methods: str, l
         grid["methods"], grid["sp_methods"] = keep(reg["methods"]), keep(reg["sp_methods"])
     if "baselines" in written:  # the scores' own lists, before they were detectors
         grid |= {"baselines": reg["baselines"], "model_baselines": reg["model_baselines"]}
-    elif "detectors" in grid:  # every score with the detectors, as the baselines were
-        grid["detectors"] += reg["scores"]
+    elif "detectors" in grid:  # the scores with the detectors (all of them by default, as the baselines were)
+        grid["detectors"] += keep(reg["scores"])
     trained = detectors(grid)
     grid["analyze"] = [m for m in reg["analyze"] if m in trained]
     return grid

@@ -54,7 +54,7 @@ SMALL = {
     # transfer stage is its diagonal alone (transfer@world-world-world)
     "grid": {
         "datasets": ["world"],
-        "detectors": ["hami", "max", "hami_sp", "p_sem"],  # FIELD adds the field's and two more scores
+        "detectors": ["hami", "max", "hami_sp"],  # FIELD adds the field's methods and a score of each kind
         "layers": [1, 2],
         "transfer": ["world"],  # the diagonal alone: transfer@world-world-world
     },
