@@ -45,7 +45,7 @@ def trained_layers(timing: str) -> list[int]:
 
 
 def run(args, params):
-    if common.hand_over("evaluate", args, params):  # a score: its figures and bundle (stages/scores.py)
+    if common.hand_over("evaluate", args, params):  # a score: its figures and bundle (stages/evaluate_score.py)
         return
     ep, seeds = params.evaluate, params.train.seeds
     take_routed(args, "evaluate")  # the clustering's files, for a method that reads them

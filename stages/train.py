@@ -199,7 +199,7 @@ def train_beside_workers(layers: list[int], n: int, args, method_params, tp, dev
 
 
 def run(args, params):
-    if common.hand_over("train", args, params):  # a score: nothing to train (stages/scores.py)
+    if common.hand_over("train", args, params):  # a score: nothing to train (stages/train_score.py)
         return
     tp = params.train
     device = resolve_device(tp.device, "train.device")  # before any file is read
@@ -249,7 +249,7 @@ if __name__ == "__main__":
     p.add_argument(
         "--timing", help="the layers' training times (JSON, apart from the figures: wall times differ per run)"
     )
-    p.add_argument("--generations", help="generations Parquet: what a score is computed from (stages/scores.py)")
+    p.add_argument("--generations", help="generations Parquet: what a score is computed from (stages/train_score.py)")
     p.add_argument("--questions", help="questions Parquet: p(True)'s prompt")
     p.add_argument(
         "--layers",

@@ -156,7 +156,7 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
 # (EigenScore: a question's answers together, nothing fitted; the SE probe: fitted in closed form
 # to the semantic entropy, which the route stage hands it), and the plugin of docs/detectors.md "Your own detector",
 # registered by an entry point of a package in the repository's root.
-# Then one score with nothing to train of each kind (stages/scores.py): of the clustering, of the answer
+# Then one score with nothing to train of each kind (stages/train_score.py): of the clustering, of the answer
 # alone, of the model asked again; each is two stages, so the other four are left to the unit tests and
 # the world's `make repro`.
 LAYERS = (1, 2)

@@ -1,6 +1,6 @@
 """What one more response costs a method, amortised over batches, for the report's block of the
 field's baselines and its throughput table: its own scoring plus what it needs beyond the answer.
-No torch here: a score's evaluate stage (stages/scores.py), which never loads a model, uses it too."""
+No torch here: a score's evaluate stage (stages/evaluate_score.py), which never loads a model, uses it too."""
 
 from __future__ import annotations
 

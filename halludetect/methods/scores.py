@@ -16,8 +16,9 @@ sampled answers and their clustering) and evaluation/p_true.py (the model again)
                       question's other answers (Kadavath et al. 2022): one more forward pass
 
 They are detectors like the trained ones: named in grid.detectors, each with its section
-detectors.<name>, and run by the same train and evaluate stages (stages/scores.py computes and
-evaluates them, and writes a bundle `halludetect score` reads). The last-token linear probe is
+detectors.<name>, and run by the same train and evaluate stages, which hand them over to
+stages/train_score.py (it computes them) and stages/evaluate_score.py (it evaluates them and
+writes a bundle `halludetect score` reads). The last-token linear probe is
 trained on hidden states, so it is a method (`probe`), not a score.
 """
 

@@ -162,7 +162,7 @@ class Score:
     name: str  # its name in grid.detectors, and its params section detectors.<name>
     display: str  # the report's row name
     needs: tuple[str, ...]  # what one more response costs beyond the answer (the report's marks)
-    # "module:function" computing it, resolved by stages/scores.py: from the sampled answers and
+    # "module:function" computing it, resolved by stages/train_score.py: from the sampled answers and
     # their clustering ((generations, clusters, its params) -> columns rid, score:
     # evaluation/baselines.py), or from the model asked again (evaluation/p_true.py). The code stage
     # follows this module into the score's digest, so an edit to it re-runs that score alone.

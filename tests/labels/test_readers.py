@@ -83,7 +83,7 @@ def test_the_p_sem_score_rejects_a_clusters_table_with_p_sem_outside_0_1_naming_
         pl.when(pl.col("question_id") == "val1").then(1.7).otherwise(pl.col("p_sem_mean")).alias("p_sem_mean")
     )
     bad.write_parquet(tmp_path / "c.parquet")
-    res = stage(  # a score with nothing to train, in its train stage (stages/scores.py)
+    res = stage(  # a score with nothing to train, in its train stage (stages/train_score.py)
         "stages.train",
         "--method",
         "p_sem",

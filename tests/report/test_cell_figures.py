@@ -77,7 +77,7 @@ def write_cell(root: Path) -> list[str]:
         ]
         (root / "scores" / m).mkdir(parents=True)
         pl.concat(frames).write_parquet(root / "scores" / m / "layer_1.parquet")
-    # the scores with nothing to train: their train stage's answers.parquet (stages/scores.py), one null
+    # the scores with nothing to train: their train stage's answers.parquet (stages/train_score.py), one null
     answers = labels.filter(pl.col("split").is_in(["val", "test"]))
     for name in ("p_sem", "length"):
         (root / "scores" / name).mkdir(parents=True)
