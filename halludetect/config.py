@@ -20,7 +20,7 @@ from halludetect.core.credentials import key_variable_problem, url_credentials
 from halludetect.core.errors import UserError
 from halludetect.core.lookup import suggest as _suggest
 from halludetect.core.sections import DEVICE, Device, Fraction, PositiveInt, PSemVariant, Section
-from halludetect.methods import ANALYZABLE, METHODS, SCORES, PluginError, load_entry_points, load_factory
+from halludetect.methods import ANALYZABLE, METHODS, SCORES, PluginError, load_entry_points, load_factory, trained
 
 
 def _split_fraction(value: float) -> float:
@@ -713,7 +713,7 @@ class Params(Section):
                     )
             if len(set(names)) != len(names):
                 problems.append(f"{key}: {_flow(names)} lists a name twice")
-        if not [name for name in self.grid.detectors if not is_score(name)]:
+        if not trained(self.grid.detectors):
             problems.append(
                 "grid.detectors: no detector trained on hidden states (every figure and the token evidence of a "
                 "cell are drawn from one at least): add one, e.g. hami or max"

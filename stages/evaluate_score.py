@@ -22,15 +22,16 @@ from halludetect.labels.routing import take_routed
 from halludetect.methods import SCORES
 from halludetect.scoring.score_bundle import export_score_bundle
 from stages import common
+from stages.export import sampling_input
 from stages.train_score import ANSWERS, TIMING
 
 
-def _extra_cost(spec, args, judgments: pl.DataFrame) -> tuple[float, str]:
+def _extra_cost(spec, args, judgments: pl.DataFrame, generation_metrics: dict) -> tuple[float, str]:
     """The seconds one more response costs beyond the score's own: the K - 1 more samples it reads, and
     the question's clustering for those that read it (its NLI seconds on the test questions)."""
     if not ({"sampling", "sampling + NLI"} & set(spec.needs)):
         return 0.0, ""
-    k, sampling = sampling_seconds(json.loads(Path(args.generation_metrics).read_text()))
+    k, sampling = sampling_seconds(generation_metrics)
     extra, what = sampling, f"{k:g} - 1 more samples (generate's seconds per sample)"
     if spec.reads_clusters:
         if not args.timings:
@@ -68,7 +69,8 @@ def run(args, params) -> None:
     out |= evaluate_baseline(scored, judgments, bootstrap=ep.bootstrap, seed=ep.seed)
     if "left_out" in timing:  # before scoring: empty answers, prompts longer than the context
         out["left_out"] = timing["left_out"]
-    extra, what = _extra_cost(spec, args, judgments)
+    gen = json.loads(Path(args.generation_metrics).read_text())
+    extra, what = _extra_cost(spec, args, judgments, gen)
     out["cost_per_response"] = cost_per_response(
         spec.needs, timing["samples_per_s"], extra_seconds=extra, extra_what=what
     )
@@ -76,11 +78,8 @@ def run(args, params) -> None:
         out["cost_per_response"]["device"] = timing["device"]
     write_json(args.out, out)
     write_json(args.plot, [])  # no layers
-    gen = json.loads(Path(args.generation_metrics).read_text())
-    sampled = {"samples_per_question": gen["samples"] / gen["questions"]}  # K, which the score's P_sem or sets read
-    if spec.reads_clusters:
-        clu = json.loads(Path(args.cluster_metrics).read_text())
-        sampled |= {"equivalence": clu["equivalence"], "backend": clu["backend"]}
+    # K, which the score's P_sem or sets read, and the clustering for those that read it
+    clusters = json.loads(Path(args.cluster_metrics).read_text()) if spec.reads_clusters else None
     summary = export_score_bundle(
         args.bundle,
         score=args.method,
@@ -90,7 +89,7 @@ def run(args, params) -> None:
         export=params.export,
         model=args.model,
         dataset=args.dataset,
-        generation=sampled,
+        generation=sampling_input(gen, clusters),
     )
     t = summary["threshold"]
     common.log.info(

@@ -24,18 +24,22 @@ from halludetect.scoring.export import export_bundle
 from stages import common
 
 
+def sampling_input(generation_metrics: dict, cluster_metrics: dict | None = None) -> dict:
+    """How a question's answers were sampled, and clustered where `cluster_metrics` is given: K answers
+    per question (generate's metrics), the equivalence rule and NLI backend (cluster's metrics)."""
+    made = {"samples_per_question": generation_metrics["samples"] / generation_metrics["questions"]}
+    if cluster_metrics is not None:
+        made |= {"equivalence": cluster_metrics["equivalence"], "backend": cluster_metrics["backend"]}
+    return made
+
+
 def p_sem_input(args) -> dict | None:
-    """How the P_sem of a method that reads it was made: K answers per question (generate's
-    metrics), the clustering's equivalence rule and NLI backend (cluster's metrics)."""
+    """How the P_sem of a method that reads it was made (`sampling_input`), or None without both
+    metrics files."""
     if not (args.generation_metrics and args.cluster_metrics):
         return None
-    gen = json.loads(Path(args.generation_metrics).read_text())
-    clu = json.loads(Path(args.cluster_metrics).read_text())
-    return {
-        "samples_per_question": gen["samples"] / gen["questions"],
-        "equivalence": clu["equivalence"],
-        "backend": clu["backend"],
-    }
+    read = [json.loads(Path(f).read_text()) for f in (args.generation_metrics, args.cluster_metrics)]
+    return sampling_input(*read)
 
 
 def fit_answers(args):
