@@ -316,6 +316,7 @@ class CompletionsParams(Section):
         "max_retries",
         "timeout",
         "hidden_states",
+        "states_dir",
     )
 
     base_url: Annotated[str | list[str] | None, AfterValidator(_no_credentials)] = Field(
@@ -329,11 +330,15 @@ class CompletionsParams(Section):
     # question: one request per question with n = K and one seed (vLLM seeds answer i with seed + i);
     # answer: K requests with n = 1, each seeded by its answer's own stream (engines whose n ignores seeds)
     per_request: Literal["question", "answer"] = "question"
-    # The layer ids a vLLM server extracts (`vllm serve ... eagle_aux_hidden_state_layer_ids`, in that
-    # order; 0 = embeddings, num_hidden_layers = the top, before the final norm): each request then
-    # asks for its answer's states (`include_output_tokens`) and generate keeps them for
-    # `dump.source: engine` (activations/engine_states.py). None: no states are asked for.
+    # The layer ids a vLLM server extracts (`vllm serve ... eagle_aux_hidden_state_layer_ids`, in any
+    # order: vLLM keeps them sorted, and so do we; 0 = embeddings, num_hidden_layers = the top, before
+    # the final norm): each request then asks for its answer's states (`include_output_tokens`) in a
+    # file it names, and generate keeps them for `dump.source: engine` (lm/engine_states.py). None: no
+    # states are asked for.
     hidden_states: list[Annotated[int, Field(ge=0)]] | None = None
+    # Where the engine writes those files (a RAM disk such as /dev/shm/halludetect is fastest); it must
+    # be the same path on the engine's machine and generate's. None: beside the generations.
+    states_dir: str | None = None
 
     @model_validator(mode="after")
     def _urls(self) -> CompletionsParams:

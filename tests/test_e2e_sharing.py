@@ -45,7 +45,13 @@ def repo(tmp_path_factory):
 def engine(repo, tmp_path_factory):
     """The engine serving the DAG's world model under the preset's path, keeping every layer's states."""
     states = tmp_path_factory.mktemp("shm")
-    with FakeVLLM(repo / "data/world/model", "data/world/model", hidden_states=WORLD_LAYERS, states_dir=states) as srv:
+    with FakeVLLM(
+        repo / "data/world/model",
+        "data/world/model",
+        hidden_states=WORLD_LAYERS,
+        states_dir=states,
+        allow_custom_save_path=True,  # as docs/models-and-generation.md starts vLLM
+    ) as srv:
         yield srv
 
 
@@ -315,10 +321,12 @@ def test_sampling_through_the_engine_dumps_its_states_as_the_hf_dump_and_again_g
     generate(repo, a, params)
     metrics = json.loads((a / "gen.json").read_text())
     assert metrics["backend"] == "completions" and metrics["endpoint"]["requests_sent"] >= QUESTIONS
-    asked = engine.requests[before:]  # one answer per request, each asking for its states
-    assert len(asked) == metrics["endpoint"]["requests_sent"]
+    asked = engine.requests[before:]  # the one-token probe, then one answer per request, each asking for its states
+    assert len(asked) == metrics["endpoint"]["requests_sent"] + 1
     assert all(b["n"] == 1 and b["model"] == "data/world/model" for b in asked)
-    assert all(b["kv_transfer_params"] == {"include_output_tokens": True} for b in asked)
+    assert all(b["kv_transfer_params"]["include_output_tokens"] is True for b in asked)
+    assert len({b["kv_transfer_params"]["hidden_states_path"] for b in asked}) == len(asked)  # a file each
+    assert engine.stop_string_endings > 0  # the default stops ended answers whose replies named no file
     log = dump(repo, a, params, a / "gen.parquet")
     assert "log-prob check passed" in log, log
     hf = engine_params(repo, engine, tmp_path / "hf", "hf")
@@ -334,7 +342,8 @@ def test_sampling_through_the_engine_dumps_its_states_as_the_hf_dump_and_again_g
     b = tmp_path / "b"
     generate(repo, b, engine_params(repo, engine, b, "engine"))
     assert (b / "gen.parquet").read_bytes() == (a / "gen.parquet").read_bytes()
-    assert engine.count - before == 2 * metrics["endpoint"]["requests_sent"]  # a new run asks again: nothing is cached
+    assert engine.count - before == 2 * (metrics["endpoint"]["requests_sent"] + 1)  # a new run asks again
+    assert not list(a.glob(".*.engine-r*")) and not list(b.glob(".*.engine-r*")), "no states file of ours left"
 
 
 @pytest.mark.parametrize(

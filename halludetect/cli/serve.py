@@ -35,9 +35,17 @@ def run(args) -> None:
     if args.engine:
         from halludetect.scoring.serve import EngineClient
 
-        engine = EngineClient(args.engine, args.engine_model, args.engine_layers, api_key_env=args.engine_key_env)
-    elif args.engine_layers or args.engine_model or args.engine_key_env:
-        raise UserError("--engine-layers, --engine-model and --engine-key-env go with --engine URL")
+        engine = EngineClient(
+            args.engine,
+            args.engine_model,
+            args.engine_layers,
+            api_key_env=args.engine_key_env,
+            states_dir=args.engine_states_dir,
+        )
+    elif args.engine_layers or args.engine_model or args.engine_key_env or args.engine_states_dir:
+        raise UserError(
+            "--engine-layers, --engine-model, --engine-key-env and --engine-states-dir go with --engine URL"
+        )
     serve(
         args.bundle,
         args.model,
@@ -99,7 +107,12 @@ def add(sub) -> None:
     s.add_argument(
         "--engine-layers",
         type=_layer_ids,
-        help="with --engine: the layer ids it extracts, in its order (its eagle_aux_hidden_state_layer_ids), e.g. 8,16",
+        help="with --engine: the layer ids it extracts (its eagle_aux_hidden_state_layer_ids, any order), e.g. 8,16",
+    )
+    s.add_argument(
+        "--engine-states-dir",
+        help="with --engine: where vLLM is asked to write each answer's states file (it must see the same path; "
+        "started with allow_custom_save_path); default: a private directory under /dev/shm, removed at exit",
     )
     s.add_argument(
         "--engine-model", help="with --engine: its served model name (default: the bundle's base model path)"

@@ -268,14 +268,15 @@ class Endpoint:
 
     # ------------------------------------------------------------------ one request
     async def reply(
-        self, key: str, request: dict, path: str, body: dict, read: Callable[[dict, str], dict]
+        self, key: str, request: dict, path: str, body: dict | Callable[[], dict], read: Callable[[dict, str], dict]
     ) -> tuple[dict, bool, bool]:
         """(reply, cached, waited): from the cache, from another process that is asking for it right
         now (waited for, not sent again), or sent here under this process's claim and stored.
         `request` is what the cache records next to the reply (never the key); `read(body, url)`
         turns the response body from the replica at `url` into the reply dict to store (keys: reply,
         prompt_tokens, completion_tokens, reasoning_tokens: ints or None, see `count`), or raises
-        Malformed (asked again) or an ApiError."""
+        Malformed (asked again) or an ApiError. `body` may be a function giving each try's body (a
+        request that names a file of its own per try: lm/completions.py's states)."""
         waited, poll = False, POLL_S[0]
         while True:
             hit = self.cache.get(key)
@@ -327,17 +328,21 @@ class Endpoint:
         except openai.APIStatusError as e:
             raise self.error(f"{self.where}: {url}{path} answered HTTP {e.status_code}: {e.message}") from None
 
-    async def call(self, path: str, body: dict, read: Callable[[dict, str], dict]) -> dict:
+    async def call(
+        self, path: str, body: dict | Callable[[], dict], read: Callable[[dict, str], dict], replica: int | None = None
+    ) -> dict:
         """One request, retried: a deadline of `timeout` per HTTP request, at most `max_retries`
         retries for timeouts, dropped connections and 408/409/429/5xx, and as many again for
-        malformed bodies. A Retry-After beyond the patience left fails at once."""
+        malformed bodies. A Retry-After beyond the patience left fails at once. `body` is the body, or
+        a function called for each try's; the first try goes to `replica` (default: the least busy)."""
         where, model = self.where, self.model
         patience = (self.max_retries + 1) * self.timeout
         deadline = time.monotonic() + patience
         failures = malformed = 0
-        replica = self._pick()
+        replica = self._pick() if replica is None else replica
         while True:
             url, sent = self.base_urls[replica], replica
+            this = body() if callable(body) else body
             self._in_flight[sent] += 1
             t0 = time.perf_counter()
             try:
@@ -345,7 +350,7 @@ class Endpoint:
                 # `create` methods: it skips the params transform and the response model, about
                 # 0.6 ms of CPU a call on the 2-core machines (of ~3 ms in all).
                 resp = await asyncio.wait_for(
-                    self._clients[replica].post(path, cast_to=httpx.Response, body=body), self.timeout
+                    self._clients[replica].post(path, cast_to=httpx.Response, body=this), self.timeout
                 )
                 try:
                     data = json.loads(resp.content)

@@ -75,7 +75,7 @@ from halludetect.core.call_cache import CallCache
 from halludetect.core.endpoint import ApiError, Endpoint, Malformed, Stop, count, settled
 from halludetect.core.errors import UserError
 from halludetect.core.unit_store import UnitStore
-from halludetect.lm.engine_states import AnswerStates, StatesProblem
+from halludetect.lm.engine_states import AnswerStates, StatesDir, StatesProblem, check_states, engine_dir
 from halludetect.lm.generation import row_seed, trim_answer
 from halludetect.lm.hf_models import ModelError
 from halludetect.lm.parallel import Workers
@@ -108,9 +108,10 @@ class CompletionsSampler:
         eos: list[int],
         cache: CallCache,
         states: AnswerStates | None = None,
+        hidden: int | None = None,
     ):
         ep = params.endpoint
-        self.tokenizer, self.params, self.eos, self.states = tokenizer, params, eos, states
+        self.tokenizer, self.params, self.eos, self.states, self.hidden = tokenizer, params, eos, states, hidden
         self.vocab = len(tokenizer)
         self.endpoint = Endpoint(
             ep.urls,
@@ -172,11 +173,64 @@ class CompletionsSampler:
                     f"({longest_prompt} tokens) + generate.max_new_tokens ({self.params.max_new_tokens}) is {need}; "
                     "start the engine with a larger --max-model-len, or lower generate.max_new_tokens"
                 )
+            if self.states is not None:
+                await self._probe_states(i, url)
+
+    async def _probe_states(self, replica: int, url: str) -> None:
+        """One request of one token asks replica `replica` for a states file of ours: a server without
+        extraction, one that ignores the path we give, or one whose files generate cannot read or that hold
+        other layers fails here, before any sampling (each named with its fix)."""
+        engine, prompt = self.states.engine, self._probe_prompt
+        name = engine.new()
+
+        def read(data: dict, _url: str) -> dict:
+            transfer = data.get("kv_transfer_params")
+            named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
+            fix = (
+                'start it as docs/models-and-generation.md ("States from the engine") says, with '
+                '"allow_custom_save_path": true in kv_connector_extra_config, or drop generate.endpoint.hidden_states'
+            )
+            if named is None:
+                raise self.endpoint.error(
+                    f"{WHERE}: {url} names no states file for a request it ended itself (kv_transfer_params has no "
+                    f"hidden_states_path): it was not started with hidden-state extraction; {fix}"
+                )
+            if named != engine.full(name):
+                raise self.endpoint.error(
+                    f"{WHERE}: {url} wrote the states file at another path than the request gave: it ignores "
+                    f"hidden_states_path (vLLM does without allow_custom_save_path); {fix}"
+                )
+            choices = data.get("choices") if isinstance(data.get("choices"), list) else []
+            ids = choices[0].get("token_ids") if choices and isinstance(choices[0], dict) else None
+            try:
+                limit = engine.max_bytes(len(prompt) + 1, len(self.states.layers), self.hidden)
+                check_states(
+                    engine.read(name, max_bytes=limit),
+                    prompt=prompt,
+                    output=ids if isinstance(ids, list) else [],
+                    layers=len(self.states.layers),
+                    hidden=self.hidden,
+                )
+            except StatesProblem as e:
+                raise self.endpoint.error(
+                    f"{WHERE}: {url} wrote a states file in {engine.path} that generate cannot use: {e}. It must "
+                    "write where generate reads (the same machine, or a shared filesystem at the same path: "
+                    f"{WHERE}.states_dir)"
+                ) from None
+            return {"reply": "", "prompt_tokens": None, "completion_tokens": None, "reasoning_tokens": None}
+
+        body = {**self.sampling, "prompt": prompt, "n": 1, "seed": 0, "max_tokens": 1, "temperature": 0.0}
+        body["kv_transfer_params"] = {"include_output_tokens": True, "hidden_states_path": engine.full(name)}
+        try:
+            await self.endpoint.call("/completions", body, read, replica=replica)
+        finally:
+            engine.release(name)
 
     # ------------------------------------------------------------------ one request
-    def _read(self, what: str, prompt: list[int], n: int, key: str):
+    def _read(self, what: str, prompt: list[int], n: int, key: str, tries: list[str]):
         """The reader of one request's reply: checked choices, or Malformed (asked again) or ApiError;
-        with `states`, the answer's hidden states are kept (lm/engine_states.py) before the reply is."""
+        with `states`, the answer's hidden states are kept (lm/engine_states.py) before the reply is,
+        read from the file the last of `tries` named."""
         ep = self.endpoint
 
         def read(data: dict, url: str) -> dict:
@@ -192,7 +246,10 @@ class CompletionsSampler:
             out = [self._choice(choices[i], k, what, prompt, bad) for k, i in enumerate(order)]
             if self.states is not None:  # one answer per request (config checks per_request: answer)
                 try:
-                    self.states.take(data.get("kv_transfer_params"), prompt, out[0]["ids"], key)
+                    self.states.take(
+                        tries[-1], data.get("kv_transfer_params"), prompt, out[0]["ids"], key,
+                        hidden=self.hidden, max_tokens=self.params.max_new_tokens,
+                    )  # fmt: skip
                 except StatesProblem as e:
                     raise bad(str(e)) from None
                 out[0]["states_key"] = key
@@ -278,8 +335,26 @@ class CompletionsSampler:
         if self.states is not None:  # vLLM's per-request option: the output tokens' states too
             body["kv_transfer_params"] = {"include_output_tokens": True}
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        read = self._read(f"{what} (question '{question['id']}', n = {n}, seed {seed})", question["prompt"], n, key)
-        reply, cached, waited = await self.endpoint.reply(key, {"body": body}, "/completions", body, read)
+        tries: list[str] = []  # with states: the file each try names, a fresh one per try
+
+        def body_of_try() -> dict:
+            # A retried request must not share a file with the try it replaces, which the engine may still
+            # be running: vLLM's worker takes each file's lock blocking (EHSC:283-290), and two requests
+            # on one lock would stall it. The earlier try's file is left to the sweep.
+            if tries:
+                self.states.engine.release(tries[-1])
+            tries.append(self.states.engine.new())
+            path = self.states.engine.full(tries[-1])
+            return {**body, "kv_transfer_params": {"include_output_tokens": True, "hidden_states_path": path}}
+
+        what = f"{what} (question '{question['id']}', n = {n}, seed {seed})"
+        read = self._read(what, question["prompt"], n, key, tries)
+        sent = body if self.states is None else body_of_try
+        try:
+            reply, cached, waited = await self.endpoint.reply(key, {"body": body}, "/completions", sent, read)
+        finally:
+            if tries:  # read or not, the last try's file goes (one the engine writes later, the sweep removes)
+                self.states.engine.release(tries[-1])
         if cached:
             self.stats["replies_kept_from_before" if not waited else "replies_waited_for"] += 1
         else:
@@ -366,10 +441,13 @@ class CompletionsSampler:
                 store.put(u, df)
             results[u] = df
             bar.update()
+            if self.states is not None:  # the files of requests given up on (time-outs, retries): bounded
+                self.states.engine.sweep()
 
         try:
             async with self.endpoint.session() as ep:
                 longest = max((len(q["prompt"]) for u in todo for q in units[u]), default=0)
+                self._probe_prompt = units[todo[0]][0]["prompt"]
                 await self.preflight(longest)
                 # The first question goes alone: a misconfigured engine fails after one request.
                 q = units[todo[0]][0]
@@ -446,7 +524,10 @@ class EngineSampler:
                 if not len(cache) and len(todo) == len(units) and workers.main:
                     self.states.reset()  # a fresh run keeps no states of an earlier one
                 self.states.dir.mkdir(parents=True, exist_ok=True)
-            sampler = CompletionsSampler(self.tokenizer, params, self.model, self.eos, cache, self.states)
+                where_engine = engine_dir(self.states.dir, params.endpoint.states_dir, workers.rank)
+                self.states.engine = stack.enter_context(StatesDir(where_engine, temporary=True))
+            hidden = getattr(getattr(self.context, "get_text_config", lambda: self.context)(), "hidden_size", None)
+            sampler = CompletionsSampler(self.tokenizer, params, self.model, self.eos, cache, self.states, hidden)
             try:
                 return asyncio.run(sampler.run(units, todo, store, show=workers.main))
             finally:
@@ -454,6 +535,7 @@ class EngineSampler:
                     "replicas": len(params.endpoint.urls),
                     "wall_seconds": round(time.perf_counter() - t0, 3),
                     **sampler.stats,
+                    **({"engine_files_swept": self.states.engine.removed} if self.states else {}),
                 }
 
 

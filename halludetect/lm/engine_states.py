@@ -1,25 +1,42 @@
-"""The hidden states a vLLM server keeps while it samples, kept per answer for `dump.source: engine`.
+"""The hidden states a vLLM server keeps while it samples: read safely, checked, kept per answer.
 
-vLLM started with the `extract_hidden_states` speculative method and the `ExampleHiddenStatesConnector`
-(docs/models-and-generation.md, "States from the engine") writes, for each request that asks
-`kv_transfer_params: {"include_output_tokens": true}`, one safetensors file whose path comes back in
-the response's `kv_transfer_params.hidden_states_path`:
+vLLM (0.32.0 to 0.34.0, whose code this follows) started with the `extract_hidden_states` speculative
+method and the `ExampleHiddenStatesConnector` (docs/models-and-generation.md, "States from the engine")
+writes one safetensors file per request (`EHSC` below is vLLM's
+`distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py`, lines of 0.34.0):
 
-    hidden_states  [T, k, d]  the states of the layer ids the server was started with, in that order
-                              (`generate.endpoint.hidden_states`); id 0 the embeddings, id i the
-                              residual stream after i blocks, id num_hidden_layers the last block's
-                              output *before* the final norm
-    token_ids      [T]        the prompt and every output token but the last (no forward pass saw it)
+    hidden_states  [T, k, d]  the states of the server's layer ids in *ascending* order, whatever order
+                              they were listed in (`model_executor/models/interfaces.py:1630`,
+                              `sorted(set(ids))`); id 0 the embeddings, id i the residual stream after i
+                              blocks, id num_hidden_layers the last block's output *before* the final norm
+    token_ids      [T]        the prompt and every token the engine generated but the last
+                              (`include_output_tokens`, EHSC:540-546)
 
-The writer holds an exclusive flock on `<file>.lock` until the file is complete (it writes after the
-reply), so a reader takes a shared flock first. The file must be readable where `generate` runs (the
-same machine, or a shared filesystem).
+What that means for a client, and what this module does about it:
 
-`AnswerStates.take` reads one reply's file, checks it (the request's tokens, the number of layers),
-keeps the rows from the prompt's last token on, [len(output), k, d] (what either position convention
-of the dump reads: `predicting` rows 0..n-1, `generated` rows 1..n), in a file of its own keyed by the
-request, and deletes the engine's file. When the question's answers are final (empty ones sampled
-again), `keep` names each answer's file by its (question, sample). The dump reads them with `load`.
+- A stop *string* is matched in vLLM's front end, which answers and aborts the request in the engine
+  (`v1/engine/output_processor.py:828-885`): that reply names no file (`kv_transfer_params: null`),
+  yet the engine still writes one, possibly holding tokens past the answer (it kept decoding until the
+  abort arrived). So we never rely on the reply's path: each request names its own file,
+  `kv_transfer_params.hidden_states_path`, in a directory we own (`StatesDir`), which vLLM honours
+  when started with `allow_custom_save_path` (EHSC:226-234, 506-515). A reply that names another path
+  is refused and that path never touched; the file is read by its name in our directory, whatever the
+  reply says; its tokens must *begin* with the prompt and the answer (`check_states`).
+- vLLM writes a file (and a lock) for every request and deletes none (EHSC:497-560): files of requests
+  we gave up on (time-outs, retries) are removed by `StatesDir.sweep`, ours only, without waiting.
+- The writer holds an exclusive flock on `<file>.lock` from the request's first step (EHSC:269-290)
+  until the file is written, after the reply (EHSC:330-347); a reader takes a shared flock first
+  (vLLM's own reader, `load_hidden_states`, EHSC:49-67). With `use_synchronization_lock` off there is
+  no lock: the file is read once it parses.
+- Everything in the file is untrusted: only a regular file of our own name is opened (no symlink,
+  FIFO, device or directory: `O_NOFOLLOW | O_NONBLOCK` and fstat), never more bytes than the request
+  can produce, and its dtype, shape, tokens and values are checked before use.
+
+`AnswerStates` is generate's side: it keeps the rows from the prompt's last token on, [len(output), k,
+d] (what either position convention of the dump reads: `predicting` rows 0..n-1, `generated` rows
+1..n), in a file of its own keyed by the request; when the question's answers are final (empty ones
+sampled again), `keep` names each answer's file by its (question, sample). The dump reads them with
+`load`. `halludetect serve --engine` reads the same way (scoring/serve.py).
 """
 
 from __future__ import annotations
@@ -29,7 +46,11 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
+import secrets
 import shutil
+import stat
+import threading
 import time
 from pathlib import Path
 
@@ -48,56 +69,273 @@ def states_dir(generations: str | Path) -> Path:
     return g.parent / f".{g.stem}.states"
 
 
-APPEAR_S = 60.0  # how long a named file (or its lock) may take to appear: a shared filesystem's delay
+def engine_dir(states: str | Path, base: str | Path | None, rank: int = 0) -> Path:
+    """Where the engine writes the files generate's process `rank` asks for, for the answers kept in
+    `states` (`states_dir`): beside it, or under `base` (generate.endpoint.states_dir, which runs may
+    share: a folder of each run's own there)."""
+    s = Path(states).absolute()
+    if base is None:
+        return s.with_name(f"{s.name}.engine-r{rank}")
+    run = hashlib.sha256(str(s).encode()).hexdigest()[:12]
+    return Path(base).expanduser().absolute() / f"{s.parent.name}-{s.name.strip('.')}-{run}-r{rank}"
+
+
+APPEAR_S = 60.0  # how long our file (or its lock) may take to appear: a shared filesystem's delay
 WRITE_S = 600.0  # how long its writer may hold the lock
+SWEEP_LIMIT = 10_000  # names looked at per sweep: a sweep is bounded, whatever the directory holds
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INTS = (torch.int64, torch.int32)
+OUR_NAME = re.compile(r"hd-[0-9a-f]{24}\.safetensors")
+OWNER = ".halludetect-owner"  # the flock that makes one process the directory's owner
 
 
-def read_engine_file(path: str, appear_s: float | None = None, write_s: float | None = None) -> dict[str, torch.Tensor]:
-    """vLLM's states file, read whole into memory once its writer has released the lock (if it takes
-    one). The lock or the file may take `appear_s` (APPEAR_S) to show up (vLLM answers before it
-    writes, and a shared filesystem shows files late); the writer may hold the lock `write_s`
-    (WRITE_S): past either, FileNotFoundError or TimeoutError naming the file, never a wait without
-    end. The defaults are read at the call, so a test can shorten them."""
-    from safetensors.torch import load
+class StatesDir:
+    """A directory this process owns, where the engine writes the states files we name.
 
-    appear_s = APPEAR_S if appear_s is None else appear_s
-    write_s = WRITE_S if write_s is None else write_s
-    lock, deadline = f"{path}.lock", time.monotonic() + appear_s
-    while not os.path.exists(lock) and not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise FileNotFoundError(errno.ENOENT, f"no such file after {appear_s:.0f} s", path)
-        time.sleep(0.01)
-    if os.path.exists(lock):
-        with open(lock) as f:
-            deadline = time.monotonic() + write_s
-            while True:  # the shared lock, taken once the writer's exclusive one is released
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    One owner at a time (an flock on `.halludetect-owner`: a second generate or serve on the same
+    directory is refused, since its sweep would remove our files). Names are ours
+    (`hd-<24 hex>.safetensors`); everything is opened and removed through the directory's own file
+    descriptor, so nothing outside it is ever opened, read or deleted, whatever a reply says.
+    Thread-safe: serve's request threads share one."""
+
+    def __init__(self, path: str | Path, *, temporary: bool = False):
+        self.path = Path(path).expanduser().absolute()
+        self.temporary = temporary
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StatesProblem(
+                f"the engine states directory {self.path} cannot be used ({e.strerror}): give a directory this "
+                "process may create and write, which the engine sees at the same path"
+            ) from None
+        self._owner = os.open(OWNER, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self._fd)
+        try:
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._owner)
+            os.close(self._fd)
+            raise StatesProblem(
+                f"the engine states directory {self.path} is in use by another halludetect process (generate or "
+                "serve): give each its own"
+            ) from None
+        self._live: set[str] = set()  # names of requests in flight: never swept
+        self.busy = 0  # files of ours the last sweep left to their writer (its lock held)
+        self._lock = threading.Lock()
+        self.removed = 0  # files (and locks) swept, for the stats
+        self.sweep()  # what an earlier run left
+
+    def new(self) -> str:
+        """A fresh name for one request's file, kept from the sweep until `release`d."""
+        name = f"hd-{secrets.token_hex(12)}.safetensors"
+        with self._lock:
+            self._live.add(name)
+        return name
+
+    def full(self, name: str) -> str:
+        """The path the engine is asked to write `name` at."""
+        return str(self.path / name)
+
+    def _open(self, name: str, max_bytes: int | None = None) -> int | None:
+        """A descriptor of our regular file `name`, None if it does not exist; StatesProblem for a symlink,
+        FIFO, device, directory or a file larger than `max_bytes`. Never blocks (O_NONBLOCK)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: a symlink; anything else: not ours to read
+            raise StatesProblem(f"{name} cannot be opened as a regular file ({errno.errorcode.get(e.errno)})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a FIFO, a device, a directory, a hard link
+            os.close(fd)
+            raise StatesProblem(f"{name} is not a regular file of its own (mode {stat.filemode(st.st_mode)})")
+        if max_bytes is not None and st.st_size > max_bytes:
+            os.close(fd)
+            raise StatesProblem(f"{name} holds {st.st_size} bytes, more than the request can produce ({max_bytes})")
+        return fd
+
+    def read(self, name: str, *, max_bytes: int, appear_s: float | None = None, write_s: float | None = None):
+        """Our file `name`, parsed once its writer released the lock: {"hidden_states", "token_ids", ...}.
+        The file or its lock may take `appear_s` (APPEAR_S) to show up, the writer may hold the lock
+        `write_s` (WRITE_S): past either, StatesProblem, never a wait without end. The defaults are read
+        at the call, so a test can shorten them."""
+        from safetensors.torch import load
+
+        appear_s = APPEAR_S if appear_s is None else appear_s
+        write_s = WRITE_S if write_s is None else write_s
+        appear, written, last = time.monotonic() + appear_s, None, None
+        while True:
+            lock = self._open(f"{name}.lock")
+            try:
+                if lock is not None:  # wait for the writer: a shared flock, taken when its exclusive one goes
+                    written = written or time.monotonic() + write_s
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        if time.monotonic() > written:
+                            raise StatesProblem(f"{name} was still being written after {write_s:.0f} s") from None
+                        time.sleep(0.005)
+                        continue
+                fd = self._open(name, max_bytes)
+                if fd is not None:
+                    with os.fdopen(fd, "rb") as f:  # read whole: the file is removed once used
+                        raw = f.read(max_bytes + 1)
+                    try:
+                        return load(raw)
+                    except Exception as e:  # noqa: BLE001  (cut, damaged, or still being written without a lock)
+                        last = f"{type(e).__name__}: {e}"
+                        if lock is not None:  # complete by the lock's word: damaged
+                            raise StatesProblem(f"{name} is not a safetensors file ({last})") from None
+            finally:
+                if lock is not None:
+                    os.close(lock)
+            if time.monotonic() > appear:
+                if last is not None:
+                    raise StatesProblem(f"{name} did not parse within {appear_s:.0f} s ({last})")
+                raise StatesProblem(f"{name} did not appear within {appear_s:.0f} s")
+            time.sleep(0.005)
+
+    def _unlink(self, name: str) -> int:
+        for unlink in (os.unlink, os.rmdir):  # a directory in our name's place is removed only if empty
+            try:
+                unlink(name, dir_fd=self._fd)
+                return 1
+            except FileNotFoundError:
+                return 0
+            except OSError:
+                continue
+        return 0
+
+    def release(self, name: str) -> None:
+        """The request is done: its file and lock go (what the engine writes later, the sweep removes)."""
+        with self._lock:
+            self._live.discard(name)
+        if self._unlink(name) or not self._held(f"{name}.lock"):
+            self._unlink(f"{name}.lock")
+        # else: the engine is still at it (a request given up on): its lock stays, so the sweep waits for it
+
+    def _held(self, lock_name: str) -> bool:
+        """Whether a writer holds the lock `lock_name` (False when there is none, or it is not a file)."""
+        try:
+            fd = self._open(lock_name)
+        except StatesProblem:
+            return False
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def sweep(self, limit: int = SWEEP_LIMIT) -> int:
+        """Remove our files of requests no longer in flight whose writer is done (its lock free, or none);
+        at most `limit` names looked at, never a wait. Returns how many files were removed."""
+        stems: set[str] = set()
+        with os.scandir(self._fd) as entries:
+            for i, e in enumerate(entries):
+                if i >= limit:
                     break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{path} was still being written after {write_s:.0f} s") from None
-                    time.sleep(0.01)
-            with open(path, "rb") as data:  # read whole: the file is deleted once used, a mapping with it
-                return load(data.read())
-    with open(path, "rb") as data:  # a server without the lock (use_synchronization_lock off)
-        return load(data.read())
+                stem = e.name.removesuffix(".lock")
+                if OUR_NAME.fullmatch(stem):
+                    stems.add(stem)
+        with self._lock:  # read after the listing: a name handed out before its file could be listed is kept
+            stems -= self._live
+        removed = busy = 0
+        for stem in sorted(stems):
+            if self._held(f"{stem}.lock"):
+                busy += 1  # its writer is still at work: the next sweep
+                continue
+            removed += self._unlink(stem) + self._unlink(f"{stem}.lock")
+        with self._lock:
+            self.removed += removed
+            self.busy = busy
+        return removed
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """A last sweep, waiting up to `wait_s` for the writers of files of ours still at work (requests
+        given up on: vLLM writes an aborted request's file once the abort reaches its engine); the
+        ownership goes, and a temporary directory with it if nothing else is in it."""
+        if self._fd < 0:
+            return
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(OSError):
+            self.sweep()
+            while self.busy and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.sweep()
+        with contextlib.suppress(OSError):
+            if self.temporary:
+                os.unlink(OWNER, dir_fd=self._fd)
+        os.close(self._owner)
+        os.close(self._fd)
+        self._fd = -1
+        if self.temporary:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+
+    def __enter__(self) -> StatesDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def max_bytes(self, tokens: int, layers: int, hidden: int) -> int:
+        """The most a file of `tokens` states of `layers` x `hidden` can hold (float64, and a header)."""
+        return tokens * layers * hidden * 8 + (1 << 20)
 
 
-def remove_engine_file(path: str) -> None:
-    """The server's states file and its lock, once read; only a `.safetensors` file is ever removed."""
-    if not str(path).endswith(".safetensors"):
-        return
-    for p in (path, f"{path}.lock"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(p)
+def check_states(data: dict, *, prompt: list[int], output: list[int], layers: int, hidden: int) -> torch.Tensor:
+    """The rows of an engine's states file that belong to the request, [len(prompt) + len(output) - 1, k,
+    d], each checked: float states of `layers` x `hidden`, one per token id, finite and not all zero;
+    tokens that begin with the prompt and the output but its last token (the file may run past the
+    answer: a stop string ends it in vLLM's front end while the engine goes on a step or two).
+    StatesProblem says what is wrong."""
+    states, tokens = data.get("hidden_states"), data.get("token_ids")
+    if not isinstance(states, torch.Tensor) or not isinstance(tokens, torch.Tensor):
+        raise StatesProblem("is not a hidden-states file (hidden_states [T, k, d] and token_ids [T])")
+    if states.dtype not in FLOATS or states.dim() != 3 or tokens.dtype not in INTS or tokens.dim() != 1:
+        raise StatesProblem(
+            f"holds hidden_states {states.dtype} {list(states.shape)} and token_ids {tokens.dtype} "
+            f"{list(tokens.shape)}: not vLLM's float [T, k, d] states and integer [T] ids"
+        )
+    if states.shape[0] != tokens.shape[0]:
+        raise StatesProblem(f"holds {states.shape[0]} states for {tokens.shape[0]} token ids")
+    if states.shape[1] != layers or states.shape[2] != hidden:
+        raise StatesProblem(
+            f"holds states of {states.shape[1]} layer(s) of width {states.shape[2]}, not {layers} of {hidden}: "
+            "the layer ids given (generate.endpoint.hidden_states, --engine-layers) must be the server's "
+            "eagle_aux_hidden_state_layer_ids, and the server must serve the preset's model"
+        )
+    want = prompt + output[:-1]
+    got = tokens[: len(want)].tolist()
+    if got != want:
+        if tokens.tolist() == prompt and len(want) > len(prompt):
+            raise StatesProblem(
+                "holds the prompt's states only: the server ignores include_output_tokens (vLLM saves the "
+                "output tokens' states from 0.32 on)"
+            )
+        raise StatesProblem(
+            f"holds {tokens.shape[0]} tokens that do not begin with the request's prompt and output "
+            f"({len(prompt)} + {len(output)} - 1): another request's file"
+        )
+    rows = states[: len(want)]
+    if not bool(torch.isfinite(rows).all()):
+        raise StatesProblem("holds states that are not finite (NaN or inf)")
+    if rows.numel() and not bool(rows.abs().amax() > 0):
+        raise StatesProblem("holds states that are all zero: no model computed them")
+    return rows
 
 
 class AnswerStates:
-    """The states of one generate run's answers in `directory`, for the engine's layer ids `layers`."""
+    """The states of one generate run's answers in `directory`, for the engine's layer ids `layers`
+    (any order: the engine's columns, and so ours, are in ascending id order); `engine` is the
+    directory the engine writes each request's file in (None: `load` only, for the dump)."""
 
-    def __init__(self, directory: str | Path, layers: list[int] | None = None):
-        self.dir, self.layers = Path(directory), list(layers or [])  # layers: what `take` expects
+    def __init__(self, directory: str | Path, layers: list[int] | None = None, engine: StatesDir | None = None):
+        self.dir, self.layers, self.engine = Path(directory), sorted(set(layers or [])), engine
 
     def reset(self) -> None:
         """A fresh run: nothing of an earlier one stays (a resumed run keeps what it has)."""
@@ -111,58 +349,47 @@ class AnswerStates:
         name = hashlib.sha256(str(question_id).encode()).hexdigest()[:24]
         return self.dir / f"{name}_{int(sample_index)}.safetensors"
 
-    def take(self, transfer_params, prompt: list[int], output_ids: list[int], key: str) -> None:
-        """Keep the states of one reply (its engine's `kv_transfer_params`, the prompt sent and the
-        output's ids as the engine returned them, EOS or stop token included); StatesProblem if unusable."""
+    def take(
+        self, name: str, transfer_params, prompt: list[int], output_ids: list[int], key: str, *, hidden: int,
+        max_tokens: int,
+    ) -> None:  # fmt: skip
+        """Keep the states of one request, read from our file `name` in the engine directory (whatever
+        path the reply names: a reply names none when a stop string ended the answer); `transfer_params`
+        is the reply's `kv_transfer_params`, `prompt` the ids sent, `output_ids` the output's ids as the
+        engine returned them (EOS or the stop-completing token included). The engine's file goes,
+        read or not. StatesProblem if unusable."""
         from safetensors.torch import save_file
 
-        path = transfer_params.get("hidden_states_path") if isinstance(transfer_params, dict) else None
-        if not isinstance(path, str) or not path:
-            raise StatesProblem(
-                "has no kv_transfer_params.hidden_states_path: the server was not started with hidden-state "
-                'extraction (vllm serve ... --speculative_config \'{"method": "extract_hidden_states", ...}\' '
-                '--kv_transfer_config \'{"kv_connector": "ExampleHiddenStatesConnector", ...}\'), or drop '
-                "generate.endpoint.hidden_states"
-            )
         try:
-            data = read_engine_file(path)
-        except FileNotFoundError:
-            raise StatesProblem(
-                f"names the states file {path}, which is not readable here: generate must see the server's "
-                "shared_storage_path (run it on the same machine, or on a shared filesystem)"
-            ) from None
-        except TimeoutError as e:
-            raise StatesProblem(f"names the states file {path}: {e} (the server's writer is stuck?)") from None
-        except Exception as e:  # noqa: BLE001  (a cut or damaged file: named, never used)
-            raise StatesProblem(f"names the states file {path}, which cannot be read: {e}") from None
-        states, tokens = data.get("hidden_states"), data.get("token_ids")
-        if states is None or tokens is None or states.dim() != 3:
-            raise StatesProblem(f"names {path}, which is not a hidden-states file (hidden_states [T, k, d], token_ids)")
-        tokens = tokens.tolist()
-        if tokens == prompt and output_ids[:-1]:
-            raise StatesProblem(
-                f"names {path}, which holds the prompt's states only: the server ignores include_output_tokens "
-                "(vLLM saves the output tokens' states from 0.33 on)"
-            )
-        if tokens != prompt + output_ids[:-1]:
-            raise StatesProblem(
-                f"names {path}, whose {len(tokens)} tokens are not the request's prompt and output ({len(prompt)} + "
-                f"{len(output_ids)} - 1): another request's file"
-            )
-        if states.shape[0] != len(tokens) or states.shape[1] != len(self.layers):
-            raise StatesProblem(
-                f"names {path} with states of {states.shape[1]} layer(s) for {states.shape[0]} tokens; "
-                f"generate.endpoint.hidden_states lists {len(self.layers)} ({self.layers}): set it to the "
-                "server's eagle_aux_hidden_state_layer_ids, in their order"
-            )
-        rows = states[len(prompt) - 1 :].contiguous()  # [len(output), k, d]: from the prompt's last token on
+            named = transfer_params.get("hidden_states_path") if isinstance(transfer_params, dict) else None
+            if named is not None and named != self.engine.full(name):
+                raise StatesProblem(
+                    "names another states file than the one asked for (kv_transfer_params.hidden_states_path): the "
+                    'server ignores the path each request gives; start it with "allow_custom_save_path": true in '
+                    'kv_connector_extra_config (docs/models-and-generation.md, "States from the engine")'
+                )
+            limit = self.engine.max_bytes(len(prompt) + max_tokens, len(self.layers), hidden)
+            try:
+                data = self.engine.read(name, max_bytes=limit)
+            except StatesProblem as e:
+                raise StatesProblem(
+                    f"gave no usable states file in {self.engine.path}: {e}. The server must write where generate "
+                    "reads (the same machine or a shared filesystem, generate.endpoint.states_dir), with "
+                    'hidden-state extraction and "allow_custom_save_path": true'
+                ) from None
+            try:
+                rows = check_states(data, prompt=prompt, output=output_ids, layers=len(self.layers), hidden=hidden)
+            except StatesProblem as e:
+                raise StatesProblem(f"gave a states file that {e}") from None
+        finally:
+            self.engine.release(name)
+        rows = rows[len(prompt) - 1 :].contiguous()  # [len(output), k, d]: from the prompt's last token on
         out = self._request_path(key)
         tmp = out.with_name(out.name + ".tmp")
         save_file(
             {"states": rows, "layers": torch.tensor(self.layers), "token_ids": torch.tensor(output_ids)}, str(tmp)
         )
         os.replace(tmp, out)
-        remove_engine_file(path)
 
     def discard(self, key: str) -> None:
         """The states of a request whose answer was sampled again (empty): not kept."""

@@ -39,11 +39,13 @@ from the environment and never logged. The server binds 127.0.0.1 unless told ot
 
 In front of vLLM (`engine=EngineClient(...)`, `halludetect serve --engine URL --engine-layers ...`):
 no model is loaded here. Each answer is one request to a vLLM server started with hidden-state
-extraction (docs/models-and-generation.md, "States from the engine"), asking
-`kv_transfer_params: {"include_output_tokens": true}`; the states file it names is read after its
-writer's lock (lm/engine_states.py), the bundle's layer taken from it (the top layer through the
-model's final norm, read alone from its weight files), scored, and deleted. vLLM batches; requests
-go to it as they come, from the HTTP threads.
+extraction and `allow_custom_save_path` (docs/models-and-generation.md, "States from the engine"),
+asking `kv_transfer_params: {"include_output_tokens": true, "hidden_states_path": <ours>}`: a fresh
+name in the states directory this server owns (lm/engine_states.py's `StatesDir`). That file is read
+whatever the reply names (vLLM's names none after a stop string), only as a regular file of ours,
+after its writer's lock; checked (`check_states`), the bundle's layer taken (the top layer through
+the model's final norm, read alone from its weight files), scored, and deleted; files of requests
+given up on are swept. vLLM batches; requests go to it as they come, from the HTTP threads.
 
 Methods that read several answers of a question (HaMI with P_sem, EigenScore) cannot score one
 answer: such a bundle is refused when the server starts, naming what it needs.
@@ -61,6 +63,7 @@ import re
 import secrets
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +79,8 @@ from halludetect.activations.engine_dump import FinalHead
 from halludetect.config import GenerateParams
 from halludetect.core.credentials import url_credentials
 from halludetect.core.errors import UserError
+from halludetect.lm.engine_states import StatesDir, StatesProblem, check_states
+from halludetect.lm.hf_models import load_config
 from halludetect.lm.model_inputs import encode_prompt
 from halludetect.scoring.answer_files import AnswerRow
 from halludetect.scoring.bundle import ScoreBundle, load_bundle
@@ -208,21 +213,46 @@ def _question(body: dict, chat: bool) -> str:
 
 class EngineClient:
     """A vLLM server with hidden-state extraction that `serve` forwards answers to: its completions
-    URL, served model name, the layer ids it extracts (in its order) and an optional key variable."""
+    URL, served model name, the layer ids it extracts (any order: vLLM's files hold them ascending),
+    an optional key variable, and `states_dir`, where it is asked to write each answer's states file
+    (vLLM's `allow_custom_save_path`; None: a private directory made at start and removed at stop)."""
 
     def __init__(
-        self, url: str, model: str | None, layers: list[int], *, api_key_env: str | None = None, timeout=600.0
+        self,
+        url: str,
+        model: str | None,
+        layers: list[int],
+        *,
+        api_key_env: str | None = None,
+        timeout=600.0,
+        states_dir: str | Path | None = None,
     ):
-        if not layers or len(set(layers)) != len(layers):
+        if not layers or len(set(layers)) != len(layers) or min(layers) < 0:
             raise OptionError(f"--engine-layers {layers}: the server's eagle_aux_hidden_state_layer_ids, each once")
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
             raise OptionError(f"--engine: '{url}' is not an http(s) URL, e.g. http://localhost:8001/v1")
         if problem := url_credentials(url):  # a key belongs in --engine-key-env, never in a URL we log
             raise OptionError(f"--engine: the URL carries {problem}: give the key with --engine-key-env")
-        self.url, self.model, self.layers = url.rstrip("/"), model, list(layers)
+        self.url, self.model, self.layers = url.rstrip("/"), model, sorted(layers)
         key = api_key_from(api_key_env)
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.timeout = timeout
+        self.states_dir, self.states = states_dir, None
+
+    def open_states(self) -> StatesDir:
+        """The directory the engine writes our files in, owned by this server until `close_states`."""
+        if self.states is None:
+            if self.states_dir is not None:
+                self.states = StatesDir(self.states_dir)
+            else:  # a RAM disk where there is one: the file round trip is then a memory copy
+                shm = Path("/dev/shm")
+                where = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+                self.states = StatesDir(tempfile.mkdtemp(prefix="halludetect-serve-", dir=where), temporary=True)
+        return self.states
+
+    def close_states(self) -> None:
+        if self.states is not None:
+            self.states.close()
 
     def _call(self, route: str, body: dict | None = None) -> tuple[int, str]:
         """(status, body text) of a GET (no body) or a POST to the engine; OSError when unreachable."""
@@ -257,8 +287,9 @@ class EngineClient:
                 "bundle's base model"
             )
 
-    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int) -> dict:
-        """One answer: the reply's first choice, with `kv_transfer_params` (ApiError 502 on failure)."""
+    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int, states: str) -> dict:
+        """One answer, its states written at `states`: the reply's first choice, with `kv_transfer_params`
+        (ApiError 502 on failure)."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -277,7 +308,7 @@ class EngineClient:
             "logprobs": 1,
             "return_token_ids": True,
             "skip_special_tokens": True,
-            "kv_transfer_params": {"include_output_tokens": True},
+            "kv_transfer_params": {"include_output_tokens": True, "hidden_states_path": states},
         }
         try:
             status, text = self._call("/completions", body)
@@ -296,6 +327,53 @@ class EngineClient:
                 502, f"the engine returned {len(choice['token_ids'])} tokens for max_tokens {params.max_new_tokens}"
             )
         return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
+
+    def read_states(self, name: str, named, prompt: list[int], ids: list[int], max_tokens: int, hidden: int):
+        """The checked states [len(prompt) + len(ids) - 1, k, d] of our file `name`, whatever path the reply
+        names (`named`: vLLM's reply names none when a stop string ended the answer). Only our directory's
+        regular file of that name is ever opened; StatesProblem why not."""
+        if named is not None and named != self.states.full(name):
+            raise StatesProblem(
+                f"the reply names {str(named)[:200]!r}, not the path the request gave: the engine ignores "
+                'hidden_states_path (start vLLM with "allow_custom_save_path": true), or is not to be trusted'
+            )
+        limit = self.states.max_bytes(len(prompt) + max_tokens, len(self.layers), hidden)
+        data = self.states.read(name, max_bytes=limit)
+        return check_states(data, prompt=prompt, output=ids, layers=len(self.layers), hidden=hidden)
+
+    def probe(self, prompt: list[int], params: GenerateParams, hidden: int) -> None:
+        """One greedy one-token answer at start: a server without extraction, one that ignores our path,
+        whose files this server cannot read or that holds other layers fails here, naming the fix."""
+        name = self.states.new()
+        fix = (
+            'start vLLM as docs/models-and-generation.md ("States from the engine") says, with '
+            '"allow_custom_save_path": true, on a machine that sees --engine-states-dir at the same path'
+        )
+        try:
+            one = params.model_copy(update={"max_new_tokens": 1})
+            try:
+                choice = self.complete(prompt, one, True, 0, self.states.full(name))
+            except ApiError as e:
+                raise UserError(f"--engine {self.url}: the first request failed: {e.message}") from None
+            transfer = choice.get("kv_transfer_params")
+            named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
+            if named is None:
+                raise UserError(
+                    f"--engine {self.url} names no states file for an answer it ended itself: it was not started "
+                    f"with hidden-state extraction; {fix}"
+                )
+            if named != self.states.full(name):
+                raise UserError(
+                    f"--engine {self.url} wrote the states file at another path than the request gave: it ignores "
+                    f"hidden_states_path (vLLM does without allow_custom_save_path); {fix}"
+                )
+            try:
+                self.read_states(name, named, prompt, choice["token_ids"], 1, hidden)
+            except StatesProblem as e:
+                where = f"the states file it wrote in {self.states.path}"
+                raise UserError(f"--engine {self.url}: {where}: {e}; {fix}") from None
+        finally:
+            self.states.release(name)
 
 
 def score_bundle_refusal(b: ScoreBundle) -> str:
@@ -361,6 +439,7 @@ class Service:
             self.scorer.load_without_model()
             top = int(self.scorer.bundle.meta["base_model"]["num_hidden_layers"])
             self._head = FinalHead(self.scorer.preset, head=False) if self.scorer.bundle.layer == top else None
+            self._hidden = int(load_config(self.scorer.preset).get_text_config().hidden_size)
             self._score_lock = threading.Lock()
         else:
             self.scorer.load()
@@ -369,6 +448,13 @@ class Service:
         self._tokenizer = copy.deepcopy(self.scorer.tokenizer)
         if self.engine is None:
             self._worker.start()
+        else:
+            self.engine.open_states()
+            try:
+                self.engine.probe(self.prompt("?"), self.defaults, self._hidden)
+            except BaseException:
+                self.engine.close_states()
+                raise
         return self
 
     def prompt(self, question: str) -> list[int]:
@@ -379,6 +465,8 @@ class Service:
 
     def stop(self) -> None:
         self._jobs.put(None)
+        if self.engine is not None:  # a last sweep of the engine's files; the directory goes if it was ours
+            self.engine.close_states()
 
     @property
     def detector(self) -> dict:
@@ -528,44 +616,38 @@ class Service:
 
     # ------------------------------------------------------------------ in front of vLLM
     def _from_engine(self, job: Job) -> list[dict]:
-        """The request's answers from the engine, each scored from the states file it names."""
-        from halludetect.lm.engine_states import StatesProblem, read_engine_file, remove_engine_file
+        """The request's answers from the engine, each scored from the states file it was asked to write."""
+        try:
+            return self._answers_from_engine(job)
+        finally:  # the files of requests given up on (time-outs, failed reads) go once their writer is done
+            self.engine.states.sweep()
+
+    def _answers_from_engine(self, job: Job) -> list[dict]:
         from halludetect.lm.generation import row_seed, trim_answer
 
-        s, b, p = self.scorer, self.scorer.bundle, job.params
+        s, b, p, engine = self.scorer, self.scorer.bundle, job.params, self.engine
         top = int(b.meta["base_model"]["num_hidden_layers"])
-        at = self.engine.layers.index(b.layer)
+        at = engine.layers.index(b.layer)  # the file's columns are the ids in ascending order
         rows, bags, answers, lps, reasons = [], [], [], [], []
         for i, key in enumerate(job.keys):
-            choice = self.engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33)
-            ids = choice["token_ids"]
-            path = (choice.get("kv_transfer_params") or {}).get("hidden_states_path")
-            if not path:
-                raise ApiError(
-                    502,
-                    "the engine names no hidden_states_path: start it with hidden-state extraction",
-                )
+            name = engine.states.new()
             try:
-                data = read_engine_file(path)
-            except (OSError, StatesProblem) as e:
-                self.log(f"the engine's states file {path} cannot be read here: {e}")  # the operator's log
-                raise ApiError(
-                    502, "the engine's states file cannot be read here (the server's log says why)"
-                ) from None
+                choice = engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33, engine.states.full(name))
+                ids = choice["token_ids"]
+                transfer = choice.get("kv_transfer_params")
+                named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
+                try:
+                    states = engine.read_states(name, named, job.prompt, ids, p.max_new_tokens, self._hidden)
+                except StatesProblem as e:  # the operator's log has the file; the client learns no path
+                    self.log(f"the engine's states file {engine.states.full(name)}: {e}")
+                    raise ApiError(502, "the engine's states file cannot be used (the server's log says why)") from None
             finally:
-                remove_engine_file(path)
-            states, tokens = data["hidden_states"], data["token_ids"].tolist()
-            if tokens != job.prompt + ids[:-1] or states.shape[1] != len(self.engine.layers):
-                raise ApiError(
-                    502,
-                    f"the engine's states file holds {states.shape[1]} layer(s) of {len(tokens)} tokens, not "
-                    f"the {len(self.engine.layers)} of --engine-layers over the prompt and answer",
-                )
+                engine.states.release(name)  # read or not, ours goes (one the engine writes later, the sweep takes)
             with self._tokenizer_lock:  # the request threads' tokenizer, one at a time
                 t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
             n, w = len(t.token_ids), len(job.prompt)
             first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
-            x = states[first : first + n, at]  # read whole into memory by read_engine_file: the deletion is safe
+            x = states[first : first + n, at]  # [<= n, d]: rows up to the output's last token but one
             reason = None
             if n == 0:
                 reason = "empty_answer"

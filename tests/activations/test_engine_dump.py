@@ -1,12 +1,14 @@
 """States from the engine (`dump.source: engine`; lm/engine_states.py, activations/engine_dump.py):
-sampled through the fake vLLM engine with hidden-state extraction (vLLM's file format, written after
-the reply under its flock, from the tiny model's own forward pass), the layer files equal the hf
-dump's of the same answers to float tolerance, every layer and both position conventions, the
-top layer through the local final norm and the log-prob check from the top state; and what cannot
-be matched is refused naming why: a server without extraction, one that saves the prompt's states
-only, other layer ids than params say, a file the stage cannot read, a 'generated' bag whose last
-state no pass computed, states of another run's answers, layers the server does not extract, a
-served model that is not the preset's."""
+sampled through the fake vLLM written from vLLM 0.34.0's code (halludetect/testing/fake_vllm.py: a
+stop string's reply names no file, yet the file is written, running past the answer; columns in
+ascending id order; a file per request, never deleted), with the default stops and layer ids listed
+out of order, the layer files equal the hf dump's of the same answers to float tolerance, every
+layer and both position conventions, the top layer through the local final norm and the log-prob
+check from the top state, and no file of ours left in the engine's folder, time-outs included; and
+what cannot be matched is refused naming why: a server without extraction, one that ignores the path
+a request gives, one that saves the prompt's states only, another number of layers than params say,
+a file the stage never sees, a 'generated' bag whose last state no pass computed, states of another
+run's answers, layers the server does not extract, a served model that is not the preset's."""
 
 from __future__ import annotations
 
@@ -25,9 +27,12 @@ from halludetect.lm.completions import generate_completions
 from halludetect.lm.engine_states import AnswerStates, StatesProblem
 from halludetect.lm.hf_models import load_config, load_generation_eos, load_tokenizer
 from halludetect.qa.responses import select_answers
-from halludetect.testing.fake_vllm import FakeVLLM
+from halludetect.testing.fake_vllm import FakeVLLM, Fault
 
 LAYERS = [0, 1, 2, 3]  # the tiny model's: embeddings, blocks 1 and 2, the top (block 3 through the final norm)
+UNSORTED = [3, 0, 2, 1]  # what params list; the server lists them in yet another order (vLLM sorts both)
+STOPS = ["\n", "Question:", "a"]  # the defaults, and a letter the tiny model's words often hold
+ENGINE = {"hidden_states": [1, 3, 0, 2], "allow_custom_save_path": True}  # a server as the docs start it
 
 
 def questions(n=6):
@@ -40,10 +45,10 @@ def questions(n=6):
     )
 
 
-def params(url, hidden_states=LAYERS, **kw) -> GenerateParams:
-    endpoint = {"base_url": url, "concurrency": 4, "max_retries": 0, "timeout": 30, "per_request": "answer"}
-    base = dict(n_samples=2, max_new_tokens=6, stop=["\n"], batch_size=2, temperature=1.0, backend="completions")
-    return GenerateParams(**(base | kw), endpoint=endpoint | {"hidden_states": hidden_states})
+def params(url, hidden_states=UNSORTED, endpoint=None, **kw) -> GenerateParams:
+    ep = {"base_url": url, "concurrency": 4, "max_retries": 0, "timeout": 30, "per_request": "answer"}
+    base = dict(n_samples=2, max_new_tokens=6, stop=STOPS, batch_size=2, temperature=1.0, backend="completions")
+    return GenerateParams(**(base | kw), endpoint=ep | {"hidden_states": hidden_states} | (endpoint or {}))
 
 
 def sample_with_states(model_dir, p: GenerateParams, states_dir):
@@ -59,9 +64,13 @@ def sampled(tiny_model_dir, tmp_path_factory):
     """Answers sampled through an engine extracting the tiny model's every layer, with their kept states."""
     tmp = tmp_path_factory.mktemp("engine")
     assert load_config(ModelPreset(path=str(tiny_model_dir))).num_hidden_layers == LAYERS[-1]
-    with FakeVLLM(tiny_model_dir, hidden_states=LAYERS, states_dir=tmp / "shm", states_delay=0.05) as srv:
+    with FakeVLLM(tiny_model_dir, states_dir=tmp / "shm", states_delay=0.05, **ENGINE) as srv:
         df = sample_with_states(tiny_model_dir, params(srv.url, max_new_tokens=20), tmp / "gen.states")
-    assert not list((tmp / "shm").glob("*")), "the engine's files (and locks) are removed once read"
+        assert srv.stop_string_endings > 0, "no answer ended by a stop string: the case vLLM names no file for"
+        srv.wait_writes()
+    assert (df["finish_reason"] == "stop").any() and (df["finish_reason"] != "stop").any()
+    assert not (tmp / "gen.states.engine-r0").exists(), "every file (and lock) of ours is removed, the folder too"
+    assert not (tmp / "shm").exists() or not list((tmp / "shm").iterdir()), "the engine wrote nothing of ours there"
     return df, tmp / "gen.states"
 
 
@@ -112,13 +121,13 @@ def test_engine_states_give_the_hf_dump(sampled, tiny, tiny_model_dir, tmp_path,
         np.testing.assert_allclose(engine[0], hf[0], atol=2e-5, rtol=1e-4)
 
 
-def test_a_generated_bag_without_its_last_state_is_refused_naming_the_answer(sampled, tiny_model_dir, tmp_path):
-    df, states_dir = sampled
-    cut = df.filter(pl.col("finish_reason") == "length")
-    if not cut.height:
-        pytest.skip("no tiny answer ran to max_new_tokens")
+def test_a_generated_bag_without_its_last_state_is_refused_naming_the_answer(tiny_model_dir, tmp_path):
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **ENGINE) as srv:  # no stop: most run to length
+        df = sample_with_states(tiny_model_dir, params(srv.url, stop=[], max_new_tokens=3), tmp_path / "states")
+    cut = select_answers(df)[0].filter(pl.col("finish_reason") == "length")
+    assert cut.height, "every tiny answer ended by EOS within 3 tokens"
     with pytest.raises(StatesProblem, match="never computed its last token's state.*dump.positions: predicting"):
-        engine_dump(cut, states_dir, tmp_path / "out", "generated", tiny_model_dir, check=False)
+        engine_dump(cut, tmp_path / "states", tmp_path / "out", "generated", tiny_model_dir, check=False)
 
 
 def test_states_missing_or_of_other_tokens_are_refused(sampled, tiny_model_dir, tmp_path):
@@ -148,36 +157,47 @@ def test_layers_the_server_does_not_extract_are_refused_before_work():
 @pytest.mark.parametrize(
     "engine, p_layers, match",
     [
-        ({"hidden_states": None}, LAYERS, "has no kv_transfer_params.hidden_states_path: the server was not started"),
-        ({"hidden_states": LAYERS, "states_tokens": "prompt"}, LAYERS, "holds the prompt's states only"),
-        ({"hidden_states": LAYERS}, [0, 3], "states of 4 layer"),
+        ({"hidden_states": None}, UNSORTED, "names no states file .*not started with hidden-state extraction"),
+        ({"hidden_states": LAYERS}, UNSORTED, "another path than the request gave: it ignores hidden_states_path"),
+        (ENGINE | {"states_tokens": "prompt"}, UNSORTED, "holds the prompt's states only"),
+        (ENGINE, [0, 3], "states of 4 layer.* not 2"),
+        (ENGINE | {"states_writer": lambda path, tensors: None}, UNSORTED, "generate cannot use: .*did not appear"),
     ],
-    ids=["no_extraction", "prompt_only", "other_layer_ids"],
+    ids=["no_extraction", "no_custom_path", "prompt_only", "other_layer_count", "file_never_seen"],
 )
 def test_a_server_whose_states_cannot_be_used_stops_generate_naming_why(
-    tiny_model_dir, tmp_path, engine, p_layers, match
+    tiny_model_dir, tmp_path, monkeypatch, engine, p_layers, match
 ):
-    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **engine) as srv, pytest.raises(ApiError, match=match):
-        sample_with_states(tiny_model_dir, params(srv.url, hidden_states=p_layers), tmp_path / "states")
-
-
-def test_a_states_file_the_stage_cannot_read_is_named(tiny_model_dir, tmp_path, monkeypatch):
-    """A named file that never appears is waited for APPEAR_S (60 s: a shared filesystem's delay; here
-    0.2 s), then named."""
     import halludetect.lm.engine_states as engine_states
 
-    monkeypatch.setattr(engine_states, "APPEAR_S", 0.2)
+    monkeypatch.setattr(engine_states, "APPEAR_S", 0.2)  # a file that never comes: 60 s in use
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **engine) as srv, pytest.raises(ApiError, match=match):
+        sample_with_states(tiny_model_dir, params(srv.url, hidden_states=p_layers), tmp_path / "states")
+    assert not list(tmp_path.glob("states.engine-r0/hd-*")), "nothing of ours is left behind"
 
-    def elsewhere(response, body, n):
-        response["kv_transfer_params"]["hidden_states_path"] = "/nonexistent/shm/cmpl-1.safetensors"
-        return response
 
-    engine = FakeVLLM(tiny_model_dir, hidden_states=LAYERS, states_dir=tmp_path / "shm", mutate=elsewhere)
-    with (
-        engine as srv,
-        pytest.raises(ApiError, match="not readable here: generate must see the server's shared_storage"),
-    ):
-        sample_with_states(tiny_model_dir, params(srv.url), tmp_path / "states")
+def test_requests_given_up_on_leave_no_file_of_ours(tiny_model_dir, tmp_path):
+    """Two replies come past generate's time-out, their states written later still (the engine goes on
+    with a request its client gave up on): each is sent again naming a fresh file (two tries sharing a
+    lock would stall vLLM's worker), and the abandoned tries' files are swept before generate returns."""
+    late: set[str] = set()
+
+    def hold(body, n):
+        if n in (3, 8):  # the probe is request 0
+            late.add(body["kv_transfer_params"]["hidden_states_path"])
+            return Fault(status=200, delay=1.5)
+        return None
+
+    def written(path):
+        return 2.5 if str(path) in late else 0.0
+
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", fault=hold, states_delay=written, **ENGINE) as srv:
+        p = params(srv.url, endpoint={"timeout": 1.0, "max_retries": 2})
+        sample_with_states(tiny_model_dir, p, tmp_path / "states")
+        paths = [b["kv_transfer_params"]["hidden_states_path"] for b in srv.requests]
+        assert len(set(paths)) == len(paths), "a fresh file for every try"
+        assert len(late) == 2 and late <= set(paths)
+    assert not (tmp_path / "states.engine-r0").exists(), "every file of ours swept, the late ones included"
 
 
 def test_the_log_prob_check_from_the_top_state_fails_for_a_served_model_with_another_head(tiny_model_dir, tmp_path):
@@ -185,7 +205,7 @@ def test_the_log_prob_check_from_the_top_state_fails_for_a_served_model_with_ano
     LM head: a served model whose head differs fails it (noise 2.0: mean |difference| 0.24 nats; at 0.5,
     0.04 passes the 0.05 tolerance). A model that differs only in its blocks passes it: docs say so."""
     with FakeVLLM(
-        tiny_model_dir, hidden_states=LAYERS, states_dir=tmp_path / "shm", weight_noise=2.0
+        tiny_model_dir, states_dir=tmp_path / "shm", weight_noise=2.0, **ENGINE
     ) as srv:  # another model: its states and log-probs, the preset's final norm and head
         df = sample_with_states(tiny_model_dir, params(srv.url), tmp_path / "states")
     with pytest.raises(LogprobMismatch, match="not those of models.tiny"):
@@ -206,7 +226,7 @@ def test_a_damaged_states_file_is_named_with_what_to_do(sampled, tiny_model_dir,
 
 
 def test_states_with_several_answers_per_request_are_refused_before_sampling(tiny_model_dir, tmp_path):
-    with FakeVLLM(tiny_model_dir, hidden_states=LAYERS, states_dir=tmp_path / "shm") as srv:
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **ENGINE) as srv:
         p = params(srv.url)
         p = p.model_copy(update={"endpoint": p.endpoint.model_copy(update={"per_request": "question"})})
         with pytest.raises(Exception, match="per_request: answer"):

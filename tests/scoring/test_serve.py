@@ -9,7 +9,6 @@ started and stopped as a user would."""
 import http.client
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -318,67 +317,6 @@ def test_the_command_serves_until_sigterm_and_needs_its_key_variable(bundle_path
         proc.stderr.close()
 
 
-# ------------------------------------------------------------------------------ in front of vLLM
-ENGINE_LAYERS = [0, 1, 2, 3]  # the tiny model's every layer (3 blocks): what its vllm serve would extract
-
-
-@pytest.fixture(scope="module")
-def engine_served(bundle_path, tiny_model_dir, tmp_path_factory):
-    """serve --engine: the fake vLLM with hidden-state extraction samples, the server scores its files."""
-    from halludetect.scoring.serve import EngineClient
-    from halludetect.testing.fake_vllm import FakeVLLM
-
-    shm = tmp_path_factory.mktemp("shm")
-    with FakeVLLM(tiny_model_dir, hidden_states=ENGINE_LAYERS, states_dir=shm, states_delay=0.02) as engine:
-        scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=GenerateParams(max_new_tokens=8))
-        client = EngineClient(engine.url, None, ENGINE_LAYERS)  # the model: the bundle's base model path
-        service = Service(scorer, name="tiny", engine=client, log=lambda *_: None)
-        with Server(service, port=0, log=lambda *_: None) as srv:
-            yield srv, engine, shm
-
-
-def test_served_in_front_of_vllm_scores_equal_the_offline_scorer(engine_served, bundle_path, tiny_model_dir):
-    srv, engine, shm = engine_served
-    before = engine.count
-    r = client(srv, key="-").completions.create(model="tiny", prompt=QUESTION, n=3, seed=5, max_tokens=8)
-    assert engine.count - before == 3  # one request per answer, each asking for its states
-    assert all(b["kv_transfer_params"] == {"include_output_tokens": True} for b in engine.requests[before:])
-    assert srv.service.scorer.model is None  # no model loaded here
-    rows = [{"question": QUESTION, "answer": c.text, "answer_token_ids": c.token_ids} for c in r.choices]
-    scored = [c.hallucination for c in r.choices if c.hallucination["score"] is not None]
-    assert scored, "nothing scoreable"
-    offline = score_answers(
-        bundle_path, [row for row, c in zip(rows, r.choices) if c.hallucination["score"] is not None],
-        model=str(tiny_model_dir), device="cpu",
-    )  # fmt: skip
-    np.testing.assert_allclose([h["score"] for h in scored], offline["score"].to_numpy(), atol=1e-3)
-    for stat in ("mean_logprob", "min_logprob"):  # the engine's raw log-probs: the teacher-forced pass's
-        np.testing.assert_allclose([h[stat] for h in scored], offline[stat].to_numpy(), atol=1e-4)
-    time.sleep(0.1)
-    assert not list(shm.glob("*")), "each states file (and its lock) is deleted once scored"
-
-
-def test_in_front_of_vllm_a_server_without_states_or_layer_is_named(served, bundle_path, tiny_model_dir, tmp_path):
-    from halludetect.scoring.bundle import load_bundle
-    from halludetect.scoring.serve import EngineClient
-    from halludetect.testing.fake_vllm import FakeVLLM
-
-    layer = load_bundle(bundle_path).layer
-    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=GenerateParams(max_new_tokens=8))
-    others = [k for k in ENGINE_LAYERS if k != layer]
-    with pytest.raises(Exception, match=re.escape(f"reads layer {layer}; the engine extracts {others}")):
-        Service(scorer, engine=EngineClient("http://127.0.0.1:9/v1", None, others))
-    with pytest.raises(Exception, match="cannot be reached"):
-        Service(scorer, engine=EngineClient("http://127.0.0.1:9/v1", None, ENGINE_LAYERS)).start()
-    with pytest.raises(Exception, match="answered 401: give its /v1 URL .and --engine-key-env."):
-        Service(scorer, engine=EngineClient(served[0].url, None, ENGINE_LAYERS)).start()  # a server wanting a key
-    with FakeVLLM(tiny_model_dir, states_dir=tmp_path) as engine:  # started without extraction
-        service = Service(scorer, name="tiny", engine=EngineClient(engine.url, None, ENGINE_LAYERS), log=print)
-        with Server(service, port=0, log=lambda *_: None) as srv:
-            code, out = post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION}, key=None)
-    assert code == 502 and "names no hidden_states_path" in out["error"]["message"]
-
-
 @pytest.mark.hostile
 def test_a_client_that_stops_sending_is_dropped_and_the_server_goes_on(served, monkeypatch):
     """A body announced and never sent (or a connection left idle) holds no thread forever: the socket
@@ -424,14 +362,3 @@ def test_a_refused_request_whose_body_was_not_read_closes_its_connection(served)
     conn.request("POST", "/v1/completions", body=body, headers=auth)  # http.client reconnects
     assert conn.getresponse().status == 200
     conn.close()
-
-
-@pytest.mark.hostile
-def test_an_engine_url_with_a_key_in_it_or_no_url_is_refused_without_echoing_the_key():
-    from halludetect.scoring.serve import EngineClient
-
-    with pytest.raises(Exception, match="--engine-key-env") as e:
-        EngineClient("http://admin:hunter2@gpu-box:8001/v1", None, ENGINE_LAYERS)
-    assert "hunter2" not in str(e.value)
-    with pytest.raises(Exception, match="not an http"):
-        EngineClient("gpu-box:8001", None, ENGINE_LAYERS)

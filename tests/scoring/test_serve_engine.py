@@ -1,0 +1,286 @@
+"""`halludetect serve --engine` in front of the fake vLLM written from vLLM 0.34.0's code
+(halludetect/testing/fake_vllm.py): served scores equal `halludetect score`'s with stop strings (whose
+replies name no states file) and an unsorted `--engine-layers`; a server that cannot give usable
+states is refused at start naming the fix; and a hostile engine, naming paths outside the states
+directory, `..`, another request's file, the repository's own outputs, or putting a symlink, FIFO,
+directory or wrong states in our file's place, gets a 502 with every file outside the directory
+byte-identical; after many requests, some ended by a stop string and some given up on, the
+directory holds no file of ours."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from openai import OpenAI
+from safetensors.torch import save_file
+
+from halludetect.config import GenerateParams
+from halludetect.scoring.scorer import Scorer, score_answers
+from halludetect.scoring.serve import EngineClient, Server, Service
+from halludetect.testing.fake_vllm import FakeVLLM, Fault
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+QUESTION = "Where was Tavo Mir born?"
+ENGINE_LAYERS = [3, 0, 2, 1]  # the tiny model's every layer (3 blocks), listed out of order
+STOPS = ["\n", "Question:", "a"]  # the defaults, and a letter the tiny model's words often hold
+
+
+def post(srv, body) -> tuple[int, dict]:
+    host, port = srv.http.server_address
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def ours(directory) -> list[str]:
+    """The files of ours in the states directory (its owner flock aside)."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("hd-")) if directory.exists() else []
+
+
+def scorer(bundle_path, tiny_model_dir, **generate) -> Scorer:
+    params = GenerateParams(**({"max_new_tokens": 8, "stop": STOPS} | generate))
+    return Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=params)
+
+
+@pytest.fixture(scope="module")
+def engine_served(bundle_path, tiny_model_dir, tmp_path_factory):
+    """A faithful fake vLLM (custom paths allowed) and the server in front of it."""
+    shm, states = tmp_path_factory.mktemp("shm"), tmp_path_factory.mktemp("ours") / "states"
+    engine = FakeVLLM(
+        tiny_model_dir, hidden_states=[1, 3, 0, 2], states_dir=shm, states_delay=0.01, allow_custom_save_path=True
+    )
+    with engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=states)
+        service = Service(scorer(bundle_path, tiny_model_dir), name="tiny", engine=client, log=lambda *_: None)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            yield srv, engine, states
+
+
+def test_served_in_front_of_vllm_scores_equal_the_offline_scorer(engine_served, bundle_path, tiny_model_dir):
+    srv, engine, states = engine_served
+    before = engine.count
+    client = OpenAI(base_url=srv.url, api_key="-", max_retries=0)
+    r = client.completions.create(model="tiny", prompt=QUESTION, n=6, seed=5, max_tokens=8)
+    assert engine.count - before == 6  # one request per answer, each naming its states file
+    for body in engine.requests[before:]:
+        path = body["kv_transfer_params"]["hidden_states_path"]
+        assert body["kv_transfer_params"]["include_output_tokens"] is True
+        assert os.path.dirname(path) == str(states) and re.fullmatch(r"hd-[0-9a-f]{24}\.safetensors", path[-39:])
+    assert srv.service.scorer.model is None  # no model loaded here
+    ended = [c.finish_reason for c in r.choices]
+    rows = [{"question": QUESTION, "answer": c.text, "answer_token_ids": c.token_ids} for c in r.choices]
+    scored = [(row, c.hallucination) for row, c in zip(rows, r.choices) if c.hallucination["score"] is not None]
+    assert scored, "nothing scoreable"
+    offline = score_answers(bundle_path, [row for row, _ in scored], model=str(tiny_model_dir), device="cpu")
+    np.testing.assert_allclose([h["score"] for _, h in scored], offline["score"].to_numpy(), atol=1e-3)
+    for stat in ("mean_logprob", "min_logprob"):  # the engine's raw log-probs: the teacher-forced pass's
+        np.testing.assert_allclose([h[stat] for _, h in scored], offline[stat].to_numpy(), atol=1e-4)
+    # the engine ended some answers by a stop string: their replies named no file, and they were scored
+    assert engine.stop_string_endings > 0, ended
+    engine.wait_writes()
+    srv.service.engine.states.sweep()
+    assert ours(states) == [], "each states file (and its lock) is deleted once scored"
+
+
+def test_a_server_that_cannot_give_usable_states_is_refused_at_start(bundle_path, tiny_model_dir, tmp_path):
+    from halludetect.scoring.bundle import load_bundle
+
+    layer = load_bundle(bundle_path).layer
+    s = scorer(bundle_path, tiny_model_dir)
+    others = [k for k in ENGINE_LAYERS if k != layer]
+    with pytest.raises(Exception, match=re.escape(f"reads layer {layer}; the engine extracts {sorted(others)}")):
+        Service(s, engine=EngineClient("http://127.0.0.1:9/v1", None, others))
+    with pytest.raises(Exception, match="cannot be reached"):
+        Service(s, engine=EngineClient("http://127.0.0.1:9/v1", None, ENGINE_LAYERS)).start()
+    cases = [
+        ({}, "names no states file .*not started with hidden-state extraction"),
+        ({"hidden_states": [0, 1, 2, 3]}, "another path than the request gave.*allow_custom_save_path"),
+        ({"hidden_states": [0, 3], "allow_custom_save_path": True}, "2 layer.*not 4"),
+        ({"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True, "states_tokens": "prompt"}, None),
+    ]
+    for i, (options, match) in enumerate(cases):
+        with FakeVLLM(tiny_model_dir, states_dir=tmp_path / f"shm{i}", **options) as engine:
+            client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=tmp_path / f"ours{i}")
+            service = Service(s, name="tiny", engine=client, log=lambda *_: None)
+            if match is None:  # a prompt-only engine passes the one-token probe (no output state to save) ...
+                with Server(service, port=0, log=lambda *_: None) as srv:
+                    code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 1})
+                assert code == 502 and "cannot be used" in out["error"]["message"]  # ... and fails every answer
+            else:
+                with pytest.raises(Exception, match=match):
+                    service.start()
+            assert ours(tmp_path / f"ours{i}") == [], "the probe's file goes too"
+
+
+# ------------------------------------------------------------------------------ a hostile engine
+VICTIM = "data/bundles/world/world/length.safetensors"  # the repository's own DVC output, say
+
+
+@pytest.fixture
+def victims(tmp_path, bundle_path, tiny_model_dir):
+    """Files a lying engine may name: a bundle copy, the model's weights, a DVC output, a user's lock."""
+    root = tmp_path / "victims"
+    (root / "data/bundles/world/world").mkdir(parents=True)
+    shutil.copy(bundle_path, root / "bundle.safetensors")
+    shutil.copy(tiny_model_dir / "model.safetensors", root / "model.safetensors")
+    shutil.copy(bundle_path, root / VICTIM)
+    (root / f"{VICTIM}.lock").write_text("a user's lock")
+    return root
+
+
+def snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def lie(path_of):
+    """A `mutate` naming `path_of(states_dir_of_the_request)` in every reply."""
+
+    def mutate(response, body, n):
+        asked = body["kv_transfer_params"]["hidden_states_path"]
+        response["kv_transfer_params"] = {"hidden_states_path": str(path_of(os.path.dirname(asked)))}
+        return response
+
+    return mutate
+
+
+def place(how):
+    """A `states_writer` that puts `how(path)` in our file's place instead of vLLM's file."""
+
+    def write(path, tensors):
+        how(path, tensors)
+
+    return write
+
+
+HOSTILE = {
+    "outside_bundle": dict(mutate=lie(lambda d: VICTIMS / "bundle.safetensors")),
+    "outside_model": dict(mutate=lie(lambda d: VICTIMS / "model.safetensors")),
+    "dot_dot": dict(mutate=lie(lambda d: f"{d}/../victims/{VICTIM}")),
+    "repository_output": dict(mutate=lie(lambda d: VICTIMS / VICTIM)),
+    "another_request": dict(mutate=lie(lambda d: f"{d}/hd-{'0' * 24}.safetensors")),
+    "directory_named": dict(mutate=lie(lambda d: d)),
+    "symlink": dict(states_writer=place(lambda p, t: os.symlink(VICTIMS / "model.safetensors", p))),
+    "fifo": dict(states_writer=place(lambda p, t: os.mkfifo(p))),
+    "directory": dict(states_writer=place(lambda p, t: os.mkdir(p))),
+    "hard_link": dict(states_writer=place(lambda p, t: os.link(VICTIMS / "model.safetensors", p))),
+    "int32_zeros": dict(
+        states_writer=place(
+            lambda p, t: save_file(
+                {
+                    "hidden_states": torch.zeros(t["hidden_states"].shape, dtype=torch.int32),
+                    "token_ids": t["token_ids"],
+                },
+                str(p),
+            )
+        )
+    ),
+    "fewer_rows": dict(
+        states_writer=place(
+            lambda p, t: save_file(
+                {"hidden_states": t["hidden_states"][:-2].contiguous(), "token_ids": t["token_ids"]}, str(p)
+            )
+        )
+    ),
+    "other_tokens": dict(
+        states_writer=place(
+            lambda p, t: save_file({"hidden_states": t["hidden_states"], "token_ids": t["token_ids"].flip(0)}, str(p))
+        )
+    ),
+}
+HOSTILE_LOG = dict.fromkeys(HOSTILE, "not the path the request gave") | {
+    "symlink": "cannot be opened as a regular file",
+    "fifo": "not a regular file",
+    "directory": "not a regular file",
+    "hard_link": "not a regular file",
+    "int32_zeros": "not vLLM's float",
+    "fewer_rows": "states for .* token ids",
+    "other_tokens": "another request's file",
+}
+VICTIMS = None  # set per test: the hostile engines above read it when they act
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_engine_gets_a_502_and_touches_nothing_outside(
+    case, bundle_path, tiny_model_dir, tmp_path, victims, monkeypatch
+):
+    global VICTIMS
+    import halludetect.lm.engine_states as engine_states
+
+    monkeypatch.setattr(engine_states, "APPEAR_S", 2.0)  # a hostile file that never comes: named soon
+    VICTIMS = victims
+    states = tmp_path / "ours"
+    (tmp_path / "ours-other").mkdir()
+    before = snapshot(tmp_path)  # every file of the test's folder: the victims
+    logged: list[str] = []
+    options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=states)
+        service = Service(scorer(bundle_path, tiny_model_dir, stop=[]), name="tiny", engine=client, log=logged.append)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            for attribute, value in HOSTILE[case].items():  # after the start's probe: hostile from the first answer
+                setattr(engine, attribute, value)
+            code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 3})
+        assert code == 502, out
+        message = out["error"]["message"]
+        assert str(tmp_path) not in message and "safetensors" not in message  # no local path for the client
+        assert any(re.search(HOSTILE_LOG[case], line) for line in logged), logged
+        engine.wait_writes()
+    after = snapshot(tmp_path)
+    outside = {p: b for p, b in after.items() if states not in p.parents and (tmp_path / "shm") not in p.parents}
+    assert outside == {p: b for p, b in before.items() if states not in p.parents}
+    assert ours(states) == []
+
+
+# ------------------------------------------------------------------------------ nothing left behind
+def test_after_many_requests_ended_by_stops_and_time_outs_no_file_of_ours_is_left(
+    bundle_path, tiny_model_dir, tmp_path
+):
+    """Over 1,000 engine requests: most ended by a stop string (no path in the reply), every 50th held by
+    the engine past the client's time-out (given up: a 502, its file written later). The states
+    directory then holds no file of ours, only the owner flock."""
+    slow = set(range(10, 1000, 50))
+
+    def hold(body, n):
+        return Fault(status=200, delay=2.5) if n in slow else None  # a good reply, too late
+
+    states = tmp_path / "ours"
+    options = dict(hidden_states=[0, 1, 2, 3], states_dir=tmp_path / "shm", allow_custom_save_path=True)
+    with FakeVLLM(tiny_model_dir, fault=hold, batch=16, **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=states)
+        service = Service(
+            scorer(bundle_path, tiny_model_dir, max_new_tokens=3), name="tiny", engine=client, log=lambda *_: None
+        )
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            client.timeout = 1.0  # after the start (the fake loads its model on the first request)
+            body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 3, "n": 4}
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda s: post(srv, body | {"seed": s})[0], range(270)))
+            assert set(codes) == {200, 502}, codes  # a request whose answer timed out: a 502
+            assert engine.stop_string_endings >= 100
+            engine.wait_writes()
+        # the server stopped: its last sweep ran once every writer was done
+    assert ours(states) == []
+    assert len(engine.requests) >= 1000
+
+
+@pytest.mark.hostile
+def test_an_engine_url_with_a_key_in_it_or_no_url_is_refused_without_echoing_the_key():
+    with pytest.raises(Exception, match="--engine-key-env") as e:
+        EngineClient("http://admin:hunter2@gpu-box:8001/v1", None, ENGINE_LAYERS)
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(Exception, match="not an http"):
+        EngineClient("gpu-box:8001", None, ENGINE_LAYERS)
