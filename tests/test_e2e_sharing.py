@@ -288,7 +288,10 @@ def engine_params(repo: Path, srv: FakeVLLM, out: Path, source: str) -> Path:
     params = out / "params.yaml"
     params.write_text((repo / "params.yaml").read_text())
     endpoint = {"base_url": srv.url, "concurrency": 8, "per_request": "answer", "hidden_states": WORLD_LAYERS}
-    set_params(out, {"generate": {"backend": "completions", "endpoint": endpoint}, "dump": {"source": source}})
+    # The defaults and ".": the world's answers end with EOS, and "." ends most of them in the engine's front
+    # end instead, where vLLM's reply names no states file (the case generate must read its own file for)
+    sampling = {"backend": "completions", "endpoint": endpoint, "stop": ["\n", "Question:", "."]}
+    set_params(out, {"generate": sampling, "dump": {"source": source}})
     questions = out / "questions.parquet"
     pl.read_parquet(repo / "data/questions/world.parquet").head(QUESTIONS).write_parquet(questions)
     return params

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import inspect
 import json
 import os
 import random
@@ -329,12 +330,19 @@ class Endpoint:
             raise self.error(f"{self.where}: {url}{path} answered HTTP {e.status_code}: {e.message}") from None
 
     async def call(
-        self, path: str, body: dict | Callable[[], dict], read: Callable[[dict, str], dict], replica: int | None = None
+        self,
+        path: str,
+        body: dict | Callable[[], dict],
+        read: Callable[[dict, str], Any],
+        replica: int | None = None,
+        pin: bool = False,
     ) -> dict:
         """One request, retried: a deadline of `timeout` per HTTP request, at most `max_retries`
         retries for timeouts, dropped connections and 408/409/429/5xx, and as many again for
         malformed bodies. A Retry-After beyond the patience left fails at once. `body` is the body, or
-        a function called for each try's; the first try goes to `replica` (default: the least busy)."""
+        a function called for each try's; `read` may return an awaitable (work on a thread); the first
+        try goes to `replica` (default: the least busy), and with `pin` every try does (a check of
+        that replica)."""
         where, model = self.where, self.model
         patience = (self.max_retries + 1) * self.timeout
         deadline = time.monotonic() + patience
@@ -359,6 +367,8 @@ class Endpoint:
                 if not isinstance(data, dict):
                     raise Malformed(f"the body is a JSON {type(data).__name__}, not an object")
                 reply = read(data, url)  # the url: a reply refused as wrong names the replica that sent it
+                if inspect.isawaitable(reply):
+                    reply = await reply
             except Malformed as e:
                 if malformed == self.max_retries:
                     raise self.error(
@@ -366,7 +376,7 @@ class Endpoint:
                     ) from None
                 await self._before_retry(backoff(malformed))
                 malformed += 1
-                replica = self._pick(avoid=replica)
+                replica = replica if pin else self._pick(avoid=replica)
                 continue
             except openai.AuthenticationError as e:
                 raise self.error(f"{where}: {url} rejected the key in ${self.api_key_env}: {e.message}") from None
@@ -418,4 +428,4 @@ class Endpoint:
                 raise self.error(final) from None
             await self._before_retry(wait if wait is not None else backoff(failures))
             failures += 1
-            replica = self._pick(avoid=replica)
+            replica = replica if pin else self._pick(avoid=replica)

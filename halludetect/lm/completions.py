@@ -153,6 +153,8 @@ class CompletionsSampler:
         """Each replica serves the model and fits the longest request, by its /models; before any sampling."""
         ep, need = self.endpoint, longest_prompt + self.params.max_new_tokens
         for i, url in enumerate(ep.base_urls):
+            if self.states is not None:
+                await self._probe_states(i, url)
             listing = await ep.get(i, "/models")
             if listing is None:  # no /models route: nothing to check here
                 continue
@@ -173,14 +175,15 @@ class CompletionsSampler:
                     f"({longest_prompt} tokens) + generate.max_new_tokens ({self.params.max_new_tokens}) is {need}; "
                     "start the engine with a larger --max-model-len, or lower generate.max_new_tokens"
                 )
-            if self.states is not None:
-                await self._probe_states(i, url)
 
     async def _probe_states(self, replica: int, url: str) -> None:
-        """One request of one token asks replica `replica` for a states file of ours: a server without
-        extraction, one that ignores the path we give, or one whose files generate cannot read or that hold
-        other layers fails here, before any sampling (each named with its fix)."""
+        """One greedy request of two tokens, no stop, asks replica `replica` (every try of it) for a
+        states file of ours: a server without extraction, one that ignores the path we give or
+        include_output_tokens, or one whose files generate cannot read or that hold other layers fails
+        here, before any sampling (each named with its fix)."""
         engine, prompt = self.states.engine, self._probe_prompt
+        if not self.hidden:
+            raise UserError(f"{WHERE}.hidden_states: the model's config gives no hidden_size to check states against")
         name = engine.new()
 
         def read(data: dict, _url: str) -> dict:
@@ -203,7 +206,7 @@ class CompletionsSampler:
             choices = data.get("choices") if isinstance(data.get("choices"), list) else []
             ids = choices[0].get("token_ids") if choices and isinstance(choices[0], dict) else None
             try:
-                limit = engine.max_bytes(len(prompt) + 1, len(self.states.layers), self.hidden)
+                limit = engine.max_bytes(len(prompt) + 2, len(self.states.layers), self.hidden)
                 check_states(
                     engine.read(name, max_bytes=limit),
                     prompt=prompt,
@@ -219,10 +222,10 @@ class CompletionsSampler:
                 ) from None
             return {"reply": "", "prompt_tokens": None, "completion_tokens": None, "reasoning_tokens": None}
 
-        body = {**self.sampling, "prompt": prompt, "n": 1, "seed": 0, "max_tokens": 1, "temperature": 0.0}
+        body = {**self.sampling, "prompt": prompt, "n": 1, "seed": 0, "max_tokens": 2, "temperature": 0.0, "stop": []}
         body["kv_transfer_params"] = {"include_output_tokens": True, "hidden_states_path": engine.full(name)}
         try:
-            await self.endpoint.call("/completions", body, read, replica=replica)
+            await self.endpoint.call("/completions", body, read, replica=replica, pin=True)
         finally:
             engine.release(name)
 
@@ -244,22 +247,30 @@ class CompletionsSampler:
                 raise Malformed(f"the reply to {what} has {len(choices)} choices for n = {n}")
             order = sorted(range(n), key=lambda i: choices[i].get("index", i) if isinstance(choices[i], dict) else i)
             out = [self._choice(choices[i], k, what, prompt, bad) for k, i in enumerate(order)]
-            if self.states is not None:  # one answer per request (config checks per_request: answer)
-                try:
-                    self.states.take(
-                        tries[-1], data.get("kv_transfer_params"), prompt, out[0]["ids"], key,
-                        hidden=self.hidden, max_tokens=self.params.max_new_tokens,
-                    )  # fmt: skip
-                except StatesProblem as e:
-                    raise bad(str(e)) from None
-                out[0]["states_key"] = key
             usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-            return {
+            reply = {
                 "reply": json.dumps(out),
                 "prompt_tokens": count(usage.get("prompt_tokens")),
                 "completion_tokens": count(usage.get("completion_tokens")),
                 "reasoning_tokens": None,
             }
+            if self.states is None:
+                return reply
+            return keep_states(data.get("kv_transfer_params"), out, reply, bad)
+
+        async def keep_states(transfer, out: list[dict], reply: dict, bad) -> dict:
+            # One answer per request (config checks per_request: answer). Its file is read on a thread:
+            # vLLM writes it after the reply, and the other requests in flight go on meanwhile.
+            try:
+                await asyncio.to_thread(
+                    self.states.take, tries[-1], transfer, prompt, out[0]["ids"], key,
+                    hidden=self.hidden, max_tokens=self.params.max_new_tokens,
+                )  # fmt: skip
+            except StatesProblem as e:
+                raise bad(str(e)) from None
+            out[0]["states_key"] = key
+            reply["reply"] = json.dumps(out)
+            return reply
 
         return read
 

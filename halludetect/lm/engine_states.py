@@ -45,6 +45,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import math
 import os
 import re
 import secrets
@@ -101,29 +102,61 @@ class StatesDir:
     def __init__(self, path: str | Path, *, temporary: bool = False):
         self.path = Path(path).expanduser().absolute()
         self.temporary = temporary
+        self._live: set[str] = set()  # names of requests in flight: never swept
+        self.busy = 0  # files of ours the last sweep left to their writer (its lock held)
+        self._lock = threading.Lock()
+        self._closed = True  # until owned
+        self.removed = 0  # files (and locks) swept, for the stats
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise StatesProblem(
                 f"the engine states directory {self.path} cannot be used ({e.strerror}): give a directory this "
-                "process may create and write, which the engine sees at the same path"
+                "process may create and write (and the engine's user too), which the engine sees at the same path"
             ) from None
-        self._owner = os.open(OWNER, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self._fd)
         try:
-            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._owner)
+            self._owner = self._own()
+        except BaseException:
             os.close(self._fd)
-            raise StatesProblem(
-                f"the engine states directory {self.path} is in use by another halludetect process (generate or "
-                "serve): give each its own"
-            ) from None
-        self._live: set[str] = set()  # names of requests in flight: never swept
-        self.busy = 0  # files of ours the last sweep left to their writer (its lock held)
-        self._lock = threading.Lock()
-        self.removed = 0  # files (and locks) swept, for the stats
+            raise
+        self._closed = False
         self.sweep()  # what an earlier run left
+
+    def _own(self) -> int:
+        """The owner flock, on the owner file that is in the directory now: a closing owner unlinks its
+        file before it removes a temporary directory, and a flock won on an unlinked file owns nothing."""
+        busy = StatesProblem(
+            f"the engine states directory {self.path} is in use by another halludetect process (generate or "
+            "serve): give each its own"
+        )
+        try:
+            owner = os.open(OWNER, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self._fd)
+        except OSError as e:
+            raise StatesProblem(f"{self.path}/{OWNER} cannot be opened ({e.strerror}): remove it") from None
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            here = os.stat(OWNER, dir_fd=self._fd, follow_symlinks=False)
+            mine, listed = os.fstat(owner), os.stat(self.path, follow_symlinks=False)
+            if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+                raise busy
+            opened = os.fstat(self._fd)
+            if (listed.st_dev, listed.st_ino) != (opened.st_dev, opened.st_ino):
+                raise busy  # the directory was removed or replaced since we opened it
+        except (BlockingIOError, FileNotFoundError):
+            os.close(owner)
+            raise busy from None
+        except BaseException:
+            os.close(owner)
+            raise
+        return owner
+
+    def _dir(self) -> int:
+        """The directory's descriptor; StatesProblem once closed (never a stale number another file took)."""
+        with self._lock:
+            if self._closed:
+                raise StatesProblem(f"the engine states directory {self.path} is closed (the server is stopping)")
+            return self._fd
 
     def new(self) -> str:
         """A fresh name for one request's file, kept from the sweep until `release`d."""
@@ -138,17 +171,26 @@ class StatesDir:
 
     def _open(self, name: str, max_bytes: int | None = None) -> int | None:
         """A descriptor of our regular file `name`, None if it does not exist; StatesProblem for a symlink,
-        FIFO, device, directory or a file larger than `max_bytes`. Never blocks (O_NONBLOCK)."""
+        FIFO, device, directory, hard link or a file larger than `max_bytes`. Looked at before it is
+        opened (a device is never opened), opened without following a link and without blocking, and
+        then checked to be what was looked at."""
+        d = self._dir()
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._fd)
+            seen = os.stat(name, dir_fd=d, follow_symlinks=False)
         except FileNotFoundError:
             return None
-        except OSError as e:  # ELOOP: a symlink; anything else: not ours to read
+        if not stat.S_ISREG(seen.st_mode) or seen.st_nlink != 1:  # a symlink, FIFO, device, directory, hard link
+            raise StatesProblem(f"{name} is not a regular file of its own (mode {stat.filemode(seen.st_mode)})")
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: swapped for a symlink since
             raise StatesProblem(f"{name} cannot be opened as a regular file ({errno.errorcode.get(e.errno)})") from None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a FIFO, a device, a directory, a hard link
+        if (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino) or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             os.close(fd)
-            raise StatesProblem(f"{name} is not a regular file of its own (mode {stat.filemode(st.st_mode)})")
+            raise StatesProblem(f"{name} changed while it was opened")
         if max_bytes is not None and st.st_size > max_bytes:
             os.close(fd)
             raise StatesProblem(f"{name} holds {st.st_size} bytes, more than the request can produce ({max_bytes})")
@@ -163,8 +205,9 @@ class StatesDir:
 
         appear_s = APPEAR_S if appear_s is None else appear_s
         write_s = WRITE_S if write_s is None else write_s
-        appear, written, last = time.monotonic() + appear_s, None, None
+        appear, written, last, pause = time.monotonic() + appear_s, None, None, 0.0005
         while True:
+            pause = min(pause * 1.5, 0.005 if last is None else 0.05)  # a file that did not parse: less often
             lock = self._open(f"{name}.lock")
             try:
                 if lock is not None:  # wait for the writer: a shared flock, taken when its exclusive one goes
@@ -174,12 +217,12 @@ class StatesDir:
                     except BlockingIOError:
                         if time.monotonic() > written:
                             raise StatesProblem(f"{name} was still being written after {write_s:.0f} s") from None
-                        time.sleep(0.005)
+                        time.sleep(pause)
                         continue
                 fd = self._open(name, max_bytes)
                 if fd is not None:
                     with os.fdopen(fd, "rb") as f:  # read whole: the file is removed once used
-                        raw = f.read(max_bytes + 1)
+                        raw = f.read(os.fstat(fd).st_size)  # checked against max_bytes by _open
                     try:
                         return load(raw)
                     except Exception as e:  # noqa: BLE001  (cut, damaged, or still being written without a lock)
@@ -193,12 +236,13 @@ class StatesDir:
                 if last is not None:
                     raise StatesProblem(f"{name} did not parse within {appear_s:.0f} s ({last})")
                 raise StatesProblem(f"{name} did not appear within {appear_s:.0f} s")
-            time.sleep(0.005)
+            time.sleep(pause)
 
     def _unlink(self, name: str) -> int:
+        d = self._dir()
         for unlink in (os.unlink, os.rmdir):  # a directory in our name's place is removed only if empty
             try:
-                unlink(name, dir_fd=self._fd)
+                unlink(name, dir_fd=d)
                 return 1
             except FileNotFoundError:
                 return 0
@@ -210,8 +254,11 @@ class StatesDir:
         """The request is done: its file and lock go (what the engine writes later, the sweep removes)."""
         with self._lock:
             self._live.discard(name)
-        if self._unlink(name) or not self._held(f"{name}.lock"):
-            self._unlink(f"{name}.lock")
+            if self._closed:  # stopped meanwhile: what is left, the next owner's first sweep removes
+                return
+        with contextlib.suppress(StatesProblem):  # closed meanwhile
+            if self._unlink(name) or not self._held(f"{name}.lock"):
+                self._unlink(f"{name}.lock")
         # else: the engine is still at it (a request given up on): its lock stays, so the sweep waits for it
 
     def _held(self, lock_name: str) -> bool:
@@ -232,14 +279,15 @@ class StatesDir:
 
     def sweep(self, limit: int = SWEEP_LIMIT) -> int:
         """Remove our files of requests no longer in flight whose writer is done (its lock free, or none);
-        at most `limit` names looked at, never a wait. Returns how many files were removed."""
+        at most `limit` of our names each time (however many foreign entries the directory holds), never
+        a wait. Returns how many files were removed."""
         stems: set[str] = set()
-        with os.scandir(self._fd) as entries:
-            for i, e in enumerate(entries):
-                if i >= limit:
-                    break
+        with os.scandir(self._dir()) as entries:  # every entry is looked at; only ours count to the bound
+            for e in entries:
                 stem = e.name.removesuffix(".lock")
-                if OUR_NAME.fullmatch(stem):
+                if OUR_NAME.fullmatch(stem) and stem not in stems:
+                    if len(stems) >= limit:
+                        break
                     stems.add(stem)
         with self._lock:  # read after the listing: a name handed out before its file could be listed is kept
             stems -= self._live
@@ -255,23 +303,25 @@ class StatesDir:
         return removed
 
     def close(self, wait_s: float = 10.0) -> None:
-        """A last sweep, waiting up to `wait_s` for the writers of files of ours still at work (requests
-        given up on: vLLM writes an aborted request's file once the abort reaches its engine); the
-        ownership goes, and a temporary directory with it if nothing else is in it."""
-        if self._fd < 0:
+        """A last sweep, waiting up to `wait_s` for requests still in flight and for the writers of files
+        of ours still at work (requests given up on: vLLM writes an aborted request's file once the abort
+        reaches its engine); then the ownership goes, and a temporary directory with it if nothing else
+        is in it. Every later use raises StatesProblem."""
+        if self._closed:
             return
         deadline = time.monotonic() + wait_s
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StatesProblem):
             self.sweep()
-            while self.busy and time.monotonic() < deadline:
+            while (self.busy or self._live) and time.monotonic() < deadline:
                 time.sleep(0.05)
                 self.sweep()
-        with contextlib.suppress(OSError):
+        with self._lock:
+            self._closed = True
             if self.temporary:
-                os.unlink(OWNER, dir_fd=self._fd)
-        os.close(self._owner)
-        os.close(self._fd)
-        self._fd = -1
+                with contextlib.suppress(OSError):
+                    os.unlink(OWNER, dir_fd=self._fd)
+            os.close(self._owner)
+            os.close(self._fd)
         if self.temporary:
             with contextlib.suppress(OSError):
                 self.path.rmdir()
@@ -322,9 +372,10 @@ def check_states(data: dict, *, prompt: list[int], output: list[int], layers: in
             f"({len(prompt)} + {len(output)} - 1): another request's file"
         )
     rows = states[: len(want)]
-    if not bool(torch.isfinite(rows).all()):
+    top = float(rows.abs().amax()) if rows.numel() else 1.0  # NaN if any is NaN: one pass checks all three
+    if not math.isfinite(top):
         raise StatesProblem("holds states that are not finite (NaN or inf)")
-    if rows.numel() and not bool(rows.abs().amax() > 0):
+    if top == 0:
         raise StatesProblem("holds states that are all zero: no model computed them")
     return rows
 

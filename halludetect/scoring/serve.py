@@ -53,6 +53,7 @@ answer: such a bundle is refused when the server starts, naming what it needs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hmac
 import json
@@ -315,7 +316,11 @@ class EngineClient:
             data = json.loads(text) if status == 200 else None
         except (OSError, ValueError) as e:
             raise ApiError(502, f"the engine did not answer ({type(e).__name__})") from None
-        if status != 200:  # its message is the engine's own (a context too long, say): passed on, cut
+        if status != 200:  # its message is the engine's own (a context too long, say): passed on, cut, and
+            # without our states path, which the request carried and an engine or proxy may echo
+            text = re.sub(r"hd-[0-9a-f]{24}\.safetensors", "<file>", text.replace(str(states), "<states file>"))
+            if self.states is not None:
+                text = text.replace(str(self.states.path), "<states directory>")
             raise ApiError(502, f"the engine answered {status}: {text[:300]}")
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
@@ -342,17 +347,20 @@ class EngineClient:
         return check_states(data, prompt=prompt, output=ids, layers=len(self.layers), hidden=hidden)
 
     def probe(self, prompt: list[int], params: GenerateParams, hidden: int) -> None:
-        """One greedy one-token answer at start: a server without extraction, one that ignores our path,
-        whose files this server cannot read or that holds other layers fails here, naming the fix."""
+        """One greedy two-token answer at start: a server without extraction, one that ignores our path or
+        include_output_tokens, whose files this server cannot read or that holds other layers fails
+        here, naming the fix."""
         name = self.states.new()
         fix = (
             'start vLLM as docs/models-and-generation.md ("States from the engine") says, with '
             '"allow_custom_save_path": true, on a machine that sees --engine-states-dir at the same path'
         )
         try:
-            one = params.model_copy(update={"max_new_tokens": 1})
+            # two tokens and no stop: an engine that saves the prompt's states only shows it here (unless
+            # its first token is an end token), and the engine itself ends the request (its reply names a file)
+            two = params.model_copy(update={"max_new_tokens": 2, "stop": []})
             try:
-                choice = self.complete(prompt, one, True, 0, self.states.full(name))
+                choice = self.complete(prompt, two, True, 0, self.states.full(name))
             except ApiError as e:
                 raise UserError(f"--engine {self.url}: the first request failed: {e.message}") from None
             transfer = choice.get("kv_transfer_params")
@@ -368,7 +376,7 @@ class EngineClient:
                     f"hidden_states_path (vLLM does without allow_custom_save_path); {fix}"
                 )
             try:
-                self.read_states(name, named, prompt, choice["token_ids"], 1, hidden)
+                self.read_states(name, named, prompt, choice["token_ids"], 2, hidden)
             except StatesProblem as e:
                 where = f"the states file it wrote in {self.states.path}"
                 raise UserError(f"--engine {self.url}: {where}: {e}; {fix}") from None
@@ -620,7 +628,8 @@ class Service:
         try:
             return self._answers_from_engine(job)
         finally:  # the files of requests given up on (time-outs, failed reads) go once their writer is done
-            self.engine.states.sweep()
+            with contextlib.suppress(OSError, StatesProblem):  # never a scored answer lost to a sweep
+                self.engine.states.sweep()
 
     def _answers_from_engine(self, job: Job) -> list[dict]:
         from halludetect.lm.generation import row_seed, trim_answer

@@ -80,7 +80,7 @@ of the list instead of `token_ids_to_tensor`, EHSC 543-546): the same ids.
   `check_stop`), and the reply carries it (serving.py:767, 777). A stop STRING is matched in the
   front end (v1/engine/output_processor.py:828-836), which finishes the request there with that
   step's `kv_transfer_params`, None, since the engine had not finished it (786, 852-860), and
-  aborts it in the engine (880-885); the engine's later output is dropped (762-765). So a choice
+  aborts it in the engine (880-885); the engine's later output is dropped (763-765). So a choice
   ended by a stop string gets `"kv_transfer_params": null`, but its file and lock are still
   written (the abort runs `request_finished` too: v1/core/sched/scheduler.py:3100-3176, 3483-3536),
   and its `token_ids` may run past the token that completed the stop string: the engine went on
@@ -92,7 +92,10 @@ of the list instead of `token_ids_to_tensor`, EHSC 543-546): the same ids.
   With `n` > 1 the reply's `kv_transfer_params` are those of the child finished last
   (serving.py:767; v1/engine/parallel_sampling.py:102-127): here the answer with the most tokens (the last
   such), named if the engine ended it.
-- `n` != 1 with `kv_transfer_params` is refused (400): one file per answer, one path per reply.
+- `n` != 1 with `kv_transfer_params` is refused (400) HERE, to keep the client's tests honest: vLLM
+  takes it, names one child's file in the reply, and with a custom path would give every child the
+  same file and lock, whose blocking LOCK_EX (EHSC 289) would stall its worker. The client sends one
+  answer per request.
 
 Hostile modes, for the client's tests: `states_mode="name_every_file"` names the file for a stop-string
 ending too (an engine that always reports it); `"listed_order"` stacks the columns in the order the ids

@@ -185,14 +185,14 @@ def test_requests_given_up_on_leave_no_file_of_ours(tiny_model_dir, tmp_path):
     def hold(body, n):
         if n in (3, 8):  # the probe is request 0
             late.add(body["kv_transfer_params"]["hidden_states_path"])
-            return Fault(status=200, delay=1.5)
+            return Fault(status=200, delay=4.0)
         return None
 
     def written(path):
-        return 2.5 if str(path) in late else 0.0
+        return 5.0 if str(path) in late else 0.0
 
     with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", fault=hold, states_delay=written, **ENGINE) as srv:
-        p = params(srv.url, endpoint={"timeout": 1.0, "max_retries": 2})
+        p = params(srv.url, endpoint={"timeout": 3.0, "max_retries": 2})
         sample_with_states(tiny_model_dir, p, tmp_path / "states")
         paths = [b["kv_transfer_params"]["hidden_states_path"] for b in srv.requests]
         assert len(set(paths)) == len(paths), "a fresh file for every try"
@@ -232,3 +232,16 @@ def test_states_with_several_answers_per_request_are_refused_before_sampling(tin
         with pytest.raises(Exception, match="per_request: answer"):
             sample_with_states(tiny_model_dir, p, tmp_path / "states")
         assert srv.count == 0
+
+
+def test_a_server_without_the_lock_gives_the_same_states(sampled, tiny_model_dir, tmp_path):
+    """`use_synchronization_lock: false`: no lock file, the file read once it parses; the same states."""
+    df, states_dir = sampled
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", use_synchronization_lock=False, **ENGINE) as srv:
+        again = sample_with_states(tiny_model_dir, params(srv.url, max_new_tokens=20), tmp_path / "states")
+    assert again["token_ids"].to_list() == df["token_ids"].to_list()
+    for r in df.iter_rows(named=True):
+        a = AnswerStates(states_dir).load(r["question_id"], r["sample_index"])
+        b = AnswerStates(tmp_path / "states").load(r["question_id"], r["sample_index"])
+        assert a[1] == b[1] == LAYERS and a[2] == b[2]
+        np.testing.assert_allclose(a[0].numpy(), b[0].numpy(), atol=1e-6)

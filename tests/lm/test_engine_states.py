@@ -28,8 +28,9 @@ def states_file(path, tokens=(5, 6, 7, 8, 9), layers=2, hidden=4, dtype=torch.fl
 
 @pytest.fixture
 def states(tmp_path):
-    with StatesDir(tmp_path / "states") as d:
-        yield d
+    d = StatesDir(tmp_path / "states")
+    yield d
+    d.close(wait_s=0)  # names a test handed out and never released: no wait for them
 
 
 def snapshot(root):
@@ -120,7 +121,53 @@ def test_the_sweep_removes_our_finished_files_only(states, tmp_path):
     finally:
         os.close(lock)
     assert states.sweep() == 1  # the lock is free now: the busy one's lock goes
-    assert states.sweep(limit=0) == 0  # bounded: a sweep looks at no more names than it is given
+    orphan = "hd-" + "d" * 24 + ".safetensors"
+    states_file(states.path / orphan)
+    assert states.sweep(limit=0) == 0 and (states.path / orphan).exists()  # bounded: no more names than given
+    assert states.sweep() == 1 and not (states.path / orphan).exists()
+
+
+def test_foreign_entries_never_starve_the_sweep(states):
+    """Only our names count to a sweep's bound: a folder crowded with others' files is still swept."""
+    for i in range(300):
+        (states.path / f"cmpl-{i}-0-abcdef12.safetensors").touch()
+    orphans = [f"hd-{i:024x}.safetensors" for i in range(20)]
+    for name in orphans:
+        (states.path / name).touch()
+    assert states.sweep(limit=10) == 10 and states.sweep(limit=10) == 10
+    assert not any((states.path / name).exists() for name in orphans)
+    assert len(list(states.path.glob("cmpl-*"))) == 300  # not ours: never touched
+
+
+def test_a_closed_directory_is_never_used_again(tmp_path):
+    """A server stopping while requests are in flight: their threads meet a StatesProblem, never a stale
+    descriptor (which would list or unlink in whatever directory took its number)."""
+    states = StatesDir(tmp_path / "s")
+    name = states.new()
+    states.close(wait_s=0)
+    with pytest.raises(StatesProblem, match="is closed"):
+        states.read(name, max_bytes=1 << 20)
+    with pytest.raises(StatesProblem, match="is closed"):
+        states.sweep()
+    states.release(name)  # quietly: nothing to do once closed
+
+
+def test_an_owner_flock_won_on_a_file_already_unlinked_owns_nothing(tmp_path, monkeypatch):
+    """A temporary directory's owner unlinks its owner file as it closes: a process that opened the
+    old file before and then wins its flock must not take the directory."""
+    import halludetect.lm.engine_states as engine_states
+
+    first = StatesDir(tmp_path / "d", temporary=True)
+    real_flock = fcntl.flock
+
+    def flock_after_the_owner_left(fd, op):  # the first owner closes between our open and our flock
+        first.close(wait_s=0)
+        (tmp_path / "d").mkdir(exist_ok=True)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(engine_states.fcntl, "flock", flock_after_the_owner_left)
+    with pytest.raises(StatesProblem, match="in use by another"):
+        StatesDir(tmp_path / "d")
 
 
 def test_a_directory_has_one_owner_at_a_time(tmp_path):
