@@ -25,6 +25,31 @@ Presets:
     python -m bench.serve                                   # the world on the CPU, about a minute
     python -m bench.serve --preset llama3-8b-shape --device cuda
 
+`--engine` (the world only): `halludetect serve --engine` in front of the faithful fake vLLM
+(halludetect/testing/fake_vllm.py, vLLM 0.34.0's hidden-states behaviour) in a third process: it
+serves the world's model with hidden-state extraction of every layer, listed out of order
+(`--engine-layers`, default [2, 3, 4, 0, 1]; its files hold them ascending), `allow_custom_save_path`,
+and merges up to `--engine-batch` waiting requests into one generate. The server asks it for each
+answer with a states file of its own in a directory under /dev/shm, reads, checks, scores and
+deletes it (scoring/serve.py). The stops are GenerateParams' (a newline, "Question:"), which the world's
+model, ending its one-sentence answers with its end token, hardly ever writes: `--extra-stop a` adds a
+letter its words often hold, so that many replies end by a stop string and name no file (the fake's
+`stop_string_endings`; the fake then decodes a token past the stop, as vLLM's engine does before the
+abort reaches it), whose files are read all the same. The fake starts writing each file as it replies;
+`--engine-states-delay S` makes its writer wait S seconds first, as vLLM's may still be at it when the
+reply arrives (the server's read then waits for its lock).
+For each number of concurrent clients, `--repeats` runs: per-answer latency (median and p90 over
+requests) and throughput, medians over repeats; the file round trip in the server, per answer
+(`EngineClient.read_states` + `StatesDir.release`, timed by this bench around them, not in the
+library): its mean in µs, its share of the median per-answer latency, and how many answers found the
+engine's writer still at the file when the reply came (`round_trip_waited`: the read then waits on its
+lock); the sweep after each request; the answers per engine batch. At the end: every served score
+against the offline scorer (as above), replies that named no file, and that no file of ours is left
+in the states directory (`hd-*`), nor any in the engine's own.
+
+    python -m bench.serve --engine                          # the world in front of the fake vLLM
+    python -m bench.serve --engine --extra-stop a           # ... with replies that name no file
+
 Clients are threads of a second process (started once) speaking HTTP/1.1 with keep-alive
 (http.client): in the server's process, 64 client threads would contend for its interpreter lock with
 the model thread, which waits for it after every torch call it makes (the hook's too). On a machine
@@ -39,8 +64,10 @@ import argparse
 import http.client
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -51,7 +78,7 @@ import torch
 from bench.common import WORLD_QUESTIONS, emit, need, setup_threads
 from halludetect.config import GenerateParams
 from halludetect.scoring.scorer import Scorer, score_answers
-from halludetect.scoring.serve import Limits, Server, Service
+from halludetect.scoring.serve import EngineClient, Limits, Server, Service
 
 WORLD_BUNDLE = Path("data/bundles/world/world/max.safetensors")
 SYNTHETIC_REVISION = "random-init-seed-0"  # what the random model's config and its bundle both say
@@ -159,6 +186,245 @@ def client_run(url: str, name: str, questions: list[str], clients: int, requests
     return time.perf_counter() - t0, results
 
 
+# ------------------------------------------------------------------ --engine: in front of the fake vLLM
+def fake_engine(
+    conn, model_dir: str, layers: list[int], states_dir: str, batch: int, threads: int, delay: float
+) -> None:
+    """The faithful fake vLLM in a process of its own, answering `conn`: its URL first, then for "stats"
+    its counters, for "drain" the same once every request and states write is done, for "stop" the
+    files left in its own states directory, and it stops."""
+    torch.set_num_threads(threads)
+    from halludetect.testing.fake_vllm import FakeVLLM
+
+    engine = FakeVLLM(
+        model_dir,
+        hidden_states=layers,
+        states_dir=states_dir,
+        allow_custom_save_path=True,
+        batch=batch,
+        states_delay=delay,
+    )
+    with engine:
+        conn.send(engine.url)
+        while True:
+            command = conn.recv()
+            if command == "drain":
+                engine.wait_writes()
+            if command == "stop":
+                engine.wait_writes()
+                conn.send([str(f) for f in engine.states_files()])
+                return
+            with engine._lock:
+                conn.send(
+                    {
+                        "requests": engine.count,
+                        "batches": engine.batches,
+                        "stop_string_endings": engine.stop_string_endings,
+                    }
+                )
+
+
+class TimedEngine(EngineClient):
+    """The server's engine client with a clock around each answer's file round trip, read
+    (`read_states`) and release (`StatesDir.release`), and the sweep after each request: the bench's
+    wrapping, the library's code unchanged."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._clock = threading.Lock()
+        self._read: dict[str, tuple[float, bool]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        with self._clock:
+            self.trips: list[tuple[float, bool]] = []  # (seconds, whether its writer held the lock when read)
+            self.sweeps: list[float] = []
+
+    def open_states(self):
+        states = super().open_states()
+        if not getattr(states, "timed_by_bench", False):
+            release, sweep = states.release, states.sweep
+
+            def timed_release(name: str) -> None:
+                t0 = time.perf_counter()
+                release(name)
+                took = time.perf_counter() - t0
+                with self._clock:
+                    read = self._read.pop(name, None)
+                    if read is not None:
+                        self.trips.append((read[0] + took, read[1]))
+
+            def timed_sweep(*args, **kw) -> int:
+                t0 = time.perf_counter()
+                removed = sweep(*args, **kw)
+                with self._clock:
+                    self.sweeps.append(time.perf_counter() - t0)
+                return removed
+
+            states.release, states.sweep, states.timed_by_bench = timed_release, timed_sweep, True
+        return states
+
+    def read_states(self, name: str, *args, **kw):
+        waits = self.states._held(f"{name}.lock")  # before the clock: is the writer still at it?
+        t0 = time.perf_counter()
+        try:
+            return super().read_states(name, *args, **kw)
+        finally:
+            took = time.perf_counter() - t0
+            with self._clock:
+                self._read[name] = (took, waits)
+
+
+def engine_main(args, threads: int) -> None:
+    """`--engine`: the server in front of the fake vLLM in another process (see the docstring)."""
+    need(WORLD_BUNDLE, WORLD_QUESTIONS)
+    from halludetect.lm.hf_models import load_config, n_layers
+    from halludetect.qa.questions import read_questions
+
+    qs = read_questions(str(WORLD_QUESTIONS))
+    questions = qs.filter(qs["split"] == "test")["question"].to_list()
+    stop = [*GenerateParams().stop, *args.extra_stop]  # the default stops, and any added
+    generate = GenerateParams(max_new_tokens=args.max_tokens, stop=stop)
+    scorer = Scorer(WORLD_BUNDLE, device=args.device, generate=generate, log=lambda *_: None)
+    model_dir = str(scorer.bundle.meta["base_model"]["preset"]["path"])
+    top = n_layers(load_config(scorer.preset))
+    layers = args.engine_layers or [*range(2, top + 1), 0, 1]  # every layer, out of order
+    shm = Path("/dev/shm")
+    where = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    tmp = tempfile.TemporaryDirectory(prefix="halludetect-bench-", dir=where)
+    ours, theirs = Path(tmp.name) / "ours", Path(tmp.name) / "engine"
+    spawn = multiprocessing.get_context("spawn")
+    conn, child = spawn.Pipe()
+    fake = spawn.Process(
+        target=fake_engine,
+        args=(child, model_dir, layers, str(theirs), args.engine_batch, threads, args.engine_states_delay),
+        daemon=True,
+    )
+    fake.start()
+    if not conn.poll(300):
+        raise SystemExit("the fake vLLM did not start within 300 s")
+    url = conn.recv()
+
+    def engine_stats() -> dict:
+        conn.send("stats")
+        return conn.recv()
+
+    client = TimedEngine(url, None, layers, states_dir=ours)
+    limits = Limits(max_tokens=args.max_tokens, max_batch=max(args.clients), max_concurrency=max(args.clients))
+    service = Service(scorer, name="bench", limits=limits, engine=client, log=lambda *_: None)
+    checked: list[tuple[str, dict]] = []
+    clients_process = ProcessPoolExecutor(1, mp_context=spawn)
+    first = engine_stats()
+
+    def load(*a):
+        return clients_process.submit(client_run, *a).result()
+
+    with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
+        load(srv.url, "bench", questions, max(args.clients), max(args.clients), args.max_tokens)  # warm-up
+        for clients in args.clients:
+            requests = clients * args.rounds
+            runs: dict[str, list] = {k: [] for k in ("p50", "p90", "tput", "trip", "direct", "waited", "sweep")}
+            before = engine_stats()
+            for _ in range(args.repeats):
+                client.reset()
+                wall, results = load(srv.url, "bench", questions, clients, requests, args.max_tokens)
+                with client._clock:
+                    trips, sweeps = list(client.trips), list(client.sweeps)
+                if len(trips) != requests:
+                    raise SystemExit(f"{len(trips)} round trips timed for {requests} answers")
+                latency = sorted(r[0] for r in results)
+                runs["p50"].append(statistics.median(latency))
+                runs["p90"].append(latency[int(0.9 * (len(latency) - 1))])
+                runs["tput"].append(len(results) / wall)
+                runs["trip"].append(statistics.fmean(t for t, _ in trips))
+                direct = [t for t, waited in trips if not waited]
+                if direct:  # none when every answer's read waited for the writer
+                    runs["direct"].append(statistics.fmean(direct))
+                runs["waited"].append(sum(waited for _, waited in trips))
+                runs["sweep"].append(statistics.fmean(sweeps))  # one after each request
+                checked += [(q, data["choices"][0]) for _, q, data in results]
+            after = engine_stats()
+            med = {k: statistics.median(v) if v else None for k, v in runs.items()}
+            emit(
+                {
+                    "bench": "serve-engine",
+                    "preset": "world",
+                    "threads": threads,
+                    "clients": clients,
+                    "requests_per_run": requests,
+                    "max_tokens": args.max_tokens,
+                    "engine_layers": layers,
+                    "engine_batch": args.engine_batch,
+                    "stop": stop,
+                    "engine_states_delay_s": args.engine_states_delay,
+                    "latency_s_p50": round(med["p50"], 4),
+                    "latency_s_p90": round(med["p90"], 4),
+                    "answers_per_s": round(med["tput"], 2),
+                    "answers_per_engine_batch": round(
+                        (after["requests"] - before["requests"]) / max(after["batches"] - before["batches"], 1), 1
+                    ),
+                    "round_trip_us_per_answer": round(med["trip"] * 1e6, 1),
+                    "round_trip_share_of_latency": round(med["trip"] / med["p50"], 5),
+                    "round_trip_us_not_waiting": None if med["direct"] is None else round(med["direct"] * 1e6, 1),
+                    "round_trip_waited": f"{sum(runs['waited'])}/{requests * args.repeats}",
+                    "sweep_us_per_request": round(med["sweep"] * 1e6, 1),
+                    "stop_string_endings": f"{after['stop_string_endings'] - before['stop_string_endings']}/"
+                    f"{after['requests'] - before['requests']}",
+                }
+            )
+        conn.send("drain")  # every states file written before the server's last sweep
+        drained = conn.recv()
+    left = sorted(p.name for p in ours.glob("hd-*"))
+    conn.send("stop")
+    engine_left = conn.recv()
+    fake.join(60)
+    failed = check_served(scorer, checked, "world", args.atol, None, device=args.device)
+    emit(
+        {
+            "bench": "serve-engine-files",
+            "requests_to_engine": drained["requests"] - first["requests"],
+            "stop_string_endings": drained["stop_string_endings"] - first["stop_string_endings"],
+            "files_of_ours_left": len(left),
+            "files_left_in_engine_dir": len(engine_left),
+        }
+    )
+    tmp.cleanup()
+    if failed:
+        raise SystemExit(failed)
+    if left or engine_left:
+        raise SystemExit(f"states files left: {left[:5]} in {ours}, {engine_left[:5]} in the engine's directory")
+
+
+def check_served(scorer, checked: list[tuple[str, dict]], preset: str, atol: float, model, **kw) -> str | None:
+    """Every served score against the offline scorer, teacher-forced on the served tokens (`model` and
+    `kw`: the offline scorer's model and options), emitted; why the run fails, if it does."""
+    scoreable = [(q, c) for q, c in checked if c["hallucination"]["score"] is not None]
+    rows = [{"question": q, "answer": c["text"], "answer_token_ids": c["token_ids"]} for q, c in scoreable]
+    offline = score_answers(scorer.bundle, rows, model, log=lambda *_: None, **kw)
+    served = np.array([c["hallucination"]["score"] for _, c in scoreable])
+    diff = np.abs(served - offline["score"].to_numpy())
+    flips = int((np.array([c["hallucination"]["flag"] for _, c in scoreable]) != offline["flag"].to_numpy()).sum())
+    if model is not None:  # bf16's noise is reported, not held to atol
+        float32 = next(model.parameters()).dtype == torch.float32
+    else:  # the offline scorer loaded the bundle's base model in its preset's dtype
+        float32 = scorer.bundle.meta["base_model"]["preset"]["dtype"] == "float32"
+    emit(
+        {
+            "bench": "serve-check",
+            "preset": preset,
+            "responses": len(checked),
+            "scored": len(scoreable),
+            "max_abs_diff": float(diff.max()) if len(diff) else None,
+            "p99_abs_diff": float(np.quantile(diff, 0.99)) if len(diff) else None,
+            "flag_disagreements": flips,
+            "atol": atol if float32 else None,
+        }
+    )
+    if float32 and len(diff) and diff.max() > atol:
+        return f"served scores differ from the offline scorer's by up to {diff.max():.3g} > {atol}"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=["world", "deep", "llama3-8b-shape"], default="world")
@@ -169,8 +435,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--layer", type=int, default=16, help="llama3-8b-shape: the detector's layer")
     ap.add_argument("--atol", type=float, default=1e-3, help="float32: the largest served-vs-offline difference")
+    ap.add_argument("--engine", action="store_true", help="the world served in front of the fake vLLM")
+    ap.add_argument("--engine-batch", type=int, default=16, help="--engine: requests the fake merges into a batch")
+    ap.add_argument("--engine-layers", type=int, nargs="+", help="--engine: its layer ids (default all, unsorted)")
+    ap.add_argument("--extra-stop", nargs="+", default=[], help="--engine: stop strings added to the defaults")
+    ap.add_argument("--engine-states-delay", type=float, default=0.0, help="--engine: s the fake's writer waits")
     args = ap.parse_args()
     threads = setup_threads()
+    if args.engine:
+        if args.preset != "world":
+            ap.error("--engine serves the world (the fake vLLM runs its model)")
+        return engine_main(args, threads)
     # random weights never write a stop string, and transformers' stop-string matcher cannot read a
     # word-level vocabulary: the synthetic presets sample to --max-tokens without one
     generate = GenerateParams(max_new_tokens=args.max_tokens, **({} if args.preset == "world" else {"stop": []}))
@@ -231,29 +506,10 @@ def main() -> None:
                     "throughput_ratio": round(med["score"]["tput"] / med["plain"]["tput"], 3),
                 }
             )
-    # every served score against the offline scorer, teacher-forced on the served tokens
-    scoreable = [(q, c) for q, c in checked if c["hallucination"]["score"] is not None]
-    rows = [{"question": q, "answer": c["text"], "answer_token_ids": c["token_ids"]} for q, c in scoreable]
-    offline = score_answers(scorer.bundle, rows, scorer.model, tokenizer=scorer.tokenizer, log=lambda *_: None)
-    served = np.array([c["hallucination"]["score"] for _, c in scoreable])
-    diff = np.abs(served - offline["score"].to_numpy())
-    flips = int((np.array([c["hallucination"]["flag"] for _, c in scoreable]) != offline["flag"].to_numpy()).sum())
-    float32 = next(scorer.model.parameters()).dtype == torch.float32  # bf16's noise is reported, not held to atol
-    emit(
-        {
-            "bench": "serve-check",
-            "preset": args.preset,
-            "responses": len(checked),
-            "scored": len(scoreable),
-            "max_abs_diff": float(diff.max()) if len(diff) else None,
-            "p99_abs_diff": float(np.quantile(diff, 0.99)) if len(diff) else None,
-            "flag_disagreements": flips,
-            "atol": args.atol if float32 else None,
-        }
-    )
+    failed = check_served(scorer, checked, args.preset, args.atol, scorer.model, tokenizer=scorer.tokenizer)
     tmp.cleanup()
-    if float32 and len(diff) and diff.max() > args.atol:
-        raise SystemExit(f"served scores differ from the offline scorer's by up to {diff.max():.3g} > {args.atol}")
+    if failed:
+        raise SystemExit(failed)
 
 
 if __name__ == "__main__":
