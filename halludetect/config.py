@@ -814,6 +814,18 @@ def _section_of(annotation: Any) -> Any:
     return annotation
 
 
+# What looks like a credential pasted into a field: a known key's prefix, or a long run of key characters.
+SECRET_LIKE = re.compile(
+    r"(sk-|sk_|hf_|ghp_|gho_|ghs_|github_pat_|xox[abpr]-|AKIA|ASIA|AIza|glpat-)[A-Za-z0-9_\-]{4,}"
+    r"|[A-Za-z0-9_\-+/=]{32,}"
+)
+
+
+def _shown(value: Any) -> str:
+    """A refused value as an error message shows it, anything that looks like a key hidden."""
+    return SECRET_LIKE.sub("<hidden: looks like a key>", repr(value))
+
+
 def format_errors(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
@@ -827,7 +839,9 @@ def format_errors(err: ValidationError, source: str, root: type[BaseModel] | Non
             lines.append(f"{key}: required key is missing")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{key}: {msg}")
+            lines.append(
+                f"{key}: {msg} (got {_shown(e.get('input'))})" if e["type"] != "value_error" else f"{key}: {msg}"
+            )
     return f"{source}: {len(lines)} problem(s)\n  " + "\n  ".join(lines)
 
 

@@ -407,3 +407,35 @@ def test_the_former_score_lists_and_sections_name_where_they_went():
     with pytest.raises(ParamsError) as e:
         parse_params(data)
     assert "detectors.p_true.device" in str(e.value) and "detectors.length.k" in str(e.value)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    "where, value, says",
+    [
+        (("world", "lr"), True, "world.lr: true or false where a number is meant"),
+        (("world", "lr"), float("inf"), "world.lr: Input should be a finite number"),
+        (("world", "lr"), float("nan"), "world.lr: Input should be a finite number"),
+        (("train", "seeds"), [True, False], "train.seeds: true or false where a number is meant"),
+        (("world", "lr"), "sk-proj-AbCdEf0123456789xyzXYZ", "world.lr: Input should be a valid number"),
+        (("world", "lr"), "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "world.lr: Input should be a valid number"),
+    ],
+    ids=["bool_as_lr", "inf", "nan", "bools_as_seeds", "openai_key_in_lr", "hub_token_in_lr"],
+)
+def test_params_mean_what_they_say_and_never_echo_a_key(where, value, says):
+    """Lax validation read `lr: true` as 1.0, `seeds: [true, false]` as [1, 0] and took `.inf`; and a
+    key pasted into a number field was printed back in the message."""
+
+    def update(data):
+        _section(data, where[0])[where[1]] = value
+
+    message = params_error(update)
+    assert says in message, message
+    if isinstance(value, str):
+        assert value not in message and value[:8] not in message and "<hidden: looks like a key>" in message
+
+
+def test_a_whole_number_still_reads_as_a_float_where_a_float_is_meant():
+    data = base_params()
+    _section(data, "world")["lr"] = 1
+    assert parse_params(data).world.lr == 1.0
