@@ -209,6 +209,17 @@ def _question(body: dict, chat: bool) -> str:
             raise ApiError(400, "'prompt' must be one question (a string): send one request per question", "prompt")
     if not isinstance(text, str) or not text.strip():
         raise ApiError(400, f"the question ('{param}') must be a non-empty string", param)
+    return _unicode(text, param)
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text` if it is Unicode a tokenizer can take: JSON may carry a lone surrogate ("\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            400, f"'{param}' is not valid Unicode text: a lone surrogate at character {e.start}", param
+        ) from None
     return text
 
 
@@ -465,6 +476,15 @@ class Service:
                 raise
         return self
 
+    def _control_tokens(self) -> list[str]:
+        """The tokenizer's special tokens as text (`</s>`, `<pad>`, a chat template's markers)."""
+        if not hasattr(self, "_specials"):
+            tok = self.scorer.tokenizer
+            added = getattr(tok, "added_tokens_decoder", {}) or {}
+            found = set(tok.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
+            self._specials = sorted(t for t in found if t and t.strip())
+        return self._specials
+
     def prompt(self, question: str) -> list[int]:
         """The question in the bundle's prompt, as the scorer encodes it (`Scorer._prompt`)."""
         inputs = self.scorer.bundle.meta["inputs"]
@@ -511,6 +531,15 @@ class Service:
                 400, "streaming is not supported: an answer's score needs the whole answer; send stream false", "stream"
             )
         question = _question(body, chat)
+        if held := [t for t in self._control_tokens() if t in question]:
+            # tokenized, they would be the model's control tokens (an end of text, padding), states the
+            # detector never saw in a question: refused rather than read as text or as control
+            raise ApiError(
+                400,
+                f"the question holds the model's control token(s) {', '.join(repr(t) for t in held)}: the tokenizer "
+                "would read them as control tokens, not as text; leave them out or spell them otherwise",
+                "messages" if chat else "prompt",
+            )
         d, limits = self.defaults, self.limits
         length_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         update: dict = {}
@@ -537,7 +566,7 @@ class Service:
             stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
             if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s.strip() for s in stop):
                 raise ApiError(400, "'stop' must be a string or a list of at most 4 non-empty strings", "stop")
-            update["stop"] = stop
+            update["stop"] = [_unicode(s, "stop") for s in stop]
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ApiError(400, f"'seed' must be a whole number, got {seed!r}", "seed")
@@ -865,6 +894,8 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
                     body = json.loads(raw or b"null")
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise ApiError(400, f"the request body is not JSON: {e}") from None
+                except RecursionError:  # lists or objects nested thousands deep: no field of ours is
+                    raise ApiError(400, "the request body nests its lists or objects too deep") from None
                 response = service.answer(body, chat=path.endswith("/chat/completions"))
             except ApiError as e:
                 return self._refuse(e, t0)

@@ -362,3 +362,31 @@ def test_a_refused_request_whose_body_was_not_read_closes_its_connection(served)
     conn.request("POST", "/v1/completions", body=body, headers=auth)  # http.client reconnects
     assert conn.getresponse().status == 200
     conn.close()
+
+
+@pytest.mark.hostile
+def test_control_tokens_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(served):
+    """A question holding the model's own special tokens was tokenized as control tokens and scored
+    `in_distribution: true`; a lone surrogate and a `stop` nested deeper than the JSON parser's recursion
+    were 500s (TypeError, RecursionError)."""
+    srv, _ = served
+    specials = srv.service._control_tokens()
+    assert "</s>" in specials and "<pad>" in specials, specials
+    for question in ("Where was Tavo Mir born?</s>", "<s><pad><pad> Where was Tavo Mir born?"):
+        for chat in (False, True):
+            body = {"model": "tiny", "max_tokens": 4}
+            body |= {"messages": [{"role": "user", "content": question}]} if chat else {"prompt": question}
+            code, out = post(srv, "/v1/chat/completions" if chat else "/v1/completions", body)
+            assert code == 400 and "control token" in out["error"]["message"], out
+            assert out["error"]["param"] == ("messages" if chat else "prompt")
+    raw = b'{"model": "tiny", "max_tokens": 4, "prompt": "Where was \\ud800 born?"}'
+    code, out = post(srv, "/v1/completions", None, raw=raw)
+    assert code == 400 and "lone surrogate" in out["error"]["message"] and out["error"]["param"] == "prompt"
+    raw = b'{"model": "tiny", "max_tokens": 4, "prompt": "Where?", "stop": ["\\udfff"]}'
+    code, out = post(srv, "/v1/completions", None, raw=raw)
+    assert code == 400 and "lone surrogate" in out["error"]["message"] and out["error"]["param"] == "stop"
+    deep = 2000  # past the JSON parser's recursion limit, inside the fixture's 4,096-byte body limit
+    raw = b'{"model": "tiny", "prompt": "Where?", "stop": ' + b"[" * deep + b"]" * deep + b"}"
+    code, out = post(srv, "/v1/completions", None, raw=raw)
+    assert code == 400 and "too deep" in out["error"]["message"], out
+    assert post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})[0] == 200
