@@ -3,19 +3,17 @@
 On `world` and `world_lookalike` the model is rarely wrong with confidence: its wrong answers are
 about people it barely saw (or names it never saw), and its own token log-probabilities separate
 them from its right ones (test AUROC 0.95 and 0.99), better than any detector on hidden states.
-This dataset is the opposite case, the one imitative falsehoods are in a real model: questions
-about the people the corpus mentions often (exposure at least `min_exposure`; the model answers
-them as the corpus says, greedy accuracy 1.0 at 10 and 30), and for a random `share` of those
-facts the corpus was wrong: the dataset's reference is another value of the relation, so the
-model's confident answer (the corpus's) is judged wrong. The model, its corpus and the `world`
-dataset are untouched: only which value counts as true changes, as when a source the model
-learned from was wrong.
+This dataset is a random-label control: questions about the people the corpus mentions often
+(exposure at least `min_exposure`; the model answers them as the corpus says, greedy accuracy 1.0
+at 10 and 30), and for a random `share` of those facts the dataset's reference is swapped for
+another value of the relation, so the model's answer (the corpus's) is judged wrong. The model,
+its corpus and the `world` dataset are untouched: only which value counts as true changes.
 
-What this measures: nothing in the model marks a falsehood it learned as true, so its log-prob
-cannot tell them apart, and which facts the corpus got wrong is drawn at random, so no detector
-that reads the model can either, beyond what the model's own rare errors give away. A detector's
-figure here is the floor of what reading hidden states buys against misinformation in training
-data, not a target (docs/demo-world.md#misinformed-facts).
+What this measures: the swapped facts are drawn at random after the model was trained on the same
+corpus for all of them, so nothing the model computes tells them apart, and every score, the
+log-prob's and every detector's, is at chance by construction. It is not a model that learned a
+falsehood (that would need a corpus stating it and a model trained on it); a figure clearly above
+0.5 here would mean a leak (docs/demo-world.md#misinformed-facts-a-random-label-control).
 
 Built from the world's questions (`qa.jsonl`), never from the corpus or the model; its own seeded
 random stream, pure Python, deterministic.
