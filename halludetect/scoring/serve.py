@@ -448,7 +448,9 @@ class Service:
         self.defaults = scorer.generate
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._slots = threading.BoundedSemaphore(limits.max_concurrency)
-        self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
+        self._lock, self._tokenizer_lock, self._queue_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._stopping = threading.Event()
+        self._in_flight_changed, self._requests_in_flight = threading.Condition(), 0
         self.stats = {"requests": 0, "answers": 0, "batches": 0, "refused": 0}
         self._worker = threading.Thread(target=self._work, name="halludetect-serve-model", daemon=True)
 
@@ -476,6 +478,23 @@ class Service:
                 raise
         return self
 
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts a request from its first byte read to its last byte sent."""
+        with self._in_flight_changed:
+            self._requests_in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_changed:
+                self._requests_in_flight -= 1
+                self._in_flight_changed.notify_all()
+
+    def wait_in_flight(self, wait_s: float = 120.0) -> bool:
+        """Wait until no request is in flight (at most `wait_s`); whether none is."""
+        with self._in_flight_changed:
+            return self._in_flight_changed.wait_for(lambda: self._requests_in_flight == 0, wait_s)
+
     def _control_tokens(self) -> list[str]:
         """The tokenizer's special tokens as text (`</s>`, `<pad>`, a chat template's markers)."""
         if not hasattr(self, "_specials"):
@@ -491,8 +510,21 @@ class Service:
         with self._tokenizer_lock:
             return encode_prompt(self._tokenizer, question, inputs["chat_template"], inputs["prompt_template"])
 
-    def stop(self) -> None:
-        self._jobs.put(None)
+    def stop(self, wait_s: float = 120.0) -> None:
+        """An orderly stop: requests that come now and those still waiting get a 503, the round the model
+        is running finishes and is answered (up to `wait_s`), then the model thread ends."""
+        with self._queue_lock:
+            self._stopping.set()
+            self._jobs.put(None)
+        if self._worker.is_alive():
+            self._worker.join(wait_s)
+        while True:  # whatever is still queued (the worker had stopped): answered, never left hanging
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.future.set_exception(ApiError(503, "the server is stopping", kind="service_unavailable"))
         if self.engine is not None:  # a last sweep of the engine's files; the directory goes if it was ours
             self.engine.close_states()
 
@@ -609,9 +641,14 @@ class Service:
         try:
             job = self.job(body, chat)
             if self.engine is not None:
+                if self._stopping.is_set():
+                    raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
                 results = self._from_engine(job)
             else:
-                self._jobs.put(job)
+                with self._queue_lock:  # a job is queued before a stop's last sentinel, or refused
+                    if self._stopping.is_set():
+                        raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
+                    self._jobs.put(job)
                 results = job.future.result()
         finally:
             self._slots.release()
@@ -733,7 +770,7 @@ class Service:
                     break
                 if job is None:  # stopping: the requests still waiting are answered, not left hanging
                     for j in waiting:
-                        j.future.set_exception(ApiError(503, "the server is stopping"))
+                        j.future.set_exception(ApiError(503, "the server is stopping", kind="service_unavailable"))
                     return
                 waiting.append(job)
             key, group, rows = waiting[0].batch_key, [], 0
@@ -867,6 +904,10 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
             self._refuse(ApiError(404, f"no route GET {path} (GET /v1/models, GET /health)"), t0)
 
         def do_POST(self):
+            with service.in_flight():  # a stop waits for the answer to be sent
+                self._post()
+
+        def _post(self):
             t0 = time.perf_counter()
             path = self.path.split("?")[0].rstrip("/")
             length = self.headers.get("Content-Length")
@@ -940,9 +981,13 @@ class Server:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        """An orderly stop (SIGTERM, Ctrl-C): no new connection is taken; requests waiting for the model,
+        and new ones on open connections, get a 503; the running round finishes; every request in flight
+        is answered before the process may end (no client is cut off mid-reply)."""
+        self.http.shutdown()  # the accept loop ends: no new connection
         self.service.stop()
+        self.service.wait_in_flight()
+        self.http.server_close()
 
 
 def api_key_from(variable: str | None) -> str | None:

@@ -390,3 +390,57 @@ def test_control_tokens_lone_surrogates_and_deep_nesting_are_400s_naming_the_fie
     code, out = post(srv, "/v1/completions", None, raw=raw)
     assert code == 400 and "too deep" in out["error"]["message"], out
     assert post(srv, "/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.hostile
+def test_sigterm_mid_batch_answers_every_request_and_exits_0(bundle_path, tiny_model_dir):
+    """SIGTERM while 24 clients are in flight: the running round finishes and is answered, the requests
+    still waiting get a 503, no client is cut off (before: 7 of 24 RemoteDisconnected and the process
+    aborted, exit -6, `terminate called without an active exception`)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "halludetect.cli", "serve", "--bundle", str(bundle_path), "--model"]
+    cmd += [str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-new-tokens", "64", "--max-batch", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    logged: list[str] = []
+    try:
+        url, deadline = None, time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            logged.append(line)
+            if " on http://" in line:
+                url = line.rsplit(" on ", 1)[1].strip()
+        assert url, "".join(logged)
+        host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+        first = threading.Event()
+
+        def ask(seed: int):
+            conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            body = {"model": str(tiny_model_dir), "prompt": QUESTION, "seed": seed, "max_tokens": 64, "stop": None}
+            try:
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                status, data = r.status, json.loads(r.read())
+            except OSError as e:  # RemoteDisconnected, a reset: what a stop must never do
+                return type(e).__name__, None
+            finally:
+                conn.close()
+                first.set()
+            return status, data
+
+        with ThreadPoolExecutor(24) as pool:
+            futures = [pool.submit(ask, s) for s in range(24)]
+            assert first.wait(120)
+            proc.send_signal(signal.SIGTERM)  # mid-batch: the others are running or waiting
+            got = [f.result() for f in futures]
+        assert proc.wait(60) == 0
+        rest = proc.stderr.read()
+        assert "terminate called" not in rest, rest
+        statuses = [status for status, _ in got]
+        assert set(statuses) <= {200, 503}, statuses
+        assert all("stopping" in data["error"]["message"] for status, data in got if status == 503)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
