@@ -96,6 +96,22 @@ def jobs_from(value: str) -> int:
 
 
 # ---------------------------------------------------------------------------- the schedule
+def _announced(repro_fn, run, logger):
+    """`repro_fn` saying "Finished stage ... in ... s" for a stage whose command ran, as the parallel
+    loop's stages do: with --jobs above 1, `halludetect repro` counts the stages that ran by that
+    line (core/repro.py), DVC's own loop (`-s`, a single item) included."""
+
+    def announce(stage, **kwargs):
+        run.local.ran = False
+        t0 = time.monotonic()
+        ret = repro_fn(stage, **kwargs)
+        if ret and run.local.ran:
+            logger.info("Finished stage '%s' in %.1f s", stage.addressing, time.monotonic() - t0)
+        return ret
+
+    return announce
+
+
 def _reproduce_parallel(
     stages, graph=None, force_downstream=False, on_error="fail", force=False, repro_fn=None, **kwargs
 ):
@@ -106,6 +122,8 @@ def _reproduce_parallel(
     repro_fn = repro_fn or dvc_reproduce._reproduce_stage
     serial = graph is None or _RUN is None or _RUN.jobs < 2 or kwargs.get("dry") or kwargs.get("interactive")
     if serial:  # DVC's own loop: a single item (no graph), a dry run, questions asked at each stage
+        if _RUN is not None and _RUN.jobs >= 2:  # `halludetect repro` then counts a stage by its end line
+            repro_fn = _announced(repro_fn, _RUN, dvc_reproduce.logger)
         return _ORIGINAL(
             stages,
             graph=graph,
@@ -236,6 +254,8 @@ def _unlocked_repo(f):
     def wrapper(stage, *args, **kwargs):
         run = _RUN
         if run is None or getattr(run.local, "stage", None) is None:
+            if run is not None:  # DVC's own loop (below): its command runs, as `_announced` needs to know
+                run.local.ran = True
             return original(stage, *args, **kwargs)
         if run.stopping:
             raise Stopped

@@ -23,6 +23,7 @@ is kept), and the exit status is DVC's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -230,7 +231,12 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
     env.pop(JOBS_ENV, None)
     if jobs > 1:
         env[JOBS_ENV] = str(jobs)
-    proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    # DVC and the stages' commands in a process group of their own, to which this process passes on
+    # every SIGINT (and a SIGTERM, as SIGINT) it gets: a terminal's Ctrl-C and a `kill -INT` of this
+    # pid then stop the run alike (before, only the terminal's reached DVC, and a kill of this pid
+    # was ignored while DVC started the next stages).
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **group)
     out, line = sys.stdout.buffer, b""
 
     def show(data: bytes) -> None:
@@ -246,7 +252,11 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
             out = None
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit either
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches DVC (same process group): it stops
+    def forward(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, forward), signal.signal(signal.SIGTERM, forward)
     try:
         while chunk := os.read(proc.stdout.fileno(), 1 << 16):
             show(chunk)  # bytes as they come: tqdm's carriage returns too
@@ -261,7 +271,8 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
                     show(msg.encode() + b"\n")
         code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
     progress.finish()
     write_history(HISTORY, {**history, **progress.seconds})
     ran = len(progress.seconds)

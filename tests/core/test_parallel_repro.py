@@ -105,8 +105,11 @@ def test_a_failing_stage_lets_the_running_one_finish_and_starts_nothing_after_it
 
 
 @pytest.mark.hostile
-def test_ctrl_c_stops_every_running_stage_and_starts_no_other(tmp_path):
-    """SIGINT to the run's process group, as a terminal's Ctrl-C, once b and c are both running."""
+@pytest.mark.parametrize("to", ["group", "runner", "runner_sigterm"])
+def test_ctrl_c_stops_every_running_stage_and_starts_no_other(tmp_path, to):
+    """SIGINT to the run's process group, as a terminal's Ctrl-C, or to the runner's pid alone (`kill
+    -INT`, which before was ignored while DVC started the next stages and the run exited 0), or a
+    SIGTERM to it: once b and c are both running."""
     repo = make_repo(tmp_path / "r", c="sleep 30 && cat a.txt > c.txt")
     env = {k: v for k, v in os.environ.items() if k != "HALLUDETECT_REPRO_JOBS"}
     proc = subprocess.Popen(
@@ -127,7 +130,10 @@ def test_ctrl_c_stops_every_running_stage_and_starts_no_other(tmp_path):
     while "\n  b:\n" not in ((repo / "dvc.lock").read_text() if (repo / "dvc.lock").exists() else ""):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT if to == "runner" else signal.SIGTERM)
     out = proc.communicate(timeout=WAIT)[0]
     assert proc.returncode != 0, out
     lock = (repo / "dvc.lock").read_text()
@@ -200,3 +206,13 @@ def test_a_stage_ends_when_its_command_exits_though_a_process_it_left_holds_its_
     res = repro(repo, "-j", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     assert (repo / "bg.txt").read_text() == "ok\n"  # b started while a's background process was alive
+
+
+def test_a_single_stage_forced_with_jobs_is_counted(tmp_path):
+    """`halludetect repro -j 2 -f -s a` runs DVC's own loop (a single item): its stage is counted as run
+    (before: `done: 0 stage(s) ran` after running it)."""
+    repo = make_repo(tmp_path / "r")
+    assert repro(repo, "-j", "2").returncode == 0
+    res = repro(repo, "-j", "2", "-f", "-s", "a")
+    assert res.returncode == 0 and "Running stage 'a'" in res.stdout
+    assert res.stdout.rstrip().splitlines()[-1].startswith("done: 1 stage(s) ran"), res.stdout
