@@ -36,7 +36,21 @@ def p_sem(generations, clusters, p):
 
 def semantic_entropy(generations, clusters, p):
     ok = clusters.filter(pl.col("valid"))
-    return _by_response(ok, pl.col(f"semantic_entropy_{p.variant}"))
+    if p.variant != "polygraph":
+        return _by_response(ok, pl.col(f"semantic_entropy_{p.variant}"))
+    # lm-polygraph's estimator: -mean_j log sum_{k in cluster(j)} exp(ll_k), ll the answer's summed token
+    # log-probs, unnormalised; every answer of a question gets the question's value
+    ll = generations.select("question_id", "sample_index", pl.col("token_logprobs").list.sum().alias("ll"))
+    rows = ok.join(ll, on=["question_id", "sample_index"], how="left")
+    mass = rows.group_by("question_id", "semantic_id").agg(pl.col("ll").alias("lls"))
+    mass = mass.with_columns(pl.col("lls").map_elements(_logsumexp, return_dtype=pl.Float64).alias("class_lp"))
+    rows = rows.join(mass.drop("lls"), on=["question_id", "semantic_id"], how="left")
+    entropy = rows.group_by("question_id").agg((-pl.col("class_lp").mean()).alias("se"))
+    return _by_response(rows.join(entropy, on="question_id", how="left"), pl.col("se"))
+
+
+def _logsumexp(values) -> float:
+    return float(np.logaddexp.reduce(np.asarray(list(values), dtype=np.float64)))
 
 
 def logprob(generations, clusters, p):

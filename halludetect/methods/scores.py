@@ -41,7 +41,12 @@ class PSemParams(Section):
 
 
 class SemanticEntropyParams(Section):
-    variant: Literal["mean", "sum", "discrete"] = "mean"  # which entropy of clusters.parquet
+    # Two conventions. mean | sum | discrete: the entropy of the clusters' probabilities *normalised
+    # over the K answers* (clusters.parquet; the answer likelihood exp(mean) or exp(sum) of its token
+    # log-probs, or the cluster's count / K). polygraph: lm-polygraph's SemanticEntropy as it ships
+    # (estimators/semantic_entropy.py): -mean over the K answers of log sum of exp(sum of token
+    # log-probs) over the answers of its cluster, the likelihoods *not* normalised.
+    variant: Literal["mean", "sum", "discrete", "polygraph"] = "mean"
 
 
 class PTrueParams(Section):

@@ -77,3 +77,27 @@ def test_the_number_of_semantic_sets_is_the_questions_cluster_count():
     ).with_columns(pl.col("sample_index").cast(pl.Int32))
     got = baseline_scores("semantic_sets", None, clusters, section("semantic_sets")).sort("rid")
     assert got["rid"].to_list() == ["a/0", "a/1", "a/2"] and got["score"].to_list() == [2.0, 2.0, 2.0]
+
+
+def test_semantic_entropy_in_lm_polygraphs_convention_does_not_normalise():
+    """variant polygraph is lm-polygraph's SemanticEntropy as it ships: -mean over the answers of log sum
+    exp(summed token log-probs) over the answer's cluster, the likelihoods not normalised over the K
+    answers; the default (mean) is the entropy of normalised cluster probabilities. Both are stated."""
+    import math
+
+    gens = pl.DataFrame(
+        {
+            "question_id": ["q"] * 3,
+            "sample_index": [0, 1, 2],
+            "token_logprobs": [[-0.5, -0.5], [-2.0], [-1.0, -2.0]],  # summed: -1, -2, -3
+        }
+    )
+    clusters = pl.DataFrame(
+        {"question_id": ["q"] * 3, "sample_index": [0, 1, 2], "valid": [True] * 3, "semantic_id": [0, 0, 1]}
+    )
+    got = baseline_scores("semantic_entropy", gens, clusters, section("semantic_entropy", variant="polygraph"))
+    c0, c1 = math.log(math.exp(-1) + math.exp(-2)), -3.0
+    assert got["score"].to_list() == pytest.approx([-(2 * c0 + c1) / 3] * 3)
+    # normalised, the same clusters give an entropy of at most log 2: another number, another convention
+    p0 = (math.exp(-1) + math.exp(-2)) / (math.exp(-1) + math.exp(-2) + math.exp(-3))
+    assert -(p0 * math.log(p0) + (1 - p0) * math.log(1 - p0)) < -(2 * c0 + c1) / 3
