@@ -439,3 +439,24 @@ def test_a_whole_number_still_reads_as_a_float_where_a_float_is_meant():
     data = base_params()
     _section(data, "world")["lr"] = 1
     assert parse_params(data).world.lr == 1.0
+
+
+def test_dvc_set_param_changes_the_one_line_it_sets(tmp_path):
+    """`dvc exp run -S detectors.max.dim=128` rewrites params.yaml through DVC's own serializer
+    (dvc/utils/hydra.py `apply_overrides`: every list replaced by a plain one, nulls written empty),
+    which turned the former layout (flow lists, `null`) into a 104-line diff (issue 52). params.yaml is
+    written in the layout that serializer writes, so the experiment's params differ in that line only."""
+    import difflib
+    import shutil
+
+    from dvc.utils.hydra import apply_overrides
+
+    path = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", path)
+    before = path.read_text().splitlines()
+    apply_overrides(str(path), ["detectors.max.dim=128"])
+    changed = [d for d in difflib.unified_diff(before, path.read_text().splitlines(), n=0) if d[:1] in "+-"]
+    assert changed[2:] == ["-    dim: 256", "+    dim: 128"], changed
+    apply_overrides(str(path), ["grid.layers=[0,2]", "detectors.max.dim=256"])  # a list: its items, no more
+    changed = [d for d in difflib.unified_diff(before, path.read_text().splitlines(), n=0) if d[:1] in "+-"]
+    assert sorted(changed[2:]) == ["-  - 1", "-  - 3", "-  - 4"], changed
