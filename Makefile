@@ -8,21 +8,21 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	# uv installs in seconds what pip takes a minute and more for; pip wherever uv cannot be had or
-	# fails. Compiled to bytecode at install as pip does: where PYTHONDONTWRITEBYTECODE is set,
-	# nothing else would, and every stage process would compile its imports again (3 s of each export).
-	$(PY) -m pip install --quiet --disable-pip-version-check uv || true
-	# torch first: the pinned CPU build is a file on these machines that pip's configuration points
-	# at (find-links, which uv does not read: passed on to it; 3 s against pip's 16 here), and with it
-	# installed nothing pulls the CUDA build. Where pip is pointed at no such place, pip installs it.
+# uv installs in seconds what pip takes a minute and more for; pip wherever uv cannot be had or
+# fails. Compiled to bytecode at install as pip does: where PYTHONDONTWRITEBYTECODE is set,
+# nothing else would, and every stage process would compile its imports again (3 s of each export).
+	$(PY) -m pip install -qq --disable-pip-version-check uv || true
+# torch first: the pinned CPU build is a file on these machines that pip's configuration points
+# at (find-links, which uv does not read: passed on to it; 3 s against pip's 16 here), and with it
+# installed nothing pulls the CUDA build. Where pip is pointed at no such place, pip installs it.
 	links=$$($(PY) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u); \
 	if [ -n "$$links" ] && [ -x $(VENV)/bin/uv ] && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
 		--python $(PY) $$(for d in $$links; do printf -- '--find-links %s ' "$$d"; done) torch==2.13.0; then :; \
-	else $(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0; fi
-	# The rest: the same versions as pip resolves.
+	else $(PY) -m pip install -qq --disable-pip-version-check torch==2.13.0; fi
+# The rest: the same versions as pip resolves.
 	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev,s3]' || \
 		{ echo "uv did not install the package: installing with pip"; \
-		  $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,s3]'; }
+		  $(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,s3]'; }
 	touch $(STAMP)
 
 venv: $(STAMP)
