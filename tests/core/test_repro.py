@@ -4,6 +4,7 @@ on a three-stage DVC repository whose commands are shell one-liners (a few DVC p
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -89,7 +90,9 @@ def test_repro_that_dvc_cannot_expand_names_the_params_key_instead(tmp_path):
     subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
     (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
     params = (ROOT / "params.yaml").read_text()
-    (tmp_path / "params.yaml").write_text(params.replace("  transfer: [world, world_lookalike]", "  transfer: all", 1))
+    former = re.sub(r"(?m)^  transfer:.*\n(?:  #.*\n)*(?:  - .*\n)+", "  transfer: all\n", params, count=1)
+    assert former != params and "  transfer: all\n" in former
+    (tmp_path / "params.yaml").write_text(former)
     res = repro(tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "grid.transfer: 'all' is the former form; write the datasets" in res.stderr

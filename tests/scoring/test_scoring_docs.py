@@ -30,7 +30,14 @@ def world_like(tmp_path: Path, bundle_path: Path, model_dir: Path) -> Path:
     return tmp_path
 
 
-def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monkeypatch):
+def with_the_dags_answers(repo: Path, contract: Path) -> None:
+    """The DAG's generations and questions where the README's examples read the world's."""
+    for src, dst in (("generations", "data/generations/world/world"), ("questions", "data/questions/world")):
+        (repo / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(contract / f"{src}.parquet", repo / f"{dst}.parquet")
+
+
+def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, contract, tmp_path, monkeypatch):
     blocks = doc_blocks("docs/scoring.md", "Scoring new answers")
     readme = doc_blocks("README.md", "Scoring new answers")
     assert len(blocks["bash"]) == 1 and len(blocks["python"]) >= 1 and list(readme) == ["python"]
@@ -58,10 +65,14 @@ def test_scoring_docs_run_as_written(bundle_path, tiny_model_dir, tmp_path, monk
     assert "2 of 2 scored answers" in res.stdout and "not scored: empty_answer 1" in res.stdout
     assert (repo / "explained.html").read_text().count('<section class="answer"') == 2
     monkeypatch.chdir(repo)
-    for where, code in (("docs/scoring.md", blocks["python"][0]), ("README.md", readme["python"][0])):
-        scope: dict = {}
-        exec(compile(code, where, "exec"), scope)  # the example as written
-        assert scope["df"].height == 1 and scope["df"]["score"][0] is not None, where
+    scope: dict = {}
+    exec(compile(blocks["python"][0], "docs/scoring.md", "exec"), scope)  # the example as written
+    assert scope["df"].height == 1 and scope["df"]["score"][0] is not None
+    with_the_dags_answers(repo, contract)  # the README scores four of the base model's own test answers
+    scope = {}
+    exec(compile(readme["python"][0], "README.md", "exec"), scope)
+    assert scope["df"].height == 4 and scope["df"]["score"].null_count() == 0
+    assert scope["df"]["in_distribution"].dtype == pl.Boolean
 
 
 def test_the_readme_explain_example_runs_as_written(bundle_path, tiny_model_dir, contract, tmp_path):
@@ -71,9 +82,7 @@ def test_the_readme_explain_example_runs_as_written(bundle_path, tiny_model_dir,
     blocks = doc_blocks("README.md", "Where in the answer")
     assert list(blocks) == ["bash"] and len(blocks["bash"]) == 1
     repo = world_like(tmp_path, bundle_path, tiny_model_dir)
-    for src, dst in (("generations", "data/generations/world/world"), ("questions", "data/questions/world")):
-        (repo / dst).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(contract / f"{src}.parquet", repo / f"{dst}.parquet")
+    with_the_dags_answers(repo, contract)
     gens = pl.read_parquet(contract / "generations.parquet").filter(pl.col("split") == "test")
     picked = [f"{q}/{i}" for q, i in gens.select("question_id", "sample_index").rows()][:4][::-1]  # not file order
     evidence = {"methods": {"max": {"examples": [{"response_id": r, "what": "w", "score": 0.0} for r in picked]}}}
