@@ -286,6 +286,19 @@ def test_a_bundle_whose_method_reads_several_answers_is_refused_at_start(bundle_
         Service(Scorer(bundle_path, str(tiny_model_dir), device="cpu"))
 
 
+def listening_url(proc: subprocess.Popen) -> str:
+    """The URL a `halludetect serve` process says it listens on (its stderr, read up to that line)."""
+    logged, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        logged.append(line)
+        if " on http://" in line:
+            return line.rsplit(" on ", 1)[1].strip()
+    raise AssertionError("the server never said where it listens:\n" + "".join(logged))
+
+
 def test_the_command_serves_until_sigterm_and_needs_its_key_variable(bundle_path, tiny_model_dir, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("HALLUDETECT_SERVE_KEY_UNSET", None)
@@ -297,14 +310,7 @@ def test_the_command_serves_until_sigterm_and_needs_its_key_variable(bundle_path
     assert missing.returncode == 2 and "HALLUDETECT_SERVE_KEY_UNSET" in missing.stderr
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
-        url, deadline = None, time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
-            if " on http://" in line:
-                url = line.rsplit(" on ", 1)[1].strip()
-        assert url, "the server never said where it listens"
+        url = listening_url(proc)
         r = OpenAI(base_url=url, api_key="-", max_retries=0).completions.create(
             model=str(tiny_model_dir), prompt=QUESTION, seed=1
         )
@@ -401,17 +407,8 @@ def test_sigterm_mid_batch_answers_every_request_and_exits_0(bundle_path, tiny_m
     cmd = [sys.executable, "-m", "halludetect.cli", "serve", "--bundle", str(bundle_path), "--model"]
     cmd += [str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-new-tokens", "64", "--max-batch", "1"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    logged: list[str] = []
     try:
-        url, deadline = None, time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
-            logged.append(line)
-            if " on http://" in line:
-                url = line.rsplit(" on ", 1)[1].strip()
-        assert url, "".join(logged)
+        url = listening_url(proc)
         host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
         first = threading.Event()
 
