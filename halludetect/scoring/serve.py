@@ -708,7 +708,7 @@ class Service:
             name = engine.states.new()
             try:
                 choice = engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33, engine.states.full(name))
-                ids = choice["token_ids"]
+                ids, logprobs = self._engine_tokens(choice)
                 transfer = choice.get("kv_transfer_params")
                 named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
                 try:
@@ -736,7 +736,7 @@ class Service:
                                   token_ids=None, p_sem=None))  # fmt: skip
             bags.append(None if reason else x)
             answers.append(t.token_ids)
-            lps.append([float(v) for v in ((choice.get("logprobs") or {}).get("token_logprobs") or [])][:n])
+            lps.append(logprobs[:n])
             reasons.append((t, reason))
         with self._score_lock:
             out = s.score_states(rows, bags, answers, lps, job.explain)
@@ -745,6 +745,22 @@ class Service:
             if reason:
                 o["reason"] = reason
         return out
+
+    def _engine_tokens(self, choice: dict) -> tuple[list[int], list[float]]:
+        """The engine's token ids and their log-probs, checked before anything reads them: ids inside the
+        bundle tokenizer's vocabulary, one finite log-prob <= 0 per id where it gives them (ApiError 502)."""
+        ids, vocab = choice["token_ids"], len(self._tokenizer)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ApiError(502, f"the engine returned token ids that are not ids of the model's vocabulary ({vocab})")
+        given = (choice.get("logprobs") or {}) if isinstance(choice.get("logprobs"), dict) else {}
+        lps = given.get("token_logprobs") or []
+        if not isinstance(lps, list) or (lps and len(lps) != len(ids)):
+            raise ApiError(502, f"the engine returned {len(lps) if isinstance(lps, list) else 'no list of'} log-probs "
+                           f"for {len(ids)} tokens")  # fmt: skip
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 1e-4
+                   for v in lps):  # fmt: skip
+            raise ApiError(502, "the engine returned log-probs that are not finite numbers <= 0")
+        return ids, [float(v) for v in lps]
 
     def _eos(self) -> list[int]:
         if not hasattr(self, "_eos_ids"):

@@ -284,3 +284,40 @@ def test_an_engine_url_with_a_key_in_it_or_no_url_is_refused_without_echoing_the
     assert "hunter2" not in str(e.value)
     with pytest.raises(Exception, match="not an http"):
         EngineClient("gpu-box:8001", None, ENGINE_LAYERS)
+
+
+def _last_id(response, body, n):
+    response["choices"][0]["token_ids"][-1] = 10**9  # the one id no states file covers: the output's last
+    return response
+
+
+def _nan_logprob(response, body, n):
+    response["choices"][0]["logprobs"]["token_logprobs"][0] = float("nan")
+    return response
+
+
+def _text_logprob(response, body, n):
+    response["choices"][0]["logprobs"]["token_logprobs"] = ["-0.5"] * len(response["choices"][0]["token_ids"])
+    return response
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    "mutate, says",
+    [(_last_id, "not ids of the model's vocabulary"), (_nan_logprob, "not finite"), (_text_logprob, "not finite")],
+    ids=["last_id_outside_vocabulary", "nan_logprob", "logprobs_as_text"],
+)
+def test_token_ids_and_log_probs_an_engine_sends_are_checked_before_use(
+    mutate, says, bundle_path, tiny_model_dir, tmp_path
+):
+    """The states file covers every output id but the last, and the log-probs are the engine's alone:
+    both are checked (a 502 naming what is wrong), never decoded or scored as sent (a 500 before)."""
+    options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=tmp_path / "ours")
+        service = Service(scorer(bundle_path, tiny_model_dir, stop=[]), name="tiny", engine=client, log=lambda *_: None)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            engine.mutate = mutate
+            code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 3})
+    assert code == 502 and says in out["error"]["message"], out
+    assert ours(tmp_path / "ours") == []
