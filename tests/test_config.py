@@ -460,3 +460,54 @@ def test_dvc_set_param_changes_the_one_line_it_sets(tmp_path):
     apply_overrides(str(path), ["grid.layers=[0,2]", "detectors.max.dim=256"])  # a list: its items, no more
     changed = [d for d in difflib.unified_diff(before, path.read_text().splitlines(), n=0) if d[:1] in "+-"]
     assert sorted(changed[2:]) == ["-  - 1", "-  - 3", "-  - 4"], changed
+
+
+def _leaves(data: dict, prefix: tuple = ()):
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+@pytest.mark.hostile
+def test_dvc_set_param_of_any_list_to_empty_keeps_params_yaml_valid_and_its_comments(tmp_path):
+    """DVC's serializer (ruamel's round trip) moves a list key's end-of-line comment when the list
+    becomes `[]`, and the newline it carried with it: `dvc exp run -S 'grid.transfer=[]'` (a command
+    of docs/demo-world.md) wrote `world: path: data/world/model`, a file no YAML parser reads, and
+    `world.exposures=[]`, `train.seeds=[]` likewise. Every list of params.yaml set to [] (the flow
+    list; a list of items is a block list, which keeps its newlines) and every null to a value: the
+    file still parses, holds exactly that change, and keeps every comment outside the value it
+    replaced. (Scalars are not tried: DVC writes one in place, as the test above holds.)"""
+    import shutil
+
+    from dvc.utils.hydra import apply_overrides
+
+    from halludetect.core import yaml12
+
+    text = (ROOT / "params.yaml").read_text()
+    comments = {line.split("#", 1)[1].strip() for line in text.splitlines() if "#" in line}
+    path = tmp_path / "params.yaml"
+    tried = 0
+    for keys, value in _leaves(yaml12.load(text)):
+        dotted = ".".join(keys)
+        if not isinstance(value, list) and value is not None:
+            continue
+        for given, expected in [("[]", [])] if isinstance(value, list) else [("1", 1)]:
+            shutil.copy(ROOT / "params.yaml", path)
+            apply_overrides(str(path), [f"{dotted}={given}"])
+            after = path.read_text()
+            try:
+                got = yaml12.load(after)
+            except yaml12.YAMLError as e:
+                pytest.fail(f"-S {dotted}={given} left params.yaml unreadable: {e}")
+            want = yaml12.load(text)
+            section = want
+            for key in keys[:-1]:
+                section = section[key]
+            section[keys[-1]] = expected
+            assert got == want, f"-S {dotted}={given} changed more than {dotted}"
+            kept = {line.split("#", 1)[1].strip() for line in after.splitlines() if "#" in line}
+            assert comments <= kept, f"-S {dotted}={given} dropped comments: {sorted(comments - kept)[:3]}"
+            tried += 1
+    assert tried > 25  # every list and null of the file, not a handful

@@ -10,6 +10,7 @@
     halludetect sweep detectors.max.dim                                       # experiments -> a table
     halludetect exp-push origin                     # experiments to git, their outputs to the DVC remote
     halludetect dag                                       # the DAG, each stage family on one line
+    halludetect exp run -S detectors.max.dim=128      # dvc exp run, each -S checked first, with progress
 
 `score` is `halludetect.scoring.scorer.score_file`; `explain` renders an explained scores file
 (`halludetect.scoring.evidence_views`); `show` summarises a bundle (`--json`: its metadata). Bad input
@@ -44,13 +45,18 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add(sub)
-    # Listed for --help only: main() hands `repro` and every argument after it to core/repro.py,
-    # which takes -j/--jobs and passes the rest to `dvc repro` as they are (argparse would take DVC's
-    # options for its own).
+    # Listed for --help only: main() hands `repro` and every argument after it to core/repro.py, and
+    # `exp` to cli/exp.py, which take -j/--jobs and pass the rest to DVC as they are (argparse would
+    # take DVC's options for its own).
     sub.add_parser(
         "repro",
         help="`dvc repro` (any of its arguments) with a progress line: stage k of N, elapsed, about how long "
         "left; -j N runs up to N independent stages at once",
+    )
+    sub.add_parser(
+        "exp",
+        help="`halludetect exp run ...`: `dvc exp run` (any of its arguments) with params.yaml and each -S value "
+        "checked before DVC runs anything, and the progress line of `halludetect repro`",
     )
     return p
 
@@ -94,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         from halludetect.core import repro
 
         sys.exit(repro.main(argv[1:], why_unplannable=_params_problem))
+    if argv[:1] == ["exp"]:
+        from halludetect.cli import exp
+
+        sys.exit(exp.main(argv[1:]))
     args = parser().parse_args(argv)
     try:
         args.run(args)

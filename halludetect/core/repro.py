@@ -39,6 +39,8 @@ from pathlib import Path
 VISIT = re.compile(r"^(?:Running stage '(?P<run>[^']+)':|Stage '(?P<skip>[^']+)' (?:didn't change|is cached))")
 # what --jobs N > 1 prints as a stage ends (core/parallel_repro.py): stages end in no fixed order
 FINISHED = re.compile(r"^Finished stage '(?P<stage>[^']+)' in (?P<seconds>[0-9.]+) s$")
+# `dvc exp run --run-all` follows each queued experiment's log in turn: the count starts again
+EXPERIMENT = re.compile(r"^Reproducing experiment '(?P<name>[^']+)'")
 HISTORY = Path(".dvc/tmp/halludetect-stage-seconds.json")
 JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # read by core/dvc_lock.py, which runs DVC
 
@@ -49,32 +51,189 @@ def dvc(*args: str) -> list[str]:
     return [sys.executable, "-m", "halludetect.core.dvc_lock", *args]
 
 
-def plan(args: list[str]) -> list[tuple[str, bool]] | None:
-    """[(stage, will it run)] in the order `dvc repro args` visits them, or None when it cannot be
-    told (DVC's run then prints why). DVC's own steps: its argument parser, stage collection and
-    plan (dvc/repo/reproduce.py), then each stage's `changed()`, the check the run makes; a stage
-    downstream of one that runs is counted as running (an upper bound). (`dvc repro --dry` cannot
-    plan a fresh clone: it hashes the dependencies that upstream stages have not written yet.)"""
+def plan(
+    args: list[str], command: tuple[str, ...] = ("repro",), set_params: list[str] = ()
+) -> list[tuple[str, str]] | None:
+    """[(stage, what happens to it)] in the order `dvc <command> args` visits the stages: "run" (its
+    command runs), "restore" (DVC's run cache has its outputs for the dependencies it will see: DVC
+    checks them out, "Stage ... is cached") or "skip" (unchanged); None when it cannot be told (DVC's
+    run then prints why). DVC's own steps: its argument parser, stage collection and plan
+    (dvc/repo/reproduce.py), then each stage's `changed()`, the check the run makes, and the run
+    cache's lookup (dvc/stage/cache.py), which DVC makes before it runs a changed stage. A stage
+    downstream of one that runs is counted as running (an upper bound: its outputs are not known
+    until then); one downstream of restored stages is looked up with the restored outputs.
+    `set_params`: `exp run`'s -S values, applied to params.yaml for the plan (DVC's own edit) and
+    undone after. (`dvc repro --dry` cannot plan a fresh clone: it hashes the dependencies that
+    upstream stages have not written yet.)"""
     from dvc.cli import parse_args
     from dvc.dvcfile import PROJECT_FILE
     from dvc.repo import Repo
     from dvc.repo.reproduce import collect_stages, get_active_graph, plan_repro
 
     try:
-        ns = parse_args(["repro", *args])
-        with Repo() as repo, repo.lock:
-            whole = ns.pipeline or ns.all_pipelines
-            targets = ns.targets or [PROJECT_FILE]
-            stages = [] if ns.all_pipelines else collect_stages(repo, targets, ns.recursive, ns.glob)
+        ns = parse_args([*command, *args])
+        with _applied(set_params), _quiet_dvc(), Repo() as repo, repo.lock:
+            opt = vars(ns).get  # exp run's parser lacks some of repro's options (--glob)
+            whole = opt("pipeline") or opt("all_pipelines")
+            targets = opt("targets") or [PROJECT_FILE]
+            stages = [] if opt("all_pipelines") else collect_stages(repo, targets, opt("recursive"), opt("glob"))
             graph = get_active_graph(repo.index.graph)  # an edge runs from a stage to a stage it reads from
-            steps = stages if ns.single_item and not whole else plan_repro(graph, stages, whole, ns.downstream)
-            runs: dict = {}
+            steps = stages if opt("single_item") and not whole else plan_repro(graph, stages, whole, opt("downstream"))
+            run_cache = not (opt("force") or opt("no_run_cache"))
+            fate: dict = {}
+            known: dict = {}  # an output's path -> (hash_info, meta) it will have: restored, or predicted
             for stage in steps:
-                upstream = any(runs.get(u) for u in graph.successors(stage))
-                runs[stage] = bool(ns.force or upstream or stage.changed())
-            return [(stage.addressing, r) for stage, r in runs.items()]
+                upstream = {fate[u] for u in graph.successors(stage) if u in fate}
+                if opt("force") or "run" in upstream:
+                    fate[stage] = "run"  # an upper bound: what an upstream command writes is not known
+                    continue
+                changed = _changed_given(stage, known) if upstream & {"restore", "predicted"} else stage.changed()
+                if changed is False:
+                    fate[stage] = "skip"
+                elif changed and run_cache and _restorable(repo, stage, known):
+                    fate[stage] = "restore"
+                elif changed and _predicted(stage, known):
+                    fate[stage] = "predicted"
+                else:
+                    fate[stage] = "run"
+            return [(stage.addressing, "run" if f == "predicted" else f) for stage, f in fate.items()]
     except (Exception, SystemExit):  # noqa: BLE001 - a broken dvc.yaml, an unknown target: DVC's run says so
         return None
+
+
+def _changed_given(stage, known: dict) -> bool | None:
+    """`stage.changed()` when the outputs in `known` are what its dependencies will hold (None: not
+    to be told, a dependency holds a known output or lies inside one it cannot be looked up in)."""
+    try:
+        if stage.changed_stage() or stage.changed_outs():
+            return True
+        for dep in stage.deps:
+            given = _given(dep, known)
+            if given is None:
+                if dep.changed():
+                    return True
+            elif given is False:
+                return None
+            elif given[0] != dep.hash_info:
+                return True
+        return False
+    except Exception:  # noqa: BLE001 - DVC internals: a doubt is "not to be told"
+        return None
+
+
+def _given(dep, known: dict):
+    """(hash_info, meta) that `dep` will hold from `known`; None when it holds no known output;
+    False when it contains one (a directory over a known file: not worked out here)."""
+    path = os.path.normpath(dep.fs_path)
+    if path in known:
+        return known[path]
+    if any(p.startswith(path + os.sep) for p in known):
+        return False
+    return None
+
+
+def _restorable(repo, stage, known: dict) -> bool:
+    """Whether DVC's run cache holds `stage`'s outputs for the dependencies it will have: the
+    workspace's, or those upstream stages will write (`known`; a restored stage's outputs are added
+    to it). DVC's `StageCache.restore` without its checkout; any doubt is "no", so the plan stays an
+    upper bound."""
+    from dvc.stage.cache import _can_hash, _get_cache_hash
+    from dvc.stage.serialize import to_single_stage_lockfile
+
+    try:
+        for dep in stage.deps:
+            given = _given(dep, known)
+            if given is False:
+                return False
+            if given is None:
+                dep.save()
+            else:
+                dep.hash_info, dep.meta = given
+        if not _can_hash(stage):
+            return False
+        key = _get_cache_hash(to_single_stage_lockfile(stage), key=True)
+        entries = Path(repo.stage_cache._get_cache_dir(key))
+        if not entries.is_dir():
+            return False
+        newest = max(entries.iterdir(), key=lambda p: p.stat().st_mtime, default=None)
+        cache = newest and repo.stage_cache._load_cache(key, newest.name)
+        if not cache:
+            return False
+        cached = repo.stage_cache._create_stage(cache, wdir=stage.wdir)
+        if not cached.outs_cached():
+            return False
+        for out in cached.outs:
+            known[os.path.normpath(out.fs_path)] = (out.hash_info, out.meta)
+            if out.hash_info.isdir:  # its files too, which stages list one by one (data/code/<stage>.txt)
+                tree = out.get_obj()
+                for parts, meta, hash_info in tree or ():
+                    known[os.path.normpath(os.path.join(out.fs_path, *parts))] = (hash_info, meta)
+    except Exception:  # noqa: BLE001 - DVC internals: a doubt is "it runs"
+        return False
+    return True
+
+
+def _predicted(stage, known: dict) -> bool:
+    """The code stage's outputs are a pure function of the code and params.yaml, computed in a
+    second (core/code_deps.py): worked out here, so that an experiment that changes `detectors`
+    (which the code stage reads for plugins) does not count every stage as running."""
+    from halludetect.core import code_deps
+
+    if stage.addressing != code_deps.CODE_STAGE or len(stage.outs) != 1 or "stages.code" not in (stage.cmd or ""):
+        return False
+    import hashlib
+
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.meta import Meta
+
+    out = stage.outs[0]
+    if out.hash_name != "md5":
+        return False
+    try:
+        found = code_deps.digests()
+    except Exception:  # noqa: BLE001 - the stage itself will say what is wrong
+        return False
+    for rel, text in found.items():
+        data = text.encode()
+        path = os.path.normpath(os.path.join(out.fs_path, *rel.split("/")))
+        known[path] = (HashInfo("md5", hashlib.md5(data).hexdigest()), Meta(size=len(data)))
+    return True
+
+
+@contextlib.contextmanager
+def _applied(set_params):
+    """params.yaml with `dvc exp run -S` values applied as DVC applies them, its bytes put back after."""
+    if not set_params:
+        yield
+        return
+    from dvc.utils.cli_parse import to_path_overrides
+
+    from halludetect.experiments.overrides import PARAMS, apply
+
+    path = Path(PARAMS)
+    before = path.read_bytes()
+    try:
+        apply(path, to_path_overrides(set_params).get(PARAMS, []))
+        yield
+    finally:
+        if path.read_bytes() != before:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(before)
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _quiet_dvc():
+    """DVC's info lines off while planning (the run cache's lookup logs "is cached" as if it ran)."""
+    import logging
+
+    log = logging.getLogger("dvc")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 JOBS_HELP = """  -j N, --jobs N        run up to N stages at once, each as soon as the stages it
@@ -201,21 +360,33 @@ def write_history(path: Path, history: dict[str, float]) -> None:
     os.replace(tmp, path)
 
 
-def main(args: list[str], why_unplannable: Callable[[], str | None] | None = None) -> int:
-    """Run `dvc repro args` with the progress lines; returns DVC's exit status. `why_unplannable`:
-    asked when DVC cannot plan the run, it may name the cause (the CLI passes the params check);
-    then that is printed and nothing runs (exit status 2)."""
+def main(
+    args: list[str],
+    why_unplannable: Callable[[], str | None] | None = None,
+    command: tuple[str, ...] = ("repro",),
+    set_params: list[str] = (),
+    jobs_are_ours: bool = True,
+) -> int:
+    """Run `dvc <command> args` (`dvc repro`, or `dvc exp run` for cli/exp.py) with the progress
+    lines; returns DVC's exit status. `why_unplannable`: asked when DVC cannot plan the run, it may
+    name the cause (the CLI passes the params check); then that is printed and nothing runs (exit
+    status 2). `set_params`: exp run's -S values, which the plan applies as DVC will.
+    `jobs_are_ours`: -j is stages at once (else it is DVC's own option, passed on)."""
+    name = " ".join(command)
     if {"-h", "--help"} & set(args):
-        print(__doc__.split("\n\n")[0] + f" Every argument but one is dvc repro's:\n\n{JOBS_HELP}\n", flush=True)
-        return subprocess.run(dvc("repro", "--help")).returncode
-    try:
-        args, jobs = split_jobs(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(__doc__.split("\n\n")[0] + f" Every argument but one is dvc {name}'s:\n\n{JOBS_HELP}\n", flush=True)
+        return subprocess.run(dvc(*command, "--help")).returncode
+    jobs = 1
+    if jobs_are_ours:
+        try:
+            args, jobs = split_jobs(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     start = time.monotonic()
-    planned = plan(args)
-    if planned is None and why_unplannable is not None and (problem := why_unplannable()):
+    fates = plan(args, command, set_params) if command == ("repro",) or jobs_are_ours else None
+    planned = None if fates is None else [(stage, fate == "run") for stage, fate in fates]
+    if fates is None and why_unplannable is not None and (problem := why_unplannable()):
         # DVC could not even expand the stages (a matrix over a value that is no list, say): its own
         # error would be "'Value' object is not iterable"; the params check says which key and why
         print(f"error: {problem}", file=sys.stderr)
@@ -223,10 +394,11 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
     history = read_history(HISTORY)
     progress = Progress(planned, history, start)
     progress.jobs = jobs
-    if planned is not None:
-        to_run = len(progress.to_run)
-        head = f"dvc repro {' '.join(args)}".rstrip()
-        print(f"{head}: {len(planned)} stages, {to_run} to run, {len(planned) - to_run} unchanged", flush=True)
+    if fates is not None:
+        counts = {f: sum(1 for _, x in fates if x == f) for f in ("run", "restore", "skip")}
+        restore = f", {counts['restore']} from the run cache" if counts["restore"] else ""
+        head = f"dvc {name} {' '.join(args)}".rstrip()
+        print(f"{head}: {len(fates)} stages, {counts['run']} to run{restore}, {counts['skip']} unchanged", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they are written, not at exit
     env.pop(JOBS_ENV, None)
     if jobs > 1:
@@ -236,7 +408,7 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
     # pid then stop the run alike (before, only the terminal's reached DVC, and a kill of this pid
     # was ignored while DVC started the next stages).
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    proc = subprocess.Popen(dvc("repro", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **group)
+    proc = subprocess.Popen(dvc(*command, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **group)
     out, line = sys.stdout.buffer, b""
 
     def show(data: bytes) -> None:
@@ -264,6 +436,9 @@ def main(args: list[str], why_unplannable: Callable[[], str | None] | None = Non
             *complete, line = line.split(b"\n")
             for text in complete:
                 text = text.decode(errors="replace").strip("\r")
+                if EXPERIMENT.match(text) and not progress.known:
+                    progress.seen.clear()
+                    progress.started, progress.start = 0, time.monotonic()
                 if end := FINISHED.match(text):
                     progress.end(end["stage"], float(end["seconds"]))
                 m = VISIT.match(text)

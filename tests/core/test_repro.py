@@ -119,3 +119,80 @@ def test_repro_piped_into_a_reader_that_leaves_finishes_the_run(repo):
     )
     assert res.stdout == "dvc repro: 3 stages, 3 to run, 0 unchanged\n" and "Traceback" not in res.stderr
     assert (repo / "c.txt").read_text() == "a\nb\n"
+
+
+EXP_DVC_YAML = """\
+stages:
+  a:
+    cmd: echo a > a.txt
+    outs: [a.txt]
+  dim:
+    cmd: cat a.txt > dim.txt && echo ${detectors.max.dim} >> dim.txt
+    deps: [a.txt]
+    params: [detectors.max.dim]
+    outs: [dim.txt]
+  pair:
+    foreach: ${grid.transfer}
+    do:
+      cmd: echo ${item} > pair-${item}.txt
+      outs:
+      - pair-${item}.txt
+"""
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def halludetect(repo, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "halludetect.cli", *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_exp_run_checks_every_value_first_then_runs_with_the_plan_and_the_run_cache_counted(tmp_path):
+    """`halludetect exp run` (cli/exp.py): a bad value in params.yaml or in -S is one line naming the
+    key before DVC runs (plain `dvc exp run` says "'Value' object is not iterable", or fails a stage
+    later); a good one runs DVC's own workspace experiment with the plan and the progress line. Going
+    back to the committed value, DVC restores the stage from its run cache: the plan says so ("from the
+    run cache") instead of counting it as a stage to run and its time in the estimate (issue 52: "about
+    00:09:11 left" for a run that took 1:34)."""
+    from support import ROOT
+
+    repo = tmp_path
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    (repo / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (repo / "dvc.yaml").write_text(EXP_DVC_YAML)
+    assert halludetect(repo, "repro").returncode == 0
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    params = (repo / "params.yaml").read_bytes()
+
+    # a value dvc.yaml cannot iterate, given with -S: one line, nothing run, params.yaml as it was
+    bad = halludetect(repo, "exp", "run", "-S", "grid.transfer=off")
+    assert bad.returncode == 2 and "-S grid.transfer=off: grid: grid.transfer: 'off' is the former form" in bad.stderr
+    assert "not iterable" not in bad.stdout + bad.stderr and "Running stage" not in bad.stdout
+    assert (repo / "params.yaml").read_bytes() == params
+    # a queued sweep with one bad point: nothing queued
+    sweep = halludetect(repo, "exp", "run", "--queue", "-S", "detectors.max.dim=8,x")
+    assert sweep.returncode == 2 and "-S detectors.max.dim=x: detectors.max.dim: " in sweep.stderr
+    assert "refs/exps" not in _git(repo, "for-each-ref") and not _git(repo, "stash", "list")
+
+    # a good value: DVC's workspace experiment, with the plan and the progress line
+    good = halludetect(repo, "exp", "run", "-S", "detectors.max.dim=7")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.startswith("dvc exp run -S detectors.max.dim=7: 4 stages, 1 to run, 3 unchanged\n")
+    assert "[running 1 of 1 | stage 2 of 4 | " in good.stdout and "Running stage 'dim'" in good.stdout
+    assert (repo / "dim.txt").read_text() == "a\n7\n"
+    assert "refs/exps" in _git(repo, "for-each-ref")
+
+    # back to the committed value: DVC restores `dim` from its run cache, and the plan counts it so
+    _git(repo, "checkout", "-q", "params.yaml")
+    back = halludetect(repo, "repro")
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert back.stdout.startswith("dvc repro: 4 stages, 0 to run, 1 from the run cache, 3 unchanged\n"), back.stdout
+    assert "Stage 'dim' is cached" in back.stdout and "[running" not in back.stdout
+    assert (repo / "dim.txt").read_text() == "a\n256\n"
