@@ -11,7 +11,7 @@ FIRST_SCREEN = "\n".join(README.splitlines()[:45])
 
 
 def test_the_first_screen_has_the_two_commands_and_the_dvc_workflow():
-    for command in ("make repro", "make test", "dvc exp run -S", "dvc exp run --queue", "halludetect sweep"):
+    for command in ("make repro", "make test", "halludetect exp run -S", "exp run --queue", "halludetect sweep"):
         assert command in FIRST_SCREEN, command
     for command in ("dvc push", "halludetect exp-push", "halludetect train-layer"):
         assert command in FIRST_SCREEN, command

@@ -207,13 +207,12 @@ def _applied(set_params):
         yield
         return
     from dvc.utils.cli_parse import to_path_overrides
+    from dvc.utils.hydra import apply_overrides
 
-    from halludetect.experiments.overrides import PARAMS, apply
-
-    path = Path(PARAMS)
+    path = Path("params.yaml")
     before = path.read_bytes()
     try:
-        apply(path, to_path_overrides(set_params).get(PARAMS, []))
+        apply_overrides(str(path), to_path_overrides(set_params).get(path.name, []))
         yield
     finally:
         if path.read_bytes() != before:
