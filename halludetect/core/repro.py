@@ -280,6 +280,7 @@ class Progress:
         self.start = start  # time.monotonic() when the command started (the dry run counts)
         self.seen: set[str] = set()
         self.seconds: dict[str, float] = {}  # stages of this run that finished
+        self.ran = 0  # how many finished (`--run-all` runs a stage once per experiment)
         self.current: tuple[str, float] | None = None
         self.started = 0  # stages DVC ran so far
         self.jobs = 1  # stages at once; above 1 each stage's end is a line of its own (`end`)
@@ -308,11 +309,13 @@ class Progress:
         """A stage run beside others ended, after `seconds` (its own count)."""
         self.running.pop(stage, None)
         self.seconds[stage] = seconds
+        self.ran += 1
 
     def finish(self) -> None:
         if self.current is not None:
             stage, t0 = self.current
             self.seconds[stage] = time.monotonic() - t0
+            self.ran += 1
             self.current = None
 
     def expected(self, stage: str) -> float | None:
@@ -449,7 +452,7 @@ def main(
         signal.signal(signal.SIGTERM, previous[1])
     progress.finish()
     write_history(HISTORY, {**history, **progress.seconds})
-    ran = len(progress.seconds)
+    ran = progress.ran
     if out is not None:
         print(f"{'done' if code == 0 else 'stopped'}: {ran} stage(s) ran in {hms(time.monotonic() - progress.start)}")
     return code
