@@ -4,9 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv repro test test-fast bench lint format deps clean-venv
+.PHONY: venv repro test test-fast bench lint format deps lock clean-venv
 
-$(STAMP): pyproject.toml
+# pip's find-links (these machines keep the CPU build of torch there); uv does not read pip's config
+LINKS = $$($(PY) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u)
+
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
 # uv installs in seconds what pip takes a minute and more for; pip wherever uv cannot be had or
 # fails. Compiled to bytecode at install as pip does: where PYTHONDONTWRITEBYTECODE is set,
@@ -15,13 +18,17 @@ $(STAMP): pyproject.toml
 # torch first: the pinned CPU build is a file on these machines that pip's configuration points
 # at (find-links, which uv does not read: passed on to it; 3 s against pip's 16 here), and with it
 # installed nothing pulls the CUDA build. Where pip is pointed at no such place, pip installs it.
-	links=$$($(PY) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u); \
+	links=$(LINKS); \
 	if [ -n "$$links" ] && [ -x $(VENV)/bin/uv ] && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
 		--python $(PY) $$(for d in $$links; do printf -- '--find-links %s ' "$$d"; done) torch==2.13.0; then :; \
 	else $(PY) -m pip install -qq --disable-pip-version-check torch==2.13.0; fi
-# The rest: the same versions as pip resolves.
-	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev,s3]' || \
+# The rest at the versions requirements.lock pins (every machine resolves the same set; pyproject's
+# ranges stay for users who install the package), then the package itself.
+# The lock was resolved for CPython 3.11 on Linux x86-64: where it cannot install, pyproject's ranges.
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -r requirements.lock -e '.[dev,s3]' || \
 		{ echo "uv did not install the package: installing with pip"; \
+		  $(PY) -m pip install -qq --disable-pip-version-check -r requirements.lock -e '.[dev,s3]'; } || \
+		{ echo "requirements.lock does not install on this machine: installing pyproject.toml's ranges"; \
 		  $(PY) -m pip install -qq --disable-pip-version-check -e '.[dev,s3]'; }
 	touch $(STAMP)
 
@@ -61,6 +68,14 @@ bench: $(STAMP)
 # stage's folders (an in-repository plugin's joins them); the contract test fails until then.
 deps: $(STAMP)
 	$(PY) -m halludetect.core.code_deps --write
+
+# requirements.lock from pyproject.toml's ranges: the newest versions they admit today (torch left
+# out: pinned in pyproject, installed first, from the CPU build where pip's find-links has it).
+# tests/test_lock.py checks that the lock pins every dependency within its range.
+lock: $(STAMP)
+	links=$(LINKS); $(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra s3 --python-version 3.11 \
+		--no-emit-package torch --quiet $$(for d in $$links; do printf -- '--find-links %s ' "$$d"; done) \
+		-o requirements.lock
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

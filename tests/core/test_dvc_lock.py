@@ -210,3 +210,22 @@ def test_dvc_repro_through_it_writes_the_lock_plain_dvc_writes(tmp_path):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert (fast / "dvc.lock").read_text() == (plain / "dvc.lock").read_text()
         assert "two@c" in (fast / "dvc.lock").read_text()
+
+
+def test_the_dvc_internals_the_runner_uses_are_those_of_the_installed_dvc():
+    """The lock writer, the parallel runner and the plan's run-cache lookup replace or call DVC
+    internals; on a DVC that lacks them they fall back (a warning, DVC's own writer, one stage at a
+    time, "it runs"), which a user would not notice. Here that is a failure: CI runs this at the
+    newest DVC (requirements.lock) and at the lowest pyproject.toml allows (.ci/dvc-range)."""
+    code = (
+        "import dvc.stage.cache as c\n"
+        "from dvc.stage.cache import _can_hash, _get_cache_hash\n"
+        "from dvc.stage.serialize import to_single_stage_lockfile\n"
+        "from dvc.repo.reproduce import collect_stages, get_active_graph, plan_repro\n"
+        "assert all(hasattr(c.StageCache, n) for n in ('_get_cache_dir', '_load_cache', '_create_stage'))\n"
+        "from halludetect.core import dvc_lock, parallel_repro\n"
+        "writer = dvc_lock.install()\n"
+        "assert writer is not None and parallel_repro.install(2, writer)\n"
+    )
+    res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
