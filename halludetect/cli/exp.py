@@ -39,7 +39,12 @@ def main(argv: list[str]) -> int:
     from dvc.cli import parse_args
 
     try:
-        ns = parse_args(["exp", "run", *_without_jobs(args)])
+        dvc_args, _ = repro.split_jobs(args)  # DVC's parser reads -j as an int; ours may be 'auto'
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        ns = parse_args(["exp", "run", *dvc_args])
     except (Exception, SystemExit):  # noqa: BLE001 - DVC's own run says what is wrong with its arguments
         return subprocess.run(repro.dvc("exp", "run", *args)).returncode
     from halludetect.experiments.overrides import problems
@@ -53,16 +58,3 @@ def main(argv: list[str]) -> int:
         return subprocess.run(repro.dvc("exp", "run", *args)).returncode
     workspace = not (ns.run_all or ns.tmp_dir)
     return repro.main(args, command=("exp", "run"), set_params=ns.set_param, jobs_are_ours=workspace)
-
-
-def _without_jobs(args: list[str]) -> list[str]:
-    """DVC's parser reads -j as an int; ours may be 'auto': leave it out of the parse."""
-    rest, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in ("-j", "--jobs"):
-            skip = True
-        elif not (a.startswith("--jobs=") or (a.startswith("-j") and not a.startswith("--"))):
-            rest.append(a)
-    return rest
