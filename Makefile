@@ -35,8 +35,8 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP)
 
 # dvc.yaml's commands call `python`: the venv's, whether or not it is activated. `halludetect repro` is
-# `dvc repro` with a line per stage: running k of N, elapsed, about how long left (core/repro.py);
-# --jobs auto runs independent stages side by side, one per core (core/parallel_repro.py).
+# `dvc repro` with a line per stage: running k of N, elapsed, about how long left (runner/repro.py);
+# --jobs auto runs independent stages side by side, one per core (runner/parallel_repro.py).
 repro: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/halludetect repro --jobs auto
 

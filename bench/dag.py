@@ -71,7 +71,7 @@ its paper-scale figures are EXTRAPOLATED, labelled so in the output:
 - `dvc status`: start-up + (reduced status - start-up - reduced lock load) x stages ratio +
   one load of the grid's lock.
 
-Beside DVC's own writer, each design is also run through halludetect/core/dvc_lock.py (what
+Beside DVC's own writer, each design is also run through halludetect/runner/dvc_lock.py (what
 `halludetect repro` runs: dvc.lock written entry by entry, the same bytes): a second build of the
 same repository reproduced that way (its lock compared byte for byte with the first), one warm
 entry-wise rewrite timed on the measured and on the grid's synthesised lock, and the grid's DVC time
@@ -243,8 +243,8 @@ def detectors(grid: dict) -> list[str]:
 def resolve(repo: Path) -> list[dict]:
     """Every expanded stage as DVC sees it, in `dvc repro`'s order (dependencies first)."""
     import networkx as nx
-    from dvc.dependency.param import ParamsDependency
-    from dvc.repo import Repo
+
+    from halludetect.runner.dvc_internals import ParamsDependency, Repo
 
     with Repo(str(repo)) as r:
         index = r.index
@@ -377,11 +377,11 @@ def build(rev: str | None, grid_args: dict, dest: Path) -> dict:
 # --- measurements -------------------------------------------------------------------------------
 
 
-ENTRYWISE = Path(__file__).resolve().parents[1] / "halludetect" / "core" / "dvc_lock.py"
+ENTRYWISE = Path(__file__).resolve().parents[1] / "halludetect" / "runner" / "dvc_lock.py"
 
 
 def repro(b: dict, entrywise: bool = False) -> dict:
-    """`dvc repro` of the built repository; `entrywise`: through halludetect/core/dvc_lock.py (what
+    """`dvc repro` of the built repository; `entrywise`: through halludetect/runner/dvc_lock.py (what
     `halludetect repro` runs: DVC with dvc.lock written entry by entry), run as a script so that any
     revision's design can be measured with it."""
     dest, repo = b["dest"], b["repo"]
@@ -425,7 +425,7 @@ def status(repo: Path) -> dict:
 
 def lock_costs(lock: Path, scratch: Path, runs: int = REWRITE_RUNS) -> dict:
     """One rewrite (DVC after each stage) and one safe load (status) of the lock, min of a few."""
-    from dvc.utils.serialize import load_yaml, modify_yaml
+    from halludetect.runner.dvc_internals import load_yaml, modify_yaml
 
     copy = scratch / "lock_copy.yaml"
     shutil.copy(lock, copy)
@@ -443,11 +443,10 @@ def lock_costs(lock: Path, scratch: Path, runs: int = REWRITE_RUNS) -> dict:
 
 
 def entrywise_rewrite(lock: Path, scratch: Path, runs: int) -> float:
-    """One rewrite by core/dvc_lock.py's writer, warm (as after the first stage of a run), with one
+    """One rewrite by runner/dvc_lock.py's writer, warm (as after the first stage of a run), with one
     entry changed: what `halludetect repro` pays after each stage. Min of a few."""
-    from dvc.utils.serialize import _yaml
-
-    from halludetect.core.dvc_lock import LockWriter
+    from halludetect.runner.dvc_internals import yaml as _yaml
+    from halludetect.runner.dvc_lock import LockWriter
 
     where = scratch / "entrywise"
     where.mkdir(exist_ok=True)
@@ -467,7 +466,7 @@ def entrywise_rewrite(lock: Path, scratch: Path, runs: int) -> float:
 
 
 def lock_stats(lock: Path) -> dict:
-    from dvc.utils.serialize import load_yaml
+    from halludetect.runner.dvc_internals import load_yaml
 
     data = load_yaml(str(lock)).get("stages", {})
     entries = 0
@@ -491,7 +490,7 @@ def synthesise(b: dict, path: Path, max_bytes: float) -> dict:
     of each stage's entry (repro order) and its entries. The file written holds the first stages
     up to about max_bytes (all when the lock is smaller: `exact`); beyond, an entry's bytes are
     its JSON length x its family's YAML / JSON ratio, from a few entries dumped per family."""
-    from dvc.utils.serialize import dump_yaml, dumps_yaml
+    from halludetect.runner.dvc_internals import dump_yaml, dumps_yaml
 
     repo, params = b["repo"], b["params"]
     mapping = json.loads((b["dest"] / "stub_map.json").read_text())
@@ -597,7 +596,7 @@ def design(
     n = len(run_b["stages"])
     log(f"  dvc repro of {n} stages ...")
     m = repro(run_b)
-    log(f"  dvc repro of {n} stages through core/dvc_lock.py (a second build of the same repository) ...")
+    log(f"  dvc repro of {n} stages through runner/dvc_lock.py (a second build of the same repository) ...")
     again = build(rev, reduced_args if not measured_full else grid_args, work / f"{label}-entrywise")
     m["entrywise"] = repro(again, entrywise=True)
     m["entrywise"]["lock_identical"] = (again["repo"] / "dvc.lock").read_bytes() == (
@@ -686,7 +685,7 @@ def design(
         "fixed_per_stage_s": fixed,
         "lock_bytes_by_family": {k: round(v * correction) for k, v in g["by_family"].items()},
     }
-    # Through core/dvc_lock.py: the same fixed part per stage, and one warm entry-wise rewrite per stage
+    # Through runner/dvc_lock.py: the same fixed part per stage, and one warm entry-wise rewrite per stage
     # measured on the grid's synthesised lock (an upper bound: the lock is smaller before the last stage).
     ew_book = gc["entrywise_rewrite_s"] * n_full
     ew_dvc = floor + fixed * n_full + ew_book
@@ -722,7 +721,7 @@ def report(r: dict) -> None:
     )
     e, me = g["entrywise"], m["entrywise"]
     print(
-        f"  through core/dvc_lock.py (halludetect repro): measured DVC {me['dvc_per_stage_s'] * 1000:.0f} ms/stage "
+        f"  through runner/dvc_lock.py (halludetect repro): measured DVC {me['dvc_per_stage_s'] * 1000:.0f} ms/stage "
         f"(lock {'identical' if me['lock_identical'] else 'DIFFERENT'}); one warm rewrite at the measured lock "
         f"{m['entrywise_rewrite_s'] * 1000:.0f} ms; at the grid one rewrite {e['rewrite_s'] * 1000:.0f} ms, "
         f"DVC {e['dvc_per_stage_s']:.2f} s/stage = {e['dvc_s'] / 60:.1f} min of repro"
@@ -767,7 +766,7 @@ def main() -> None:
     ap.add_argument(
         "--measure-entrywise-grid",
         action="store_true",
-        help="also run the whole grid through core/dvc_lock.py (measured, not extrapolated) and time its status",
+        help="also run the whole grid through runner/dvc_lock.py (measured, not extrapolated) and time its status",
     )
     a = ap.parse_args()
     STATUS_RUNS = a.status_runs
@@ -791,7 +790,7 @@ def main() -> None:
             "design": design("design", a.rev, grid_args, reduced_args, a.max_repro_stages, a.synth_max_mb * 1e6, work)
         }
         if a.measure_entrywise_grid:
-            log("== the whole grid through core/dvc_lock.py")
+            log("== the whole grid through runner/dvc_lock.py")
             full = build(a.rev, grid_args, work / "entrywise-grid")
             measured = repro(full, entrywise=True)
             measured.update(status(full["repo"]))

@@ -1,4 +1,4 @@
-"""`halludetect repro --jobs N` against DVC's one stage at a time (core/parallel_repro.py), on the same
+"""`halludetect repro --jobs N` against DVC's one stage at a time (runner/parallel_repro.py), on the same
 work: the stages named by `--stages` (fnmatch patterns over the built world's stage names) and
 whatever their outputs change downstream.
 
@@ -61,7 +61,9 @@ def forget(repo: Path, patterns: list[str]) -> list[str]:
     chosen = [s for s in lock["stages"] if any(fnmatch.fnmatch(s, p) for p in patterns)]
     for s in chosen:
         del lock["stages"][s]
-    from dvc.utils.serialize._yaml import _dump  # DVC's own dumper: the file is a lock DVC wrote
+    from halludetect.runner.dvc_internals import get
+
+    _dump = get("yaml._dump")  # DVC's own dumper: the file is a lock DVC wrote
 
     with open(repo / "dvc.lock", "w") as f:
         _dump(lock, f)

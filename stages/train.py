@@ -108,7 +108,7 @@ WORKER_START_S = 2.0
 TRAIN_RATE = 6e7
 PROCESSES_ENV = "HALLUDETECT_TRAIN_PROCESSES"
 # The cores this stage may count on, where it shares the machine: `halludetect repro --jobs N` gives
-# each command its share (core/parallel_repro.py, which names it too), so that stages side by side
+# each command its share (runner/parallel_repro.py, which names it too), so that stages side by side
 # do not each spawn a worker per core.
 CORES_ENV = "HALLUDETECT_CORES"
 

@@ -137,11 +137,11 @@ def build_repo(repo: Path, *updates: dict, prepare=None) -> Path:
     run(["git", "init", "-q"], repo)
     run(["git", "add", "-A"], repo)
     run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], repo)
-    # as `make repro` runs DVC (dvc.lock written entry by entry, core/dvc_lock.py; two stages at a
-    # time, core/parallel_repro.py), every write checked against DVC's own dump of the whole lock:
+    # as `make repro` runs DVC (dvc.lock written entry by entry, runner/dvc_lock.py; two stages at a
+    # time, runner/parallel_repro.py), every write checked against DVC's own dump of the whole lock:
     # the DAG's real entries, byte for byte
     run(
-        [sys.executable, "-m", "halludetect.core.dvc_lock", "repro"],
+        [sys.executable, "-m", "halludetect.runner.dvc_lock", "repro"],
         repo,
         HALLUDETECT_CHECK_LOCK="1",
         HALLUDETECT_REPRO_JOBS="2",

@@ -284,9 +284,9 @@ def test_the_tables_state_their_conventions_and_training_is_measured_by_epoch(re
 def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
     assert changed(repo) == {"train@world-world-max", "code"}  # code: it reads detectors for the plugins' keys
-    # `halludetect repro`'s plan works out the code stage's digests (core/repro.py) instead of counting
+    # `halludetect repro`'s plan works out the code stage's digests (runner/repro.py) instead of counting
     # every stage below it as running: the stages that will run are max's and what reads its evaluation
-    plan = "import json; from halludetect.core.repro import plan; print(json.dumps(plan([])))"
+    plan = "import json; from halludetect.runner.repro import plan; print(json.dumps(plan([])))"
     fates = dict(json.loads(run([sys.executable, "-c", plan], repo)))
     assert {s for s, f in fates.items() if f == "run"} == {
         "code",

@@ -27,6 +27,8 @@ FLOORS = [
     ["evaluation"],  # metrics of a trained detector: best layer, thresholds, calibration, transfer
     ["scoring"],  # the bundle file a detector travels in, its export, and scoring new answers
     ["report", "world"],
+    ["runner"],  # `halludetect repro`: the parallel runner, the stage zygote, the lock writer, the progress line,
+    # the DAG view, and runner/dvc_internals.py, the one module that imports DVC (the experiments use it too)
     ["experiments"],
     ["cli"],  # the `halludetect` command
 ]
@@ -109,3 +111,43 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
         assert upward("halludetect.detectors.build") == []
     finally:
         code_deps.explicit_imports.cache_clear()
+
+
+DVC_SEAM = "halludetect.runner.dvc_internals"
+
+
+def dvc_imports(path) -> list[str]:
+    """The modules of DVC (or dvc_data) that the file at `path` imports, at any depth of its code."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        found += [n for n in names if n.split(".")[0] in ("dvc", "dvc_data", "dvc_objects")]
+    return found
+
+
+@pytest.mark.parametrize("folder", ["halludetect", "stages", "bench"])
+def test_only_the_seam_imports_dvc(folder):
+    """Every use of DVC goes through runner/dvc_internals.py, which lists each name with the DVC
+    versions it was tested on: a DVC release that renames one is noticed there (issue 53)."""
+    seam = code_deps.module_file(DVC_SEAM)
+    bad = {
+        str(p.relative_to(code_deps.ROOT)): found
+        for p in sorted((code_deps.ROOT / folder).rglob("*.py"))
+        if p != seam and (found := dvc_imports(p))
+    }
+    assert not bad, f"{bad}: import DVC's names from {DVC_SEAM} (add them to its NAMES)"
+
+
+def test_the_runner_is_imported_by_the_experiments_and_the_command_only():
+    """`core/` holds what every phase needs; the runner (DVC's side) is for the command line, the
+    experiments and bench/ alone."""
+    users = {
+        name
+        for name in modules()
+        if modules()[name] != "runner" and any(modules()[dep] == "runner" for dep in imports(name))
+    }
+    assert {modules()[name] for name in users} <= {"experiments", "cli"}, users

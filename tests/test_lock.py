@@ -44,3 +44,12 @@ def test_the_lock_pulls_no_cuda_build():
     """Resolved with the CPU build of torch (pip's find-links): no CUDA libraries, which PyPI's torch
     would bring (several GB on a machine with no GPU)."""
     assert not [name for name in _pins() if name.startswith(("nvidia-", "triton"))]
+
+
+def test_the_dvc_range_the_runner_names_as_tested_is_the_range_ci_tests():
+    """runner/dvc_internals.py's TESTED: the lowest DVC is pyproject's floor (.ci/dvc-range installs
+    it), the newest is the lock's pin (`make test` runs it); an upgrade of either moves it."""
+    from halludetect.runner.dvc_internals import TESTED
+
+    floor = re.search(r'"dvc>=([0-9.]+),', (ROOT / "pyproject.toml").read_text())[1]
+    assert (f"{floor}.0" if floor.count(".") == 1 else floor, _pins()["dvc"]) == TESTED

@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add(sub)
-    # Listed for --help only: main() hands `repro` and every argument after it to core/repro.py, and
+    # Listed for --help only: main() hands `repro` and every argument after it to runner/repro.py, and
     # `exp` to cli/exp.py, which take -j/--jobs and pass the rest to DVC as they are (argparse would
     # take DVC's options for its own).
     sub.add_parser(
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     _inherit_numerics()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["repro"]:
-        from halludetect.core import repro
+        from halludetect.runner import repro
 
         sys.exit(repro.main(argv[1:], why_unplannable=_params_problem))
     if argv[:1] == ["exp"]:

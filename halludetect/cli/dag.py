@@ -1,4 +1,4 @@
-"""`halludetect dag`: the pipeline's DAG, each stage family on one line (`halludetect.core.dag`)."""
+"""`halludetect dag`: the pipeline's DAG, each stage family on one line (`halludetect.runner.dag`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from halludetect.core.errors import UserError
 def run(args) -> None:
     from pathlib import Path
 
-    from halludetect.core.dag import collapsed, render
+    from halludetect.runner.dag import collapsed, render
 
     if not (Path(args.repo) / "dvc.yaml").is_file():
         raise UserError(f"{args.repo} has no dvc.yaml: run it in the repository's root, or pass --repo")

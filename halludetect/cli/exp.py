@@ -32,11 +32,11 @@ def main(argv: list[str]) -> int:
         print(f"error: halludetect exp runs `dvc exp run` only: use `dvc exp {sub}` as it is", file=sys.stderr)
         return 2
     args = argv[1:]
-    from halludetect.core import repro
+    from halludetect.runner import repro
 
     if {"-h", "--help"} & set(args):
         return repro.main(args, command=("exp", "run"))
-    from dvc.cli import parse_args
+    from halludetect.runner.dvc_internals import parse_args
 
     try:
         dvc_args, _ = repro.split_jobs(args)  # DVC's parser reads -j as an int; ours may be 'auto'

@@ -24,7 +24,7 @@ class DeviceError(UserError, ValueError):
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
-# Stages run side by side (`halludetect repro --jobs N`, core/parallel_repro.py) take turns on the GPUs:
+# Stages run side by side (`halludetect repro --jobs N`, runner/parallel_repro.py) take turns on the GPUs:
 # the runner names a lock file here for its commands, and a stage process takes it before its first
 # use of CUDA (`hold_gpu`), so two stages never load a model onto the GPUs at once while stages on
 # the CPU run beside them. Set it yourself to share one lock between workspaces; empty turns it off.

@@ -24,8 +24,7 @@ def runs(set_params: list[str]) -> list[dict[str, list[str]]]:
     """The runs `dvc exp run -S ...` makes of these values, as DVC groups them: one {params file:
     [overrides]} per run; a sweep (`a=8,32`, `a=range(1,4)`) is one per point, as `--queue` queues
     them (dvc/repo/experiments/run.py). A value Hydra cannot parse is a ValueError saying which."""
-    from dvc.utils.cli_parse import to_path_overrides
-    from dvc.utils.hydra import get_hydra_sweeps, to_hydra_overrides
+    from halludetect.runner.dvc_internals import get_hydra_sweeps, to_hydra_overrides, to_path_overrides
 
     by_file = to_path_overrides(set_params)
     try:
@@ -98,7 +97,7 @@ def _lines(e: Exception, copy: Path) -> list[str]:
 
 def apply(path: Path, overrides: list[str]) -> None:
     """DVC's edit of a params file for `-S` (what `dvc exp run` calls)."""
-    from dvc.utils.hydra import apply_overrides
+    from halludetect.runner.dvc_internals import apply_overrides
 
     apply_overrides(str(path), overrides)
 

@@ -45,8 +45,9 @@ def _git(repo: str | Path, *args: str, stdin: str | None = None) -> subprocess.C
 def _ref_names(repo: str | Path) -> list[str]:
     """Every experiment ref name, as DVC lists them (its git library lists a ref whose file is
     damaged, which `git for-each-ref` skips with a warning)."""
-    from dvc.repo.experiments.refs import EXPS_NAMESPACE, ITER_SKIP_NAMESPACES, STASHES
     from scmrepo.git import Git
+
+    from halludetect.runner.dvc_internals import EXPS_NAMESPACE, ITER_SKIP_NAMESPACES, STASHES
 
     scm = Git(str(repo))
     try:

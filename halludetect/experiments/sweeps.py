@@ -89,7 +89,7 @@ def first_error(log: str) -> str | None:
 
 def queue_errors(repo: str | Path) -> dict[str, str]:
     """{experiment name and stash rev: first error line} of the failed experiments of DVC's queue."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     out = {}
     with Repo(str(repo)) as r:
@@ -137,7 +137,7 @@ def baselines(
     that are ancestors of HEAD, which is what a sweep committed over (a remote, dvc.lock) needs.
     Queued, running and failed experiments count by the commit they were queued on. `refs`: the
     clone's experiment refs, as `exp_refs` read them (read here when not given)."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     refs = exp_refs(repo) if refs is None else refs
     with Repo(str(repo)) as r:
@@ -229,9 +229,11 @@ def _exp_show(repo: str | Path, revs: list[str], config: dict | None, hidden: se
     """`dvc.api.exp_show(repo, revs, config=config)` with the experiment refs `hidden` out of
     DVC's sight. (exp_show's `refs` filter cannot do it: DVC 3.67 keeps the first ref of each
     baseline only.)"""
-    from dvc.api.experiments import _postprocess  # the API's own conversion of the table's values
-    from dvc.repo import Repo
-    from dvc.repo.experiments.show import tabulate
+    from halludetect.runner.dvc_internals import (
+        Repo,
+        _postprocess,  # the API's own conversion of the table's values
+        tabulate,
+    )
 
     with Repo.open(str(repo), config=config) as r:
         listed = r.scm.iter_refs  # DVC lists a baseline's experiments through this repository's scm
@@ -261,7 +263,7 @@ def recorded_evaluations(repo: str | Path, rev: str) -> dict[str, str | None]:
 def local_cache(repo: str | Path):
     """The repository's local DVC cache (its `oid_to_path`), wherever `cache.dir` puts it; None where
     DVC cannot say."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     try:
         with Repo(str(repo)) as r:
@@ -288,7 +290,7 @@ def evaluations(repo: str | Path, rev: str, remotes: dict | None, cache=None) ->
                 found[(m["model"], m["dataset"], m["method"])] = json.loads(local.read_text())
                 continue
             if fs is None:
-                from dvc.api import DVCFileSystem
+                from halludetect.runner.dvc_internals import DVCFileSystem
 
                 fs = DVCFileSystem(str(repo), rev=rev, config=remotes)
             found[(m["model"], m["dataset"], m["method"])] = json.loads(fs.read_text(path))

@@ -58,7 +58,7 @@ while not os.path.exists(sys.argv[3]):
 
 
 def test_stages_side_by_side_take_turns_on_the_gpu(tmp_path):
-    """core/parallel_repro.py names a lock file (HALLUDETECT_GPU_LOCK) for every command it runs: a
+    """runner/parallel_repro.py names a lock file (HALLUDETECT_GPU_LOCK) for every command it runs: a
     stage process takes it at its first CUDA device and keeps it until it exits; another waits,
     saying for whom; a CPU stage and a process without the variable never touch it."""
     import fcntl
@@ -66,8 +66,8 @@ def test_stages_side_by_side_take_turns_on_the_gpu(tmp_path):
     import subprocess
     import sys
 
-    from halludetect.core import parallel_repro
     from halludetect.core.devices import GPU_LOCK_ENV
+    from halludetect.runner import parallel_repro
 
     assert parallel_repro.GPU_LOCK_ENV == GPU_LOCK_ENV  # the runner's name for it is this module's
     lock = tmp_path / "gpu.lock"

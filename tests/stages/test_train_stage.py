@@ -156,7 +156,7 @@ def test_a_layer_too_small_for_a_worker_trains_in_the_stage_process(monkeypatch)
             train.workers_for("cpu", 5, 1)
     # beside other stages (halludetect repro --jobs): no more workers than the stage's share of the cores
     monkeypatch.delenv(train.PROCESSES_ENV)
-    from halludetect.core import parallel_repro
+    from halludetect.runner import parallel_repro
 
     assert parallel_repro.CORES_ENV == train.CORES_ENV  # the runner's name for it is the stage's
     monkeypatch.setenv(train.CORES_ENV, "2")

@@ -98,7 +98,7 @@ class Zygote:
     def start(self) -> None:
         """Start the zygote; `ready` is set once it has imported everything (in the background)."""
         self.proc = subprocess.Popen(  # noqa: S603
-            [self.python, "-m", "halludetect.core.zygote", self.path, PACKAGE],
+            [self.python, "-m", "halludetect.runner.zygote", self.path, PACKAGE],
             cwd=self.cwd,
             env=self.env,
             stdin=subprocess.PIPE,

@@ -60,8 +60,7 @@ def families(edges: list[tuple[str, str]], stages: list[str]) -> list[Family]:
 
 def collapsed(repo: str | Path = ".") -> list[Family]:
     """The families of the DVC pipeline of `repo` (its dvc.yaml files, with its params)."""
-    from dvc.exceptions import DvcException
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import DvcException, Repo
 
     try:
         with Repo(str(repo)) as r:
@@ -76,9 +75,7 @@ def collapsed(repo: str | Path = ".") -> list[Family]:
 def dvc_problem(e: Exception, repo: str | Path) -> str:
     """One line for what DVC could not read: the file, line and column of a YAML error (DVC
     prints them over several lines, or only in its traceback), and what to do."""
-    from dvc.exceptions import NotDvcRepoError
-    from dvc.scm import SCMError
-    from dvc.utils.strictyaml import YAMLValidationError
+    from halludetect.runner.dvc_internals import NotDvcRepoError, SCMError, YAMLValidationError
 
     repo = Path(repo).resolve()  # `.` says nothing in a message
     if isinstance(e, NotDvcRepoError):

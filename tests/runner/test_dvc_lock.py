@@ -1,10 +1,11 @@
-"""core/dvc_lock.py: dvc.lock written entry by entry gives the bytes DVC's own writer gives."""
+"""runner/dvc_lock.py: dvc.lock written entry by entry gives the bytes DVC's own writer gives."""
 
 from __future__ import annotations
 
 import copy
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 from dvc.utils.serialize import _yaml
 from ruamel.yaml import YAML
 
-from halludetect.core import dvc_lock
 from halludetect.core.code_deps import ROOT
+from halludetect.runner import dvc_lock
 
 
 def dvc_dump(data) -> str:
@@ -201,7 +202,7 @@ def test_dvc_repro_through_it_writes_the_lock_plain_dvc_writes(tmp_path):
         out = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=plain, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         out = subprocess.run(
-            [sys.executable, "-m", "halludetect.core.dvc_lock", "repro", "-q"],
+            [sys.executable, "-m", "halludetect.runner.dvc_lock", "repro", "-q"],
             cwd=fast,
             env=env,
             capture_output=True,
@@ -213,19 +214,41 @@ def test_dvc_repro_through_it_writes_the_lock_plain_dvc_writes(tmp_path):
 
 
 def test_the_dvc_internals_the_runner_uses_are_those_of_the_installed_dvc():
-    """The lock writer, the parallel runner and the plan's run-cache lookup replace or call DVC
-    internals; on a DVC that lacks them they fall back (a warning, DVC's own writer, one stage at a
-    time, "it runs"), which a user would not notice. Here that is a failure: CI runs this at the
-    newest DVC (requirements.lock) and at the lowest pyproject.toml allows (.ci/dvc-range)."""
+    """The lock writer, the parallel runner, the plan's run-cache lookup and the experiments use DVC
+    names beyond its documented API (runner/dvc_internals.py lists them all); on a DVC that lacks one
+    they fall back (a warning, DVC's own writer, one stage at a time, "it runs"), which a user would
+    hardly notice. Here that is a failure: CI runs this at the newest DVC (requirements.lock) and at
+    the lowest pyproject.toml allows (.ci/dvc-range)."""
     code = (
-        "import dvc.stage.cache as c\n"
-        "from dvc.stage.cache import _can_hash, _get_cache_hash\n"
-        "from dvc.stage.serialize import to_single_stage_lockfile\n"
-        "from dvc.repo.reproduce import collect_stages, get_active_graph, plan_repro\n"
-        "assert all(hasattr(c.StageCache, n) for n in ('_get_cache_dir', '_load_cache', '_create_stage'))\n"
-        "from halludetect.core import dvc_lock, parallel_repro\n"
+        "from halludetect.runner import dvc_internals, dvc_lock, parallel_repro\n"
+        "assert dvc_internals.tested(), dvc_internals.version()\n"
+        "assert dvc_internals.missing() == [], dvc_internals.missing()\n"
         "writer = dvc_lock.install()\n"
         "assert writer is not None and parallel_repro.install(2, writer)\n"
     )
     res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_missing_dvc_internal_is_named_with_the_dvc_version_and_the_writer_falls_back_saying_so(monkeypatch):
+    """A DVC release that renames one of the names: `get` names it and DVC's version; the lock writer
+    leaves DVC's own in place and says why (the runner goes on, as plain DVC)."""
+    from halludetect.runner import dvc_internals
+
+    monkeypatch.setitem(dvc_internals.NAMES, "yaml", ("dvc.utils.serialize._no_such_module", None))
+    with pytest.raises(dvc_internals.Missing, match=rf"DVC {re.escape(dvc_internals.version())} has no dvc\.utils"):
+        dvc_internals.get("yaml._dump")
+    assert any("_no_such_module" in m for m in dvc_internals.missing())
+    with pytest.warns(UserWarning, match=r"DVC's own writer: DVC \S+ has no dvc\.utils\.serialize\._no_such"):
+        assert dvc_lock.install() is None
+
+
+def test_a_dvc_outside_the_tested_range_is_said_once(monkeypatch):
+    from halludetect.runner import dvc_internals
+
+    monkeypatch.setattr(dvc_internals, "version", lambda: "3.99.0")
+    monkeypatch.setattr(dvc_internals, "_WARNED", False)
+    low, high = dvc_internals.TESTED
+    with pytest.warns(UserWarning, match=rf"DVC 3\.99\.0 is outside the versions .* tested with \({low} to {high}\)"):
+        dvc_internals.get("Repo")
+    dvc_internals.get("Repo")  # once: no second warning (pytest's filterwarnings turns one into an error)

@@ -1,4 +1,4 @@
-"""The stage zygote (core/zygote.py): under `halludetect repro --jobs N`, a plain
+"""The stage zygote (runner/zygote.py): under `halludetect repro --jobs N`, a plain
 `python -m stages.<name>` command is forked from one process that imported the libraries already,
 with its own arguments, directory, environment and output; anything else runs as DVC runs it. On a
 small DVC repository with its own `stages` package; a stage tells who its parent process is."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from halludetect.core.zygote import Zygote
+from halludetect.runner.zygote import Zygote
 
 WAIT = 60
 
@@ -89,7 +89,7 @@ def zygotes(repo: Path) -> list[int]:
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if b"halludetect.core.zygote" in cmdline and cwd == str(repo):
+        if b"halludetect.runner.zygote" in cmdline and cwd == str(repo):
             out.append(int(pid))
     return out
 
@@ -101,18 +101,18 @@ def test_plain_stage_commands_are_forked_with_their_own_arguments_environment_an
     assert "a | hello says this" in res.stdout and "b | hello says this" in res.stdout
     for name in ("a", "b"):
         info = json.loads((repo / f"{name}.json").read_text())
-        assert "halludetect.core.zygote" in info["parent"], info  # forked ...
+        assert "halludetect.runner.zygote" in info["parent"], info  # forked ...
         assert info["torch_before_me"]  # ... from the process that imported torch
         assert info["argv"] == [f"{name}.json"] and info["name"] == "__main__" and info["cwd"] == str(repo)
         assert info["stage"] == name and info["cores"].isdigit()  # the command's own environment
     shell = json.loads((repo / "s.json").read_text())
-    assert "halludetect.core.zygote" not in shell["parent"] and not shell["torch_before_me"]  # shell syntax: as DVC
+    assert "halludetect.runner.zygote" not in shell["parent"] and not shell["torch_before_me"]  # shell syntax: as DVC
     assert zygotes(repo) == []  # ended with the run
     # turned off: every command as DVC runs it, the same outputs but who started them
     off = make_repo(tmp_path / "off")
     assert repro(off, "-j", "2", HALLUDETECT_ZYGOTE="0").returncode == 0
     info = json.loads((off / "a.json").read_text())
-    assert "halludetect.core.zygote" not in info["parent"] and not info["torch_before_me"]
+    assert "halludetect.runner.zygote" not in info["parent"] and not info["torch_before_me"]
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])

@@ -16,7 +16,7 @@ waited on by a thread of its own. So:
 
 - each stage's outputs and its `dvc.lock` entry are the ones a serial run writes (the commands
   are the same, and nothing they compute depends on what runs beside them); the entries keep
-  DVC's order: entries new to the lock are placed in plan order (core/dvc_lock.py), not in the
+  DVC's order: entries new to the lock are placed in plan order (runner/dvc_lock.py), not in the
   order the stages happened to finish;
 - a failing stage stops new stages from starting; the stages already running finish and are
   recorded (their work is kept), then the run fails naming the stage, as DVC's does
@@ -63,12 +63,12 @@ class _Run:
     def __init__(self, jobs: int, writer=None):
         self.jobs = jobs
         self.cores = max(1, _usable_cores() // jobs)  # each command's share of the machine
-        self.writer = writer  # core/dvc_lock.py's LockWriter: told the plan, it keeps new entries in its order
+        self.writer = writer  # runner/dvc_lock.py's LockWriter: told the plan, it keeps new entries in its order
         self.mutex = threading.Lock()  # held by a thread whenever it touches DVC
         self.stopping = False  # a stage failed (and the run stops) or SIGINT arrived
         self.interrupted = False
         self.local = threading.local()  # .stage: the stage this worker thread reproduces; .ran: its command ran
-        self.zygote = None  # core/zygote.py: forks the stage commands it can, during a run
+        self.zygote = None  # runner/zygote.py: forks the stage commands it can, during a run
 
 
 _RUN: _Run | None = None
@@ -99,7 +99,7 @@ def jobs_from(value: str) -> int:
 def _announced(repro_fn, run, logger):
     """`repro_fn` saying "Finished stage ... in ... s" for a stage whose command ran, as the parallel
     loop's stages do: with --jobs above 1, `halludetect repro` counts the stages that ran by that
-    line (core/repro.py), DVC's own loop (`-s`, a single item) included."""
+    line (runner/repro.py), DVC's own loop (`-s`, a single item) included."""
 
     def announce(stage, **kwargs):
         run.local.ran = False
@@ -117,7 +117,7 @@ def _reproduce_parallel(
 ):
     """dvc.repo.reproduce._reproduce with the planned stages started as their upstream stages end
     (module docstring); the same arguments, results and errors."""
-    from dvc.repo import reproduce as dvc_reproduce
+    from halludetect.runner.dvc_internals import reproduce as dvc_reproduce
 
     repro_fn = repro_fn or dvc_reproduce._reproduce_stage
     serial = graph is None or _RUN is None or _RUN.jobs < 2 or kwargs.get("dry") or kwargs.get("interactive")
@@ -220,8 +220,8 @@ def _reproduce_parallel(
 
 
 def _start_zygote(plan):
-    """The stage zygote for this run's commands (core/zygote.py), started in the background, or None."""
-    from halludetect.core.zygote import Zygote
+    """The stage zygote for this run's commands (runner/zygote.py), started in the background, or None."""
+    from halludetect.runner.zygote import Zygote
 
     root = plan[0].repo.root_dir if plan else None
     zygote = Zygote.for_run(dict(os.environ), root) if root else None
@@ -278,8 +278,7 @@ def _run_command(executable, cmd, **kwargs):
     stage = getattr(run.local, "stage", None) if run is not None else None
     if stage is None:
         return _ORIGINAL_RUN(executable, cmd, **kwargs)
-    from dvc.stage.exceptions import StageCmdFailedError
-    from dvc.stage.run import _make_cmd
+    from halludetect.runner.dvc_internals import StageCmdFailedError, _make_cmd
 
     kwargs["env"] = command_env(kwargs.get("env") or dict(os.environ), stage.repo.tmp_dir, run.cores)
     proc = _forked(run.zygote, cmd, kwargs) if run.zygote is not None else None
@@ -299,10 +298,10 @@ def _run_command(executable, cmd, **kwargs):
 
 
 def _forked(zygote, cmd: str, kwargs: dict):
-    """`cmd` forked by the stage zygote (core/zygote.py) with its output on a pipe (`.stdout`), or
+    """`cmd` forked by the stage zygote (runner/zygote.py) with its output on a pipe (`.stdout`), or
     None when it runs as DVC runs it: not a plain `python -m stages.<name>`, another environment,
     or the zygote unavailable."""
-    from dvc.repo import reproduce as dvc_reproduce
+    from halludetect.runner.dvc_internals import reproduce as dvc_reproduce
 
     cwd = kwargs.get("cwd") or os.getcwd()
     argv = zygote.accepts(cmd, kwargs["env"], cwd)
@@ -357,7 +356,7 @@ def _last_redraw(text: bytes) -> bytes:
 def _write(data: bytes) -> None:
     """Whole lines to stdout under the lock DVC's own log lines take (tqdm's write lock, which its
     logger writes through), so that neither cuts the other's line."""
-    from dvc.progress import Tqdm
+    from halludetect.runner.dvc_internals import Tqdm
 
     with Tqdm.get_lock():
         sys.stdout.flush()
@@ -384,21 +383,24 @@ _ORIGINAL = _ORIGINAL_UNLOCKED = _ORIGINAL_RUN = None
 def install(jobs: int, writer=None) -> bool:
     """Make DVC's reproduction run up to `jobs` stages at once in this process (False, with DVC
     unchanged and a warning, when DVC's internals are not the ones this was written against).
-    `writer`: the LockWriter (core/dvc_lock.py) that writes dvc.lock, to keep new entries in plan order."""
+    `writer`: the LockWriter (runner/dvc_lock.py) that writes dvc.lock, to keep new entries in plan order."""
     global _RUN, _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN
     if jobs < 2:
         return False
-    try:
-        from dvc.repo import reproduce as dvc_reproduce
-        from dvc.stage import run as dvc_run
+    from halludetect.runner import dvc_internals
 
-        needed = (dvc_reproduce._reproduce, dvc_reproduce._get_upstream_downstream_nodes, dvc_reproduce.handle_error)
-        needed += (dvc_reproduce._raise_error, dvc_run.unlocked_repo, dvc_run._run, dvc_run._make_cmd)
-        del needed
-    except (ImportError, AttributeError) as e:
+    try:
+        dvc_reproduce, dvc_run = dvc_internals.get("reproduce"), dvc_internals.get("stage_run")
+        for name in ("_reproduce", "_get_upstream_downstream_nodes", "handle_error", "_raise_error", "logger"):
+            dvc_internals.get(f"reproduce.{name}")
+        for name in ("unlocked_repo", "_run"):
+            dvc_internals.get(f"stage_run.{name}")
+        dvc_internals.get("_make_cmd")
+        dvc_internals.get("StageCmdFailedError")
+    except dvc_internals.Missing as e:
         import warnings
 
-        warnings.warn(f"stages run one at a time: DVC's reproduction is not the one --jobs knows ({e})", stacklevel=2)
+        warnings.warn(f"stages run one at a time: DVC's reproduction is not the one --jobs knows: {e}", stacklevel=2)
         return False
     _RUN = _Run(jobs, writer)
     _ORIGINAL, _ORIGINAL_UNLOCKED, _ORIGINAL_RUN = dvc_reproduce._reproduce, dvc_run.unlocked_repo, dvc_run._run

@@ -1,4 +1,4 @@
-"""`halludetect repro` (core/repro.py): `dvc repro` with "stage k of N, elapsed, about how long left",
+"""`halludetect repro` (runner/repro.py): `dvc repro` with "stage k of N, elapsed, about how long left",
 on a three-stage DVC repository whose commands are shell one-liners (a few DVC processes)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from halludetect.core.repro import Progress
+from halludetect.runner.repro import Progress
 
 DVC_YAML = """\
 stages:

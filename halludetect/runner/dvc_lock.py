@@ -7,7 +7,7 @@ the paper's grid (505 stages, a 1.3 MB lock) 6.6 s a rewrite, about half an hour
 `dvc repro` (docs/benchmarks.md, bench.dag). The work per rewrite is one entry; this makes the
 cost that:
 
-    python -m halludetect.core.dvc_lock repro ...     # what `halludetect repro` (make repro) runs
+    python -m halludetect.runner.dvc_lock repro ...     # what `halludetect repro` (make repro) runs
 
 runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dvc.lock only, by
 `LockWriter.modify`, which writes the same bytes:
@@ -18,7 +18,7 @@ runs DVC's CLI with the `modify_yaml` that dvc/dvcfile.py calls replaced, for dv
   dumper's (`dvc.utils.serialize._yaml._dump`) output for that entry alone, kept while the entry's
   value is unchanged, so one write dumps the entries that changed and joins strings. A YAML block
   mapping's entries are emitted independently of each other, so the join is the bytes DVC's dump of
-  the whole file gives (tests/core/test_dvc_lock.py compares them on real locks;
+  the whole file gives (tests/runner/test_dvc_lock.py compares them on real locks;
   HALLUDETECT_CHECK_LOCK=1 compares every write and stops at the first difference);
 - the file is written atomically (DVC truncates and writes in place: a kill could leave half a lock);
   a kill between the two steps leaves a `.dvc.lock.*` beside it, which git ignores.
@@ -43,7 +43,7 @@ from pathlib import Path
 
 LOCK_NAME = "dvc.lock"
 CHECK_ENV = "HALLUDETECT_CHECK_LOCK"
-JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # stages at once (core/parallel_repro.py); set by `halludetect repro --jobs`
+JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # stages at once (runner/parallel_repro.py); set by `halludetect repro --jobs`
 
 
 class LockWriter:
@@ -56,7 +56,7 @@ class LockWriter:
         self.written: str | None = None  # the text of that write
         self.texts: dict[tuple[str, str], str] = {}  # (stage, repr of its value) -> its text
         self.check = os.environ.get(CHECK_ENV) == "1"
-        # Stages run side by side (core/parallel_repro.py) finish in no fixed order, and DVC appends
+        # Stages run side by side (runner/parallel_repro.py) finish in no fixed order, and DVC appends
         # an entry new to a lock as its stage finishes: `order` ((lock path, stage) -> its place in
         # the run's plan) puts the entries new since this process first read that lock after the
         # others, in plan order, which is where a serial run, finishing in plan order, puts them.
@@ -199,15 +199,18 @@ def _write_atomically(path: str, text: str) -> None:
 def install() -> LockWriter | None:
     """Replace dvc/dvcfile.py's modify_yaml with a LockWriter's; None (and a warning) when DVC is not
     shaped as expected."""
-    try:
-        import dvc.dvcfile as dvcfile
-        from dvc.utils.serialize import _yaml
+    from halludetect.runner import dvc_internals
 
-        original, dump = dvcfile.modify_yaml, _yaml._dump
-        if original is not _yaml.modify_yaml or not hasattr(dvcfile.Lockfile, "dump_stages"):
-            raise AttributeError("dvc.dvcfile no longer writes its lock through modify_yaml")
-    except (ImportError, AttributeError) as e:
-        warnings.warn(f"dvc.lock is written by DVC's own writer ({e})", stacklevel=2)
+    try:
+        dvcfile = dvc_internals.get("dvcfile")
+        original, dump = dvc_internals.get("dvcfile.modify_yaml"), dvc_internals.get("yaml._dump")
+        dvc_internals.get("dvcfile.Lockfile.dump_stages")
+        if original is not dvc_internals.get("yaml.modify_yaml"):
+            raise dvc_internals.Missing(
+                f"DVC {dvc_internals.version()}'s dvc/dvcfile.py no longer writes its lock through modify_yaml"
+            )
+    except dvc_internals.Missing as e:
+        warnings.warn(f"dvc.lock is written by DVC's own writer: {e}", stacklevel=2)
         return None
     writer = LockWriter(original, dump)
     dvcfile.modify_yaml = writer.modify
@@ -217,10 +220,10 @@ def install() -> LockWriter | None:
 def main(argv: list[str] | None = None) -> int:
     writer = install()
     if jobs := os.environ.get(JOBS_ENV):  # halludetect repro --jobs N
-        from halludetect.core import parallel_repro
+        from halludetect.runner import parallel_repro
 
         parallel_repro.install(parallel_repro.jobs_from(jobs), writer)
-    from dvc.cli import main as dvc_main
+    from halludetect.runner.dvc_internals import main as dvc_main
 
     return dvc_main(sys.argv[1:] if argv is None else argv)
 

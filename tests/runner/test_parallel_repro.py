@@ -1,4 +1,4 @@
-"""`halludetect repro --jobs N` (core/parallel_repro.py): independent stages side by side, on small
+"""`halludetect repro --jobs N` (runner/parallel_repro.py): independent stages side by side, on small
 DVC repositories whose commands are shell one-liners.
 
 Whether two stages ran at once is never read from a clock: stages `b` and `c` each mark that they
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from halludetect.core.dvc_lock import LockWriter
-from halludetect.core.repro import split_jobs
+from halludetect.runner.dvc_lock import LockWriter
+from halludetect.runner.repro import split_jobs
 
 WAIT = 60  # seconds a stage waits for the other's mark before it fails (never reached when they overlap)
 

@@ -17,7 +17,7 @@ stages write passes through unchanged, on stdout (DVC's stderr joined to it so t
 is kept), and the exit status is DVC's.
 
 `-j N` / `--jobs N` (the one argument that is not DVC's) runs up to N independent stages at once
-(core/parallel_repro.py); each stage's end is then a line of its own, which gives its time, and
+(runner/parallel_repro.py); each stage's end is then a line of its own, which gives its time, and
 "left" divides the work still expected among the N.
 """
 
@@ -37,18 +37,18 @@ from pathlib import Path
 
 # DVC's own lines as a stage starts, or is skipped (unchanged, or restored from its run cache)
 VISIT = re.compile(r"^(?:Running stage '(?P<run>[^']+)':|Stage '(?P<skip>[^']+)' (?:didn't change|is cached))")
-# what --jobs N > 1 prints as a stage ends (core/parallel_repro.py): stages end in no fixed order
+# what --jobs N > 1 prints as a stage ends (runner/parallel_repro.py): stages end in no fixed order
 FINISHED = re.compile(r"^Finished stage '(?P<stage>[^']+)' in (?P<seconds>[0-9.]+) s$")
 # `dvc exp run --run-all` follows each queued experiment's log in turn: the count starts again
 EXPERIMENT = re.compile(r"^Reproducing experiment '(?P<name>[^']+)'")
 HISTORY = Path(".dvc/tmp/halludetect-stage-seconds.json")
-JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # read by core/dvc_lock.py, which runs DVC
+JOBS_ENV = "HALLUDETECT_REPRO_JOBS"  # read by runner/dvc_lock.py, which runs DVC
 
 
 def dvc(*args: str) -> list[str]:
     """The command running this environment's DVC (the one on PATH may be another's), with dvc.lock
-    written entry by entry (core/dvc_lock.py: the same bytes, a rewrite in O(one stage))."""
-    return [sys.executable, "-m", "halludetect.core.dvc_lock", *args]
+    written entry by entry (runner/dvc_lock.py: the same bytes, a rewrite in O(one stage))."""
+    return [sys.executable, "-m", "halludetect.runner.dvc_lock", *args]
 
 
 def plan(
@@ -65,10 +65,14 @@ def plan(
     `set_params`: `exp run`'s -S values, applied to params.yaml for the plan (DVC's own edit) and
     undone after. (`dvc repro --dry` cannot plan a fresh clone: it hashes the dependencies that
     upstream stages have not written yet.)"""
-    from dvc.cli import parse_args
-    from dvc.dvcfile import PROJECT_FILE
-    from dvc.repo import Repo
-    from dvc.repo.reproduce import collect_stages, get_active_graph, plan_repro
+    from halludetect.runner.dvc_internals import (
+        PROJECT_FILE,
+        Repo,
+        collect_stages,
+        get_active_graph,
+        parse_args,
+        plan_repro,
+    )
 
     try:
         ns = parse_args([*command, *args])
@@ -137,8 +141,7 @@ def _restorable(repo, stage, known: dict) -> bool:
     workspace's, or those upstream stages will write (`known`; a restored stage's outputs are added
     to it). DVC's `StageCache.restore` without its checkout; any doubt is "no", so the plan stays an
     upper bound."""
-    from dvc.stage.cache import _can_hash, _get_cache_hash
-    from dvc.stage.serialize import to_single_stage_lockfile
+    from halludetect.runner.dvc_internals import _can_hash, _get_cache_hash, to_single_stage_lockfile
 
     try:
         for dep in stage.deps:
@@ -183,8 +186,7 @@ def _predicted(stage, known: dict) -> bool:
         return False
     import hashlib
 
-    from dvc_data.hashfile.hash_info import HashInfo
-    from dvc_data.hashfile.meta import Meta
+    from halludetect.runner.dvc_internals import HashInfo, Meta
 
     out = stage.outs[0]
     if out.hash_name != "md5":
@@ -206,8 +208,7 @@ def _applied(set_params):
     if not set_params:
         yield
         return
-    from dvc.utils.cli_parse import to_path_overrides
-    from dvc.utils.hydra import apply_overrides
+    from halludetect.runner.dvc_internals import apply_overrides, to_path_overrides
 
     path = Path("params.yaml")
     before = path.read_bytes()
@@ -245,7 +246,7 @@ JOBS_HELP = """  -j N, --jobs N        run up to N stages at once, each as soon 
 def split_jobs(args: list[str]) -> tuple[list[str], int]:
     """(dvc repro's arguments, the stage count of -j/--jobs) from `halludetect repro`'s; DVC's repro
     has no -j. A bad count is a ValueError naming it."""
-    from halludetect.core.parallel_repro import jobs_from
+    from halludetect.runner.parallel_repro import jobs_from
 
     rest, value, i = [], "1", 0
     while i < len(args):

@@ -1,4 +1,4 @@
-"""The collapsed DAG (halludetect/core/dag.py, `halludetect dag`): stage families in topological
+"""The collapsed DAG (halludetect/runner/dag.py, `halludetect dag`): stage families in topological
 order with their counts and upstream families, from DVC's own graph of the repository; what DVC
 cannot read (a broken dvc.yaml or params.yaml, no DVC repository, no git) is one line."""
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 from support import ROOT
 
-from halludetect.core.dag import Family, collapsed, families, render
+from halludetect.runner.dag import Family, collapsed, families, render
 
 
 def test_families_collapse_a_matrix_and_keep_topological_order():
@@ -64,7 +64,7 @@ def test_dag_without_a_dvc_yaml_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_the_command_prints_the_rendered_view_of_the_repo(capsys, monkeypatch, tmp_path):
     from halludetect import cli as console
-    from halludetect.core import dag
+    from halludetect.runner import dag
 
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     fams = [Family("world", 1), Family("train", 3, ["world"])]
