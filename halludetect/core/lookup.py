@@ -18,7 +18,7 @@ class UnknownName(UserError, KeyError):
 def suggest(name: str, choices: Iterable[str]) -> str:
     choices = sorted(choices)
     close = difflib.get_close_matches(name, choices, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    hint = f"; did you mean '{close[0]}'?" if close else ";"
     return f"{hint} valid: {', '.join(choices)}"
 
 

@@ -79,7 +79,7 @@ def workspace_remotes(repo: str | Path) -> dict | None:
     reads the remote of an older commit's config when it reads that commit's outputs, and a
     commit made before the remote was configured has none. None when no remote is configured.
     The override lives in this process only; nothing of it is printed or written."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     with Repo(str(repo)) as r:
         remotes = {name: dict(section) for name, section in r.config.get("remote", {}).items()}
@@ -91,7 +91,7 @@ def workspace_remotes(repo: str | Path) -> dict | None:
 
 def writer(repo: Path, path: str) -> str | None:
     """The stage whose output `path` is (or lies in)."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     with Repo(str(repo)) as r:
         for st in r.index.stages:
@@ -104,7 +104,7 @@ def writer(repo: Path, path: str) -> str | None:
 
 def stage_data_deps(repo: Path, stage: str) -> list[str]:
     """The stage's dependencies that other stages write (what must come from the remote)."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     with Repo(str(repo)) as r:
         (found,) = r.stage.collect(stage)
@@ -120,7 +120,7 @@ def cache_objects(repo: Path, stage: str, paths: list[str]) -> dict[str, dict[st
     """{path: {object id: its file in the local cache}} of the deps `paths` of `stage`, as dvc.lock
     records them: one object for a file; for a directory its listing and, when the listing is in
     the cache already, its entries."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     out: dict[str, dict[str, Path]] = {}
     with Repo(str(repo)) as r:
@@ -133,7 +133,7 @@ def cache_objects(repo: Path, stage: str, paths: list[str]) -> dict[str, dict[st
             oid = dep.hash_info.value
             objects = {oid: Path(odb.oid_to_path(oid))}
             if dep.hash_info.isdir and odb.exists(oid):
-                from dvc_data.hashfile.tree import Tree
+                from halludetect.runner.dvc_internals import Tree
 
                 for _, _, entry in Tree.load(odb, dep.hash_info):
                     objects[entry.value] = Path(odb.oid_to_path(entry.value))
@@ -143,7 +143,7 @@ def cache_objects(repo: Path, stage: str, paths: list[str]) -> dict[str, dict[st
 
 def dumped_layers(repo: Path, activations: str) -> list[int]:
     """The layers a dump directory holds, read from DVC's record of it (locally or on the remote)."""
-    from dvc.api import DVCFileSystem
+    from halludetect.runner.dvc_internals import DVCFileSystem
 
     fs = DVCFileSystem(str(repo))
     names = [Path(p).name for p in fs.ls(activations, detail=False)]
@@ -154,7 +154,7 @@ def absent_on_remote(repo: Path, objects: dict[str, dict[str, Path]], remote: st
     """The paths of `objects` ({path: {object id: local file}}) with an object that is neither in
     the local cache nor on the DVC remote; None when the remote cannot be asked (none configured,
     unreachable, no credentials: DVC's own message says which)."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     local_missing = {p: [oid for oid, f in objs.items() if not f.exists()] for p, objs in objects.items()}
     local_missing = {p: oids for p, oids in local_missing.items() if oids}
@@ -208,7 +208,7 @@ class Fetched:
 
 def stage_command(repo: Path, stage: str) -> tuple[str, list[str]]:
     """The stage's command as dvc.yaml renders it, and its outputs."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     with Repo(str(repo)) as r:
         (found,) = r.stage.collect(stage)
@@ -235,7 +235,7 @@ def compare_with_record(repo: Path, paths: list[str]) -> dict[str, str]:
     for it, read through DVC's file system (the local cache, else the remote's listing)."""
     import hashlib
 
-    from dvc.api import DVCFileSystem
+    from halludetect.runner.dvc_internals import DVCFileSystem
 
     fs = DVCFileSystem(str(repo))
     out = {}
@@ -341,7 +341,7 @@ def check_git_remote(repo: Path, git_remote: str) -> None:
 
 def _listed(name: str, choices: list[str], none: str) -> str:
     """'; did you mean ...? valid: ...' (or '; valid: ...'), or '; ' and what to say when there are none."""
-    return f";{suggest(name, choices).removeprefix(';')}" if choices else f"; {none}"
+    return suggest(name, choices) if choices else f"; {none}"
 
 
 def experiments_to_push(
@@ -407,7 +407,7 @@ def push_experiments(
     refused (`diverged`: another experiment of that name is on the git remote; `force` replaces
     it), the number of files uploaded, and `unreadable`: {ref: why} of the experiments in scope
     whose ref cannot be read (not pushed)."""
-    from dvc.repo import Repo
+    from halludetect.runner.dvc_internals import Repo
 
     override = workspace_remotes(repo)
     if override is None:

@@ -14,5 +14,5 @@ def test_an_unknown_name_suggests_the_closest_and_lists_all_sorted():
         lookup("judge", "mach", table)
     assert str(e.value) == "unknown judge 'mach'; did you mean 'match'? valid: match, openai"
     assert isinstance(e.value, UserError) and isinstance(e.value, KeyError)  # a stage prints it in one line
-    with pytest.raises(KeyError, match=r"^unknown judge 'zzz' valid: match, openai$"):  # nothing close: no guess
+    with pytest.raises(KeyError, match=r"^unknown judge 'zzz'; valid: match, openai$"):  # nothing close: no guess
         lookup("judge", "zzz", table)
