@@ -23,8 +23,17 @@ every core (the layout before).
             world's shape (d = 128, 600 train bags of about 13 tokens, 1,000 val and 1,000 test
             bags: `world_shaped`), which is what the figures in the report of issue 33 used.
 
+  epoch cost  (`--epoch-cost`, alone) what one epoch of one seed costs on one layer of the world, in
+            the train stage's own path (the seeds batched, one thread), split into its parts: the
+            training steps, the validation split scored in eval mode (the best-epoch rule reads
+            its AUROC), the training split scored again (the margin curve of curves.json, the
+            paper's Theorem 1) and the gradient-ratio trace (mean and max networks: Theorem 2,
+            gradient_ratio.json); each part timed where train_batched calls it. Issue 53 asked
+            where the train stages' time goes; every part but the steps is an output's.
+
     python -m bench.training [--layer 4] [--epochs 100]
     python -m bench.training --batched [--epochs 100] [--methods max,hami,attention,saplma]
+    python -m bench.training --epoch-cost [--layer 2] [--epochs 20] [--methods max,mean,hami,...]
 """
 
 from __future__ import annotations
@@ -227,13 +236,121 @@ def batched_vs_forked(args) -> None:
     )
 
 
+def epoch_cost(args) -> None:
+    """Seconds per seed and epoch of each part of train_batched (module docstring), per method."""
+    from halludetect.detectors import batched
+    from halludetect.detectors.data import entropy_for, p_sem_for
+
+    need(CELL, LABELS / "judgments.parquet", LABELS / "clusters.parquet")
+    params = load_params()
+    epochs, batch_size, seeds = args.epochs or 20, params.train.batch_size, params.train.seeds
+    files = layer_files(CELL)
+    layer = args.layer if args.layer is not None else sorted(files)[len(files) // 2]
+    data = read_layer(files[layer], dtype=None)
+    judgments = pl.read_parquet(LABELS / "judgments.parquet")
+    clusters = LABELS / "clusters.parquet"
+    methods = args.methods.split(",") if args.methods != parser_default_methods() else list(TIMED_METHODS)
+    from halludetect.methods import method as lookup_method
+
+    spent: dict[str, float] = {}
+
+    def timed_as(name, fn, key=None):  # fn, its time added to spent[key(args) or name]
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                part = key(*a) if key else name
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    out = {}
+    originals = (batched.score, batched.GradientRatioTrace.record)
+    for method in methods:
+        mp = section(params.detectors, method)
+        reads = clusters if lookup_method(method).reads.p_sem else None  # only those that read the clustering
+        split = {
+            s: split_data(
+                data,
+                judgments,
+                s,
+                str(files[layer]),
+                p_sem_for(method, reads, mp),
+                method=method,
+                entropy=entropy_for(method, reads, mp) if s == "train" else None,
+            )
+            for s in ("train", "val")
+        }
+        spent.clear()
+        batched.score = timed_as(
+            "score", originals[0], key=lambda _m, d, *r: "val_scores" if d is split["val"] else "train_margins"
+        )
+        batched.GradientRatioTrace.record = timed_as("gradient_ratio_trace", originals[1])
+        try:
+            with numerics.fixed_threads(1):  # as a train stage's process
+                t0 = time.perf_counter()
+                batched.train_batched(
+                    method, mp, split["train"], split["val"], seeds, epochs=epochs, batch_size=batch_size
+                )
+                total = time.perf_counter() - t0
+        finally:
+            batched.score, batched.GradientRatioTrace.record = originals
+        per = len(seeds) * epochs
+        parts = {"steps": total - sum(spent.values()), **spent}
+        out[method] = {
+            "ms_per_seed_epoch": round(total / per * 1000, 2),
+            **{f"{k}_share": round(v / total, 3) for k, v in parts.items()},
+        }
+        print(method, out[method], flush=True)
+    emit(
+        {
+            "bench": "training_epoch_cost",
+            "data": f"world layer {layer}",
+            "shape": {s: {"bags": len(x), "tokens": int(x.tokens.shape[0])} for s, x in split.items()},
+            "epochs": epochs,
+            "seeds": seeds,
+            "batch_size": batch_size,
+            "methods": out,
+        }
+    )
+
+
+# the methods trained in epochs (the others fit in closed form or compute a score)
+TIMED_METHODS = (
+    "hami",
+    "hami_sp",
+    "mean",
+    "max",
+    "raw_mean",
+    "raw_max",
+    "attention",
+    "gated_attention",
+    "probe",
+    "saplma",
+)
+
+
+def parser_default_methods() -> str:
+    return "max,hami,attention,saplma"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer", type=int, default=None, help="layer for the loop baseline (default: the last)")
     ap.add_argument("--epochs", type=int, default=None, help="default: train.epochs of params.yaml")
     ap.add_argument("--batched", action="store_true", help="only the seeds' comparison: forked workers vs batched")
-    ap.add_argument("--methods", default="max,hami,attention,saplma", help="with --batched: which methods")
+    ap.add_argument(
+        "--methods",
+        default=parser_default_methods(),
+        help="with --batched: which methods (default max,hami,attention,saplma); with --epoch-cost: every method "
+        "trained in epochs unless given",
+    )
+    ap.add_argument("--epoch-cost", action="store_true", help="only an epoch's parts per method (module docstring)")
     args = ap.parse_args()
+    if args.epoch_cost:
+        epoch_cost(args)
+        return
     if args.batched:
         batched_vs_forked(args)
         return
