@@ -62,6 +62,7 @@ def run(args) -> None:
         generate=checked_generate(generate),
         threshold=args.threshold,
         check_distribution=not args.no_distribution_check,
+        select=None if args.select == "none" else args.select,
     )
 
 
@@ -96,6 +97,13 @@ def add(sub) -> None:
     )
     s.add_argument("--max-tokens-limit", type=int, default=256, help="the most max_tokens a request may ask (256)")
     s.add_argument("--max-n", type=int, default=16, help="the most answers one request may ask (16)")
+    s.add_argument(
+        "--select",
+        choices=["none", "best_of_n", "abstain"],
+        default="none",
+        help="for requests that give no 'select': best_of_n returns the lowest-score of the n answers; abstain "
+        "returns a refusal where that one is flagged (costs n samples; python -m bench.select measures what it buys)",
+    )
     s.add_argument("--max-batch", type=int, default=64, help="answers sampled together in one pass (64)")
     s.add_argument("--max-concurrency", type=int, default=64, help="requests in flight; more get 429 (64)")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (1 MiB)")

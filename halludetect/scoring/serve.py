@@ -21,6 +21,17 @@ log-prob, and `reason` when the answer could not be scored (empty, too short for
 `extra_body={"explain": true}` adds each token's contribution (detectors/evidence.py). The response's
 `detector` names the bundle, method, layer and threshold.
 
+Choosing by the score (`extra_body={"select": ...}`, or the server's `--select` for requests that give
+none; `"none"` turns the server's off). It costs the n answers' sampling and buys what
+`python -m bench.select` measures (docs/benchmarks.md, "Choosing answers by their score"):
+
+- `best_of_n`: the n answers are sampled and scored, and the one of the lowest score comes back (the
+  first among equal scores; an answer that could not be scored is never chosen over one that was),
+  alone, as choice 0; its `hallucination.selection` lists every answer's index, score and flag.
+- `abstain`: the same choice, but where it is flagged (so every scored answer is) or nothing could be
+  scored, a refusal comes back instead: no text (chat: `content` null and `refusal` saying why),
+  `finish_reason` "content_filter", `hallucination.abstained` true, and the scores it refused on.
+
 How it runs. One thread owns the model. Requests wait in a queue; each round takes the first waiting
 request and every other one with the same sampling settings, up to `max_batch` answers, and samples
 them in one batched `generate` with a hook on the bundle's layer (activations/sampled_states.py): the
@@ -153,6 +164,7 @@ class Job:
     params: GenerateParams
     greedy: bool
     explain: bool
+    select: str | None = None  # best_of_n | abstain (module docstring): one answer chosen by its score
     future: Future = field(default_factory=Future)
 
     @property
@@ -411,7 +423,7 @@ class Service:
     baseline: what the model alone costs)."""
 
     KNOWN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user"}
-    KNOWN |= {"explain", "repetition_penalty"}
+    KNOWN |= {"explain", "repetition_penalty", "select"}
 
     def __init__(
         self,
@@ -421,8 +433,14 @@ class Service:
         limits: Limits = Limits(),
         scoring: bool = True,
         engine: EngineClient | None = None,
+        select: str | None = None,
         log: Callable[[str], None] = print,
     ):
+        if select not in SELECT:
+            raise OptionError(f"--select {select!r}: one of best_of_n, abstain, or none")
+        if select and not scoring:
+            raise OptionError("--select chooses by the score: it needs scoring on")
+        self.select = select
         b = scorer.bundle
         if isinstance(b, ScoreBundle):
             raise UserError(score_bundle_refusal(b))
@@ -625,8 +643,15 @@ class Service:
                 f"fit the model's context of {context}",
                 length_key,
             )
+        select = body.get("select", self.select)
+        if select == "none":
+            select = None
+        if select not in SELECT:
+            raise ApiError(400, f"'select' must be one of best_of_n, abstain or none, got {select!r}", "select")
+        if select and not self.scoring:
+            raise ApiError(400, "'select' chooses by the score, and this server does not score", "select")
         base = secrets.randbits(62) if seed is None else seed
-        return Job(question, prompt, [(base, question, i, 0) for i in range(n)], params, greedy, explain)
+        return Job(question, prompt, [(base, question, i, 0) for i in range(n)], params, greedy, explain, select)
 
     def answer(self, body: object, chat: bool) -> dict:
         """A request's response (ApiError for a refused one): queued, sampled and scored, shaped."""
@@ -673,7 +698,9 @@ class Service:
                     verdict |= {k: r.get(k) for k in EVIDENCE_FIELDS}
                 choice["hallucination"] = verdict
             choices.append(choice)
-        completion = sum(len(r["answer_token_ids"]) for r in results)
+        if job.select:
+            choices = [_selected(job.select, choices, chat)]
+        completion = sum(len(r["answer_token_ids"]) for r in results)  # every answer sampled, chosen or not
         return {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
             "object": "chat.completion" if chat else "text_completion",
@@ -1016,6 +1043,32 @@ def api_key_from(variable: str | None) -> str | None:
     return key.strip()
 
 
+SELECT = (None, "best_of_n", "abstain")
+
+
+def _selected(policy: str, choices: list[dict], chat: bool) -> dict:
+    """The one choice `policy` returns of a request's scored choices (module docstring), as choice 0."""
+    scored = [c for c in choices if c["hallucination"]["score"] is not None]
+    best = min(scored, key=lambda c: (c["hallucination"]["score"], c["index"])) if scored else choices[0]
+    listing = [
+        {"index": c["index"], "score": c["hallucination"]["score"], "flag": c["hallucination"]["flag"]} for c in choices
+    ]
+    verdict = {**best["hallucination"], "selection": {"policy": policy, "chosen": best["index"], "answers": listing}}
+    if policy == "abstain" and (not scored or best["hallucination"]["flag"]):
+        why = (
+            f"every one of the {len(choices)} sampled answers was flagged as a likely hallucination"
+            if scored
+            else f"none of the {len(choices)} sampled answers could be scored"
+        )
+        out = {"index": 0, "finish_reason": "content_filter", "logprobs": None, "token_ids": []}
+        if chat:
+            out["message"] = {"role": "assistant", "content": None, "refusal": why}
+        else:
+            out["text"] = ""
+        return out | {"hallucination": {**verdict, "abstained": True, "reason": why}}
+    return {**best, "index": 0, "hallucination": verdict | ({"abstained": False} if policy == "abstain" else {})}
+
+
 def serve(
     bundle: str | Path,
     model: str | None = None,
@@ -1026,6 +1079,7 @@ def serve(
     name: str | None = None,
     limits: Limits = Limits(),
     engine: EngineClient | None = None,
+    select: str | None = None,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
     **scorer_options,
 ) -> None:
@@ -1038,7 +1092,7 @@ def serve(
     if isinstance(loaded, ScoreBundle):  # before the scorer, whose own refusal (--generate) says less
         raise UserError(score_bundle_refusal(loaded))
     scorer = Scorer(loaded, model, log=log, **scorer_options)
-    service = Service(scorer, name=name, limits=limits, engine=engine, log=log)
+    service = Service(scorer, name=name, limits=limits, engine=engine, select=select, log=log)
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):

@@ -22,7 +22,7 @@ from openai import OpenAI
 from support import ROOT
 
 from halludetect.config import GenerateParams
-from halludetect.scoring.scorer import Scorer, score_answers
+from halludetect.scoring.scorer import OptionError, Scorer, score_answers
 from halludetect.scoring.serve import Limits, Server, Service
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -107,6 +107,74 @@ def test_chat_answers_the_same_question_with_evidence(served, bundle_path, tiny_
     assert "contributions" not in plain.choices[0].hallucination
 
 
+def test_best_of_n_returns_the_lowest_score_of_the_same_answers_with_the_others_listed(served):
+    """select best_of_n: the n answers the same seed gives without it, the one of the lowest score
+    returned (the first among equal scores), every answer's score listed; chat chooses the same."""
+    srv, _ = served
+    c = client(srv)
+    every = c.completions.create(model="tiny", prompt=QUESTION, n=5, seed=11, max_tokens=8)
+    one = c.completions.create(
+        model="tiny", prompt=QUESTION, n=5, seed=11, max_tokens=8, extra_body={"select": "best_of_n"}
+    )
+    scored = [(ch.hallucination["score"], ch.index) for ch in every.choices if ch.hallucination["score"] is not None]
+    assert scored, "the tiny model answered nothing scoreable"
+    chosen = min(scored)[1]
+    assert len(one.choices) == 1 and one.choices[0].index == 0
+    assert one.choices[0].text == every.choices[chosen].text
+    assert one.choices[0].token_ids == every.choices[chosen].token_ids
+    sel = one.choices[0].hallucination["selection"]
+    assert sel["policy"] == "best_of_n" and sel["chosen"] == chosen
+    listed = [a["score"] for a in sel["answers"]]
+    np.testing.assert_allclose(
+        [x if x is not None else np.nan for x in listed],
+        [ch.hallucination["score"] if ch.hallucination["score"] is not None else np.nan for ch in every.choices],
+        atol=1e-5,
+    )
+    assert one.usage.completion_tokens == every.usage.completion_tokens  # it costs the n answers
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": QUESTION}],
+        n=5,
+        seed=11,
+        max_tokens=8,
+        extra_body={"select": "best_of_n"},
+    )
+    assert chat.choices[0].message.content == one.choices[0].text
+
+
+def test_the_servers_select_is_the_default_a_request_turns_off_and_a_bad_one_is_refused_at_start(served, monkeypatch):
+    srv, _ = served
+    c = client(srv)
+    monkeypatch.setattr(srv.service, "select", "best_of_n")  # as `halludetect serve --select best_of_n`
+    assert len(c.completions.create(model="tiny", prompt=QUESTION, n=3, seed=2, max_tokens=8).choices) == 1
+    off = c.completions.create(model="tiny", prompt=QUESTION, n=3, seed=2, max_tokens=8, extra_body={"select": "none"})
+    assert len(off.choices) == 3
+    with pytest.raises(OptionError, match="--select 'best': one of best_of_n, abstain"):
+        Service(srv.service.scorer, select="best")
+
+
+def test_abstain_refuses_where_every_answer_is_flagged_and_answers_where_one_is_not(served, monkeypatch):
+    """select abstain: at a threshold every answer reaches, a refusal (no text, content_filter, the
+    scores it refused on; chat: content None and the refusal's reason); at one none reaches, the
+    best-of-n answer, not abstained."""
+    srv, _ = served
+    scorer = srv.service.scorer
+    c = client(srv)
+    body = {"model": "tiny", "n": 3, "seed": 5, "max_tokens": 8, "extra_body": {"select": "abstain"}}
+    monkeypatch.setattr(scorer, "threshold", -1e9)
+    refused = c.completions.create(prompt=QUESTION, **body)
+    h = refused.choices[0].hallucination
+    assert refused.choices[0].text == "" and refused.choices[0].finish_reason == "content_filter"
+    assert h["abstained"] is True and "flagged" in h["reason"] and len(h["selection"]["answers"]) == 3
+    chat = c.chat.completions.create(messages=[{"role": "user", "content": QUESTION}], **body)
+    assert chat.choices[0].message.content is None and "flagged" in chat.choices[0].message.refusal
+    monkeypatch.setattr(scorer, "threshold", 1e9)
+    kept = c.completions.create(prompt=QUESTION, **body)
+    assert kept.choices[0].hallucination["abstained"] is False and kept.choices[0].finish_reason != "content_filter"
+    best = c.completions.create(prompt=QUESTION, **{**body, "extra_body": {"select": "best_of_n"}})
+    assert kept.choices[0].text == best.choices[0].text
+
+
 def test_concurrent_requests_share_passes_and_keep_their_answers(served):
     srv, _ = served
     c = client(srv)
@@ -189,6 +257,8 @@ def test_a_round_of_queued_requests_is_one_sampling_pass(served, monkeypatch):
         ({"model": "tiny", "prompt": ["a?", "b?"]}, 400, "prompt"),
         ({"model": "tiny"}, 400, "prompt"),
         ({"model": "other", "prompt": QUESTION}, 404, "model"),
+        ({"model": "tiny", "prompt": QUESTION, "select": "best_of_3"}, 400, "select"),
+        ({"model": "tiny", "prompt": QUESTION, "select": ["abstain"]}, 400, "select"),
         ([1, 2], 400, None),
     ],
 )
