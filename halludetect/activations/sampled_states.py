@@ -8,6 +8,11 @@ predicts answer token i (`predicting` bags) and column W + i the state at token 
 (`generated` bags), the states the dump's teacher-forced pass computes, up to float noise
 (left padding and a KV cache against one right-padded pass; tests/test_scoring.py bounds it).
 
+`stream` (what `halludetect serve` passes for a streamed request, scoring/serve.py): an object whose
+`rows(index)` is the same for the rows `index` of its rows (a batch, the empty answers sampled
+again), and whose `call(width, steps)` gives the transformers streamer and the stopping criteria of
+one `generate` call over its rows, `steps` being the list this hook fills: the states so far.
+
 One state is never computed while sampling: the `generated` state of the last token of an
 answer cut by max_new_tokens, because generation stops before feeding that token back. One
 more decode step on the sampling pass's own KV cache computes it: the step sampling would
@@ -46,11 +51,15 @@ def _sample_once(
     positions: str,
     states_dtype: torch.dtype,
     greedy: bool,
+    stream=None,
 ) -> list[SampledAnswer]:
-    if layer is None:  # the answers alone: sampling as the DAG samples, no hook (a benchmark's baseline)
-        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
-        return [SampledAnswer(a, None, lp) for a, lp in zip(answers, logprobs)]
     steps: list[torch.Tensor] = []  # each forward's states at `layer`: [R, W, d], then [R, 1, d] per step
+    width = max(map(len, prompts))
+    streamer, stopping = stream.call(width, steps) if stream is not None else (None, None)
+    run = {"streamer": streamer, "stopping": stopping}
+    if layer is None:  # the answers alone: sampling as the DAG samples, no hook (a benchmark's baseline)
+        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy, **run)
+        return [SampledAnswer(a, None, lp) for a, lp in zip(answers, logprobs)]
     last_call: dict = {}
 
     def keep(_module, _inputs, output):
@@ -63,8 +72,7 @@ def _sample_once(
     if positions == "generated":  # only that convention takes the extra step (a hook costs every step)
         handles.append(model.register_forward_pre_hook(watch, with_kwargs=True))
     try:
-        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy)
-        width = max(map(len, prompts))
+        answers, logprobs, _ = sample_rows(model, tokenizer, prompts, keys, params, eos, greedy=greedy, **run)
         generated = sum(s.shape[1] for s in steps) - width + 1  # tokens sampled: one per forward
         cut = [len(a.token_ids) == generated for a in answers]  # answers whose last token was never fed back
         if positions == "generated" and any(cut):
@@ -106,12 +114,13 @@ def sample_with_states(
     positions: str,
     states_dtype: torch.dtype,
     greedy: bool = False,
+    stream=None,
 ) -> list[SampledAnswer]:
     """One answer per prompt with its bag of `layer` states (`layer` None: no states, the answers
     only, sampled exactly as with a layer). `keys` are the rows' random-stream
     keys (seed, id, sample index, attempt); an empty answer is sampled again with the next
     attempt, at most `params.empty_retries` times, as the generate stage does."""
-    out = _sample_once(model, tokenizer, prompts, keys, params, eos, layer, positions, states_dtype, greedy)
+    out = _sample_once(model, tokenizer, prompts, keys, params, eos, layer, positions, states_dtype, greedy, stream)
     for attempt in range(1, 0 if greedy else params.empty_retries + 1):
         empty = [r for r, s in enumerate(out) if not s.answer.token_ids]
         if not empty:
@@ -127,6 +136,7 @@ def sample_with_states(
             positions,
             states_dtype,
             greedy,
+            None if stream is None else stream.rows(empty),
         )
         for r, s in zip(empty, again):
             out[r] = s

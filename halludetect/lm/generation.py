@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import polars as pl
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -186,11 +186,16 @@ def generate_raw(
     greedy: bool = False,
     repeats: int = 1,
     processed: bool = False,
+    streamer=None,
+    stopping=None,
 ) -> tuple[list[list[int]], RowSampler, float]:
     """One `generate` call over rows (prompt ids, random-stream seed): every row's new ids as
     generate returns them (EOS or the stop string's last token, then padding), the sampler (its
     raw log-probs [R, steps]) and the wall time. With `repeats` > 1, rows come in runs of
-    `repeats` sharing one prompt, whose prefill is then computed once."""
+    `repeats` sharing one prompt, whose prefill is then computed once. `streamer` (transformers'
+    BaseStreamer: the prompts [R, W], then each step's tokens [R]) and `stopping` (a
+    StoppingCriteria ending rows early: a served request whose client left) are `halludetect
+    serve`'s; neither changes what a row samples."""
     device = input_device(model)
     t0 = time.perf_counter()
     kw = {}
@@ -225,6 +230,8 @@ def generate_raw(
         generation_config=config,
         logits_processor=LogitsProcessorList([sampler]),
         tokenizer=tokenizer,
+        streamer=streamer,
+        stopping_criteria=StoppingCriteriaList([stopping]) if stopping is not None else None,
         **kw,
     )
     return out[:, width:].cpu().tolist(), sampler, time.perf_counter() - t0
@@ -239,11 +246,15 @@ def sample_rows(
     eos: list[int],
     greedy: bool = False,
     repeats: int = 1,
+    streamer=None,
+    stopping=None,
 ) -> tuple[list[Trimmed], list[list[float]], float]:
     """Rows (prompt ids, random-stream key) sampled in one `generate` call: trimmed answers, their
-    raw token log-probs and the wall time (`generate_raw`)."""
+    raw token log-probs and the wall time (`generate_raw`, which takes `streamer` and `stopping`)."""
     seeds = [row_seed(*key) for key in keys]
-    gen, sampler, seconds = generate_raw(model, tokenizer, prompts, seeds, params, eos, greedy, repeats)
+    gen, sampler, seconds = generate_raw(
+        model, tokenizer, prompts, seeds, params, eos, greedy, repeats, streamer=streamer, stopping=stopping
+    )
     logprobs = sampler.logprobs.cpu()
     trimmed = [trim_answer(tokenizer, g, params.stop, params.max_new_tokens, eos) for g in gen]
     lps = [logprobs[r, : len(t.token_ids)].double().tolist() for r, t in enumerate(trimmed)]

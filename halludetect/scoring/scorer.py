@@ -563,15 +563,22 @@ class Scorer:
         }
 
     def sample_and_score(
-        self, rows: list[AnswerRow], keys: list[tuple], params: GenerateParams, greedy: bool, explain: bool = False
+        self,
+        rows: list[AnswerRow],
+        keys: list[tuple],
+        params: GenerateParams,
+        greedy: bool,
+        explain: bool = False,
+        stream=None,
     ) -> list[dict]:
         """One sampled answer per row (its question), scored from the sampling pass's own states:
         what `halludetect serve` runs for a batch of requests. `keys` are the rows' random-stream
         keys (seed, id, sample index, attempt), `params` the batch's sampling settings (checked by
-        the caller), `explain` adds each token's contribution (the bundle must have evidence)."""
+        the caller), `explain` adds each token's contribution (the bundle must have evidence),
+        `stream` follows the rows' tokens as they are sampled (activations/sampled_states.py)."""
         self.load()
         out = [self._blank(r, explain) for r in rows]
-        self._score_sampled(rows, out, keys, params, greedy, explain)
+        self._score_sampled(rows, out, keys, params, greedy, explain, stream)
         return out
 
     def _score_forced(self, batch: list[tuple], rows: list[AnswerRow], out: list[dict]) -> None:
@@ -614,7 +621,14 @@ class Scorer:
         return [x.tolist() for x in teacher_forced_logprobs(logits, p_row, p_col, answer).split(lengths)]
 
     def _score_sampled(
-        self, rows: list[AnswerRow], out: list[dict], keys: list[tuple], p: GenerateParams, greedy: bool, explain: bool
+        self,
+        rows: list[AnswerRow],
+        out: list[dict],
+        keys: list[tuple],
+        p: GenerateParams,
+        greedy: bool,
+        explain: bool,
+        stream=None,
     ) -> None:
         """Sample one answer per question; its bag comes from the sampling pass itself."""
         from halludetect.activations.sampled_states import sample_with_states
@@ -648,6 +662,7 @@ class Scorer:
                 positions=b.positions,
                 states_dtype=self.states_dtype,
                 greedy=greedy,
+                stream=None if stream is None else stream.rows([i for i, _ in batch]),
             )
             done, bags, ids, logprobs = [], [], [], []
             for (i, _), s in zip(batch, sampled):

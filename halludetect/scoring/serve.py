@@ -40,10 +40,17 @@ stream, keyed (seed, question, choice index), so a request with a `seed` gets th
 whatever else is in flight (up to the float noise of batch-mates' padding). A served score equals
 `halludetect score`'s on the same question and answer to float tolerance (tests/scoring/test_serve.py).
 
+Streaming (`stream: true`, completions and chat): server-sent events as OpenAI sends them, a chunk
+per token whose text is certain to be the answer's, each with the detector's running score (the
+network on the answer so far: scoring/streaming.py), the last chunk of each choice with its
+finish_reason and the `hallucination` object a request without `stream` gets, then `data: [DONE]`.
+A client that goes away mid-stream frees its slot at once, and its rows stop at the next step.
+Not with `select` (it chooses among finished answers), not yet through `--engine`.
+
 Limits and refusals, each a JSON error `{"error": {"message", "type", "param", "code"}}`, never a
 crash: a body over `max_request_bytes` (413), more than `max_concurrency` requests in flight (429 and
 Retry-After), `max_tokens` over the server's limit, `n` over `max_n`, a question that does not fit
-the context, streaming (a score needs the whole answer), fields the server does not implement
+the context, fields the server does not implement
 (logprobs, echo, penalties, tools) and unknown fields (400, naming the field). With `api_key_env`,
 every request needs `Authorization: Bearer <the variable's value>` (401 otherwise); the key is read
 from the environment and never logged. The server binds 127.0.0.1 unless told otherwise.
@@ -165,7 +172,11 @@ class Job:
     greedy: bool
     explain: bool
     select: str | None = None  # best_of_n | abstain (module docstring): one answer chosen by its score
+    stream: bool = False  # its tokens sent as they are sampled (scoring/streaming.py)
     future: Future = field(default_factory=Future)
+    events: queue.Queue = field(default_factory=queue.Queue)  # streaming: Chunk, then None at the round's end
+    cancelled: threading.Event = field(default_factory=threading.Event)  # streaming: the client has gone
+    streamed: list = field(default_factory=list)  # streaming: each choice's StreamedRow, set by the model thread
 
     @property
     def batch_key(self) -> tuple:
@@ -576,10 +587,11 @@ class Service:
             raise ApiError(
                 404, f"the model '{body.get('model')}' is not served here: this server serves '{self.name}'", "model"
             )
-        if body.get("stream"):
-            raise ApiError(
-                400, "streaming is not supported: an answer's score needs the whole answer; send stream false", "stream"
-            )
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
+        if stream and self.engine is not None:
+            raise ApiError(400, "streaming through --engine is not implemented yet: send stream false", "stream")
         question = _question(body, chat)
         if held := [t for t in self._control_tokens() if t in question]:
             # tokenized, they would be the model's control tokens (an end of text, padding), states the
@@ -650,8 +662,91 @@ class Service:
             raise ApiError(400, f"'select' must be one of best_of_n, abstain or none, got {select!r}", "select")
         if select and not self.scoring:
             raise ApiError(400, "'select' chooses by the score, and this server does not score", "select")
+        if select and stream:
+            raise ApiError(
+                400, "'select' chooses among finished answers: it cannot stream; send stream false", "stream"
+            )
         base = secrets.randbits(62) if seed is None else seed
-        return Job(question, prompt, [(base, question, i, 0) for i in range(n)], params, greedy, explain, select)
+        keys = [(base, question, i, 0) for i in range(n)]
+        return Job(question, prompt, keys, params, greedy, explain, select, bool(stream))
+
+    def open_stream(self, body: object, chat: bool) -> Job:
+        """A streamed request checked and queued, its slot held (ApiError, before any byte is sent, for
+        a refused one); `stream_chunks` then gives its chunks, and `close_stream` frees the slot."""
+        self._take_slot()
+        try:
+            job = self.job(body, chat)
+            with self._queue_lock:
+                if self._stopping.is_set():
+                    raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
+                self._jobs.put(job)
+        except BaseException:
+            self._slots.release()
+            raise
+        return job
+
+    def close_stream(self, job: Job) -> None:
+        """The stream's slot freed (the client has its answer, or has gone: its rows then stop)."""
+        if not job.future.done():
+            job.cancelled.set()
+        self._slots.release()
+
+    def stream_chunks(self, job: Job, chat: bool):
+        """The chunks of a streamed request, as they come: a chunk per certain token of each choice
+        with its running score, then each choice's last chunk (finish_reason, the `hallucination` of
+        the unstreamed answer); an error object where the round failed."""
+        from halludetect.scoring.streaming import Chunk
+
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+        }
+        started: set[int] = set()
+
+        def chunk(index: int, text: str, ids: list[int], finish: str | None, verdict: dict | None) -> dict:
+            choice: dict = {"index": index, "logprobs": None, "finish_reason": finish, "token_ids": ids}
+            if chat:
+                choice["delta"] = {"content": text} | ({} if index in started else {"role": "assistant"})
+                started.add(index)
+            else:
+                choice["text"] = text
+            if verdict is not None:
+                choice["hallucination"] = verdict
+            return head | {"choices": [choice]}
+
+        while (event := job.events.get()) is not None:
+            assert isinstance(event, Chunk)
+            verdict = {"running_score": event.running_score} if self.scoring else None
+            yield chunk(event.choice, event.text, event.token_ids, None, verdict)
+        try:
+            results = job.future.result()
+        except ApiError as e:
+            yield e.body()
+            return
+        except Exception as e:  # noqa: BLE001  (the model failed: said in the stream, the server goes on)
+            yield ApiError(500, f"{type(e).__name__}: {e}").body()
+            return
+        with self._lock:
+            self.stats["requests"] += 1
+            self.stats["answers"] += len(results)
+        whole = self._response(job, results, chat)  # what the request without `stream` would get
+        for row, r, c in zip(job.streamed, results, whole["choices"], strict=True):
+            text, ids = row.text.rest(r["answer"] or "", r["answer_token_ids"] or [])
+            yield chunk(c["index"], text, ids, c["finish_reason"], c.get("hallucination")) | {
+                "detector": whole["detector"]
+            }
+
+    def _take_slot(self) -> None:
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.stats["refused"] += 1
+            raise ApiError(
+                429,
+                f"more than {self.limits.max_concurrency} requests in flight (--max-concurrency): retry shortly",
+                kind="rate_limit_error",
+            )
 
     def answer(self, body: object, chat: bool) -> dict:
         """A request's response (ApiError for a refused one): queued, sampled and scored, shaped."""
@@ -827,11 +922,13 @@ class Service:
             except Exception as e:  # noqa: BLE001  (a failed batch fails its requests, not the server)
                 for j in group:
                     j.future.set_exception(e)
+                    j.events.put(None)
                 continue
             with self._lock:
                 self.stats["batches"] += 1
             for j, r in zip(group, results):
                 j.future.set_result(r)
+                j.events.put(None)  # a streamed request's chunks end here
 
     def _run(self, group: list[Job]) -> list[list[dict]]:
         first = group[0]
@@ -849,18 +946,40 @@ class Service:
             for i in range(len(j.keys))
         ]
         keys = [key for j in group for key in j.keys]
+        stream = self._round_stream(group)
         if self.scoring:
             explain = any(j.explain for j in group)
-            out = self.scorer.sample_and_score(rows, keys, first.params, first.greedy, explain)
+            out = self.scorer.sample_and_score(rows, keys, first.params, first.greedy, explain, stream)
         else:
-            out = self._sample_only([j.prompt for j in group for _ in j.keys], keys, first)
+            out = self._sample_only([j.prompt for j in group for _ in j.keys], keys, first, stream)
         per_job, at = [], 0
         for j in group:
             per_job.append(out[at : at + len(j.keys)])
             at += len(j.keys)
         return per_job
 
-    def _sample_only(self, prompts: list[list[int]], keys: list[tuple], first: Job) -> list[dict]:
+    def _round_stream(self, group: list[Job]):
+        """The round's streamed rows (scoring/streaming.py), or None where no request streams."""
+        if not any(j.stream for j in group):
+            return None
+        from halludetect.lm.hf_models import eos_ids
+        from halludetect.scoring.streaming import RoundStream, RowText, StreamedRow
+
+        s, p = self.scorer, group[0].params
+        ends = set(eos_ids(s.model, s.tokenizer)) | {s.tokenizer.eos_token_id, s.tokenizer.pad_token_id}
+        rows, at = {}, 0
+        for j in group:
+            if j.stream:
+                j.streamed = [
+                    StreamedRow(c, j.events, j.cancelled, RowText(s.tokenizer, p.stop, ends))
+                    for c in range(len(j.keys))
+                ]
+                rows |= {at + c: row for c, row in enumerate(j.streamed)}
+            at += len(j.keys)
+        score = (lambda bags: s.bundle.seed_logits(bags).mean(0)) if self.scoring else None  # the seeds' mean logit
+        return RoundStream(rows, score, s.bundle.positions, s.min_tokens, s.states_dtype)
+
+    def _sample_only(self, prompts: list[list[int]], keys: list[tuple], first: Job, stream=None) -> list[dict]:
         from halludetect.activations.sampled_states import sample_with_states
         from halludetect.lm.hf_models import eos_ids
 
@@ -876,6 +995,7 @@ class Service:
             positions=s.bundle.positions,
             states_dtype=s.states_dtype,
             greedy=first.greedy,
+            stream=stream,
         )
         return [
             {"answer": a.answer.text, "answer_token_ids": a.answer.token_ids, "finish_reason": a.answer.finish_reason}
@@ -980,12 +1100,36 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
                     raise ApiError(400, f"the request body is not JSON: {e}") from None
                 except RecursionError:  # lists or objects nested thousands deep: no field of ours is
                     raise ApiError(400, "the request body nests its lists or objects too deep") from None
-                response = service.answer(body, chat=path.endswith("/chat/completions"))
+                chat = path.endswith("/chat/completions")
+                if isinstance(body, dict) and body.get("stream") is True:
+                    return self._stream(service.open_stream(body, chat), chat, t0)
+                response = service.answer(body, chat=chat)
             except ApiError as e:
                 return self._refuse(e, t0)
             except Exception as e:  # noqa: BLE001  (the model failed: a 500 naming it, and the server goes on)
                 return self._refuse(ApiError(500, f"{type(e).__name__}: {e}"), t0)
             self._done(200, response, t0)
+
+        def _stream(self, job: Job, chat: bool, t0: float) -> None:
+            """Server-sent events, each `data: <chunk>`, then `data: [DONE]`; the connection closes after."""
+            self.close_connection = True
+            status = 200
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for payload in service.stream_chunks(job, chat):
+                    self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except OSError:  # the client has gone (a broken pipe, a reset): its rows stop, its slot is freed
+                status = 499
+            finally:
+                service.close_stream(job)
+            log(f"POST {self.path.split('?')[0]} {status} stream {time.perf_counter() - t0:.3f}s")
 
     return Handler
 

@@ -175,6 +175,122 @@ def test_abstain_refuses_where_every_answer_is_flagged_and_answers_where_one_is_
     assert kept.choices[0].text == best.choices[0].text
 
 
+def _streamed(chunks) -> dict[int, dict]:
+    """Per choice: the texts and token ids of its chunks, their running scores, and its last chunk."""
+    out: dict[int, dict] = {}
+    for ch in chunks:
+        assert len(ch.choices) == 1
+        c = ch.choices[0]
+        got = out.setdefault(c.index, {"text": "", "ids": [], "running": [], "last": None})
+        delta = c.delta.content if hasattr(c, "delta") else c.text
+        got["text"] += delta or ""
+        got["ids"] += c.token_ids
+        if c.finish_reason is None:
+            got["running"].append(c.hallucination["running_score"])
+        else:
+            assert got["last"] is None, "one last chunk per choice"
+            got["last"] = c
+    return out
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_streamed_answer_is_the_unstreamed_one_with_a_running_score_and_its_score_last(served, chat):
+    """stream=True through the openai client: each choice's chunks concatenate to the answer the same
+    seed gives without stream (text and token ids), every chunk before the last carries the running
+    score (the detector on the answer so far), and the last one the answer's `hallucination`."""
+    srv, _ = served
+    c = client(srv)
+    ask = {"model": "tiny", "n": 3, "seed": 7, "max_tokens": 12}
+    if chat:
+        messages = [{"role": "user", "content": QUESTION}]
+        whole = c.chat.completions.create(messages=messages, **ask)
+        chunks = list(c.chat.completions.create(messages=messages, stream=True, **ask))
+        answers = [ch.message.content for ch in whole.choices]
+    else:
+        whole = c.completions.create(prompt=QUESTION, **ask)
+        chunks = list(c.completions.create(prompt=QUESTION, stream=True, **ask))
+        answers = [ch.text for ch in whole.choices]
+    got = _streamed(chunks)
+    assert sorted(got) == [0, 1, 2]
+    running_seen = 0
+    for i, w in enumerate(whole.choices):
+        g = got[i]
+        assert g["text"] == answers[i] and g["ids"] == w.token_ids
+        last = g["last"]
+        assert last.finish_reason == w.finish_reason
+        h, final = w.hallucination, last.hallucination
+        assert set(final) == set(h) and final["flag"] == h["flag"]
+        if h["score"] is None:
+            assert final["score"] is None and final["reason"] == h["reason"]
+            continue
+        assert final["score"] == pytest.approx(h["score"], abs=1e-5)
+        scored = [z for z in g["running"] if z is not None]
+        running_seen += len(scored)
+        if scored and not last.token_ids:  # nothing after the last running score: it scored the whole answer
+            assert scored[-1] == pytest.approx(final["score"], abs=1e-4)
+    assert running_seen, "no running score in any chunk"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_row_stops(bundle_path, tiny_model_dir, monkeypatch):
+    """One slot: a streamed request whose client reads a chunk and closes the connection; the next
+    request gets the slot (not a 429), and the left row stopped well before its 90 tokens (each step
+    of the model is slowed, so that the client leaves early in its answer)."""
+    import socket
+
+    generate = GenerateParams(max_new_tokens=90, stop=[])  # the tiny model's context: 128 tokens
+    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=generate, batch_size=4)
+    limits = Limits(max_tokens=90, max_n=2, max_batch=4, max_concurrency=1)
+    service = Service(scorer, name="tiny", limits=limits, log=lambda *_: None)
+    with Server(service, port=0, log=lambda *_: None) as srv:
+        model = scorer.model
+        forward = model.forward
+        steps = []
+
+        def slow(*a, **kw):
+            steps.append(1)
+            time.sleep(0.02)
+            return forward(*a, **kw)
+
+        monkeypatch.setattr(model, "forward", slow)
+        host, port = srv.http.server_address
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": QUESTION,
+                "max_tokens": 90,
+                "seed": 1,
+                "stream": True,
+                "stop": ["nothing like this"],
+                "temperature": 1.0,
+            }
+        ).encode()
+        sock = socket.create_connection((host, port), timeout=60)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        seen = b""
+        while b"data: " not in seen:
+            got = sock.recv(4096)
+            assert got, f"the stream ended before its first chunk: {seen!r}"
+            seen += got
+        sock.close()  # the client goes
+        assert b"HTTP/1.1 200" in seen and b"text/event-stream" in seen
+        deadline = time.monotonic() + 60
+        while True:
+            code, out = post_plain(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
+            if code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert code == 200, out
+        assert len(steps) < 60, f"the left request's row ran {len(steps)} steps of its 90"
+
+
+def post_plain(srv, body) -> tuple[int, dict]:
+    return post(srv, "/v1/completions", body, key=None)
+
+
 def test_concurrent_requests_share_passes_and_keep_their_answers(served):
     srv, _ = served
     c = client(srv)
@@ -235,7 +351,8 @@ def test_a_round_of_queued_requests_is_one_sampling_pass(served, monkeypatch):
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"model": "tiny", "prompt": QUESTION, "stream": True}, 400, "stream"),
+        ({"model": "tiny", "prompt": QUESTION, "stream": "yes"}, 400, "stream"),
+        ({"model": "tiny", "prompt": QUESTION, "stream": True, "select": "best_of_n"}, 400, "stream"),
         ({"model": "tiny", "prompt": QUESTION, "n": 7}, 400, "n"),
         ({"model": "tiny", "prompt": QUESTION, "n": True}, 400, "n"),
         ({"model": "tiny", "prompt": QUESTION, "n": "2"}, 400, "n"),

@@ -95,6 +95,14 @@ def test_served_in_front_of_vllm_scores_equal_the_offline_scorer(engine_served, 
     assert ours(states) == [], "each states file (and its lock) is deleted once scored"
 
 
+def test_streaming_through_the_engine_is_refused_naming_the_field_before_any_engine_request(engine_served):
+    srv, engine, _ = engine_served
+    before = engine.count
+    code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 4, "stream": True})
+    assert code == 400 and out["error"]["param"] == "stream" and "--engine" in out["error"]["message"]
+    assert engine.count == before
+
+
 def test_a_server_that_cannot_give_usable_states_is_refused_at_start(bundle_path, tiny_model_dir, tmp_path):
     from halludetect.scoring.bundle import load_bundle
 

@@ -1,0 +1,192 @@
+"""A served answer streamed as it is sampled, with the detector's running score (`halludetect serve`,
+`stream: true`; scoring/serve.py sends the chunks).
+
+The model thread samples a round of requests in one batched `generate` (scoring/serve.py). For the
+rows of streamed requests, `RoundStream` hands transformers a streamer, which sees every step's
+tokens, and a stopping criterion, which ends the rows of a request whose client has gone (its slot
+is freed at once; the row stops at the next step). Each row's tokens go through `RowText`, which
+passes on only what the finished answer will hold, so that the chunks' texts concatenate to the
+answer a request without `stream` gets (the same seed: the same answer):
+
+- a token that ends the answer (an end-of-text token, or the one completing a stop string) is never
+  sent, as the answer's trimming drops it (lm/generation.py, `trim_answer`);
+- leading and trailing whitespace is held back (the answer is stripped): what follows it sends it;
+- the bytes of a character spelled over several tokens are held until it is whole.
+
+The running score, after each sent token: the detector on the answer so far, i.e. its bag of the
+states the sampling pass computed up to there (activations/sampled_states.py keeps them). For max
+pooling that is the element-wise max so far under the head; for mean pooling, attention, HaMI's
+top-k and the probes, the same network on the bag so far. With `generated` positions the state of a
+token is computed with the next one, so that convention's running score is one token behind. The
+last chunk carries the answer's own `hallucination` object, computed as without `stream`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
+
+from halludetect.activations.bags import Bags
+
+
+@dataclass
+class Chunk:
+    """What one step adds to one streamed choice."""
+
+    choice: int
+    text: str
+    token_ids: list[int]
+    running_score: float | None  # the detector on the answer so far; None before it can score one
+
+
+class RowText:
+    """One streamed answer: its tokens as they come, and the text that is certain to be the answer's."""
+
+    def __init__(self, tokenizer, stop: list[str], ends: set[int]):
+        self.tokenizer, self.stop, self.ends = tokenizer, stop, ends
+        self.ids: list[int] = []  # the answer's tokens so far (never one that ends it)
+        self.sent = ""  # the text sent so far: always a prefix of the answer's
+        self.unsent: list[int] = []  # tokens taken since the last text sent
+        self.done = False
+
+    def push(self, token: int) -> tuple[str, list[int]] | None:
+        """Take the next sampled token: (text, tokens) to send, or None (nothing certain yet, or the end)."""
+        if self.done:
+            return None
+        if token in self.ends:
+            self.done = True
+            return None
+        text = self.tokenizer.decode([*self.ids, token], skip_special_tokens=True)
+        if self.stop and any(s in text for s in self.stop):  # this token completes a stop string: dropped
+            self.done = True
+            return None
+        self.ids.append(token)
+        self.unsent.append(token)
+        certain = text.strip().rstrip("\ufffd").rstrip()  # whitespace and a half-spelled character held back
+        if len(certain) <= len(self.sent) or not certain.startswith(self.sent):
+            return None
+        delta, self.sent = certain[len(self.sent) :], certain
+        ids, self.unsent = self.unsent, []
+        return delta, ids
+
+    def rest(self, answer: str, answer_ids: list[int]) -> tuple[str, list[int]]:
+        """What the last chunk adds: the finished answer beyond what was sent (text and tokens)."""
+        if not answer.startswith(self.sent):  # cannot happen (the text sent is the answer's); said, not hidden
+            raise RuntimeError(f"streamed text {self.sent!r} is not a prefix of the answer {answer!r}")
+        sent_ids = len(self.ids) - len(self.unsent)
+        return answer[len(self.sent) :], answer_ids[sent_ids:]
+
+
+@dataclass
+class StreamedRow:
+    """A round row that is streamed: where its chunks go, and what it has sent."""
+
+    choice: int
+    events: queue.Queue  # Chunk, then the model thread's end of round (None)
+    cancelled: threading.Event
+    text: RowText
+    states: list[torch.Tensor] = field(default_factory=list)  # [d] the state at column W - 1 + j, j = 0, 1, ...
+
+
+class RoundStream:
+    """The streamed rows of one round (round row -> StreamedRow), as `sample_with_states`'s `stream`.
+
+    `score` is the detector on a batch of bags ([B] logits; None: no running score, the answers
+    alone), `positions` the bundle's bag convention, `min_tokens` the fewest tokens it scores,
+    `states_dtype` the dtype the dump stores (a bag's values are read as the dump's)."""
+
+    def __init__(self, rows: dict[int, StreamedRow], score, positions: str, min_tokens: int, states_dtype):
+        self.streamed, self.score = rows, score
+        self.positions, self.min_tokens, self.states_dtype = positions, min_tokens, states_dtype
+        self.index: list[int] | None = None  # None: the round's own rows, in order
+
+    def row_of(self, r: int) -> int:
+        """The round row of this stream's row r."""
+        return r if self.index is None else self.index[r]
+
+    def rows(self, index: list[int]) -> RoundStream:
+        """The same stream over rows `index` of this one's rows."""
+        view = RoundStream.__new__(RoundStream)
+        view.__dict__ = dict(self.__dict__)
+        view.index = [self.row_of(i) for i in index]
+        return view
+
+    def call(self, width: int, steps: list[torch.Tensor]):
+        """The streamer and the stopping criterion of one `generate` over this stream's rows. A row
+        sampled again (its answer was empty: nothing of it was sent) starts over."""
+        rows = self.streamed.values() if self.index is None else [self.streamed.get(g) for g in self.index]
+        for row in rows:
+            if row is not None:
+                row.text = RowText(row.text.tokenizer, row.text.stop, row.text.ends)
+                row.states.clear()
+        return _Streamer(self, steps), _Cancelled(self)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, tokens: list[int], steps: list[torch.Tensor]) -> None:
+        """Each streamed row's next token: its state kept, its certain text sent with the running score."""
+        sent: list[tuple[StreamedRow, tuple[str, list[int]]]] = []
+        last = steps[-1] if steps else None  # [R, w, d] the forward that gave these tokens
+        for r, token in enumerate(tokens):
+            row = self.streamed.get(self.row_of(r))
+            if row is None or row.text.done:
+                continue
+            if last is not None:
+                row.states.append(last[r, -1])
+            out = row.text.push(token)
+            if out is not None:
+                sent.append((row, out))
+        scores = self._running([row for row, _ in sent]) if sent else {}
+        for row, (text, ids) in sent:
+            row.events.put(Chunk(row.choice, text, ids, scores.get(id(row))))
+
+    def _running(self, rows: list[StreamedRow]) -> dict[int, float]:
+        """The detector on each row's answer so far, where its bag is there and long enough."""
+        if self.score is None:
+            return {}
+        lag = 1 if self.positions == "generated" else 0  # a token's own state comes with the next one
+        bags, which = [], []
+        for row in rows:
+            k = len(row.text.ids)
+            if k >= max(1, self.min_tokens) and len(row.states) >= k + lag:
+                bags.append(torch.stack(row.states[lag : k + lag]))
+                which.append(row)
+        if not bags:
+            return {}
+        tokens = torch.cat(bags).to(self.states_dtype).float()  # [N, d]
+        lengths = torch.tensor([len(b) for b in bags], dtype=torch.int64, device=tokens.device)
+        with torch.no_grad():
+            z = self.score(Bags(tokens, lengths)).double().cpu().tolist()  # [B]
+        return {id(row): float(v) for row, v in zip(which, z, strict=True)}
+
+
+class _Streamer(BaseStreamer):
+    def __init__(self, stream: RoundStream, steps: list[torch.Tensor]):
+        self.stream, self.steps, self.prompt_seen = stream, steps, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate hands over the prompts [R, W] first
+            self.prompt_seen = True
+            return
+        self.stream.step(value.reshape(-1).tolist(), self.steps)
+
+    def end(self) -> None:
+        pass
+
+
+class _Cancelled(StoppingCriteria):
+    """Ends the rows of requests whose client has gone (the others go on as they were)."""
+
+    def __init__(self, stream: RoundStream):
+        self.stream = stream
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        gone = []
+        for r in range(input_ids.shape[0]):
+            row = self.stream.streamed.get(self.stream.row_of(r))
+            gone.append(row is not None and row.cancelled.is_set())
+        return torch.tensor(gone, dtype=torch.bool, device=input_ids.device)
