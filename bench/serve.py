@@ -23,6 +23,7 @@ Presets:
                    Random weights sample random tokens, so every answer runs to --max-tokens.
 
     python -m bench.serve                                   # the world on the CPU, about a minute
+    python -m bench.serve --stream                          # streamed: time to first token, per token
     python -m bench.serve --preset llama3-8b-shape --device cuda
 
 `--engine` (the world only): `halludetect serve --engine` in front of the faithful fake vLLM
@@ -49,6 +50,14 @@ in the states directory (`hd-*`), nor any in the engine's own.
 
     python -m bench.serve --engine                          # the world in front of the fake vLLM
     python -m bench.serve --engine --extra-stop a           # ... with replies that name no file
+
+`--stream`: every request streams (`stream: true`, server-sent events, read as they arrive), and
+each side reports, beside the whole answer's latency, the time to the first chunk (time to first
+token, TTFT: the prompt's pass and the first step, then the chunk on the wire) and the time per
+token after it ((last chunk - first chunk) / (chunks - 1), per answer): with scoring, each chunk
+also carries the running score (scoring/streaming.py), which is the work this adds per token.
+`ttft_ratio` is with / without scoring (issue 54: at most 1.05). The check of every served score
+reads each streamed answer's last chunk, and its text and token ids are the chunks' concatenation.
 
 Clients are threads of a second process (started once) speaking HTTP/1.1 with keep-alive
 (http.client): in the server's process, 64 client threads would contend for its interpreter lock with
@@ -177,6 +186,47 @@ def client_run(url: str, name: str, questions: list[str], clients: int, requests
                 raise RuntimeError(f"request {i}: {response.status} {data}")
             out.append((time.perf_counter() - t0, body["prompt"], data))
         conn.close()
+        return out
+
+    shares = [list(range(c, requests, clients)) for c in range(clients)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for part in pool.map(worker, shares) for r in part]
+    return time.perf_counter() - t0, results
+
+
+def stream_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
+    """`client_run` with `stream: true`: (wall seconds, [(latency, question, choice, ttft, per_token)]),
+    the choice rebuilt from the chunks (text and token ids joined, the last chunk's hallucination)."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+
+    def worker(share: list[int]):
+        out = []
+        for i in share:
+            body = {"model": name, "prompt": questions[i % len(questions)], "seed": i, "max_tokens": max_tokens}
+            body["stream"] = True
+            conn = http.client.HTTPConnection(host, int(port), timeout=600)  # a stream closes its connection
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"request {i}: {response.status} {response.read()[:500]!r}")
+            times, choice = [], {"text": "", "token_ids": [], "hallucination": None}
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                times.append(time.perf_counter() - t0)
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"request {i}: {chunk}")
+                c = chunk["choices"][0]
+                choice["text"] += c["text"]
+                choice["token_ids"] += c["token_ids"]
+                if c["finish_reason"] is not None:
+                    choice["hallucination"] = c.get("hallucination")
+            conn.close()
+            per_token = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+            out.append((times[-1], body["prompt"], choice, times[0], per_token))
         return out
 
     shares = [list(range(c, requests, clients)) for c in range(clients)]
@@ -440,11 +490,14 @@ def main() -> None:
     ap.add_argument("--engine-layers", type=int, nargs="+", help="--engine: its layer ids (default all, unsorted)")
     ap.add_argument("--extra-stop", nargs="+", default=[], help="--engine: stop strings added to the defaults")
     ap.add_argument("--engine-states-delay", type=float, default=0.0, help="--engine: s the fake's writer waits")
+    ap.add_argument("--stream", action="store_true", help="every request streams: time to first token, per token")
     args = ap.parse_args()
     threads = setup_threads()
     if args.engine:
         if args.preset != "world":
             ap.error("--engine serves the world (the fake vLLM runs its model)")
+        if args.stream:
+            ap.error("--stream: serve does not stream through --engine yet")
         return engine_main(args, threads)
     # random weights never write a stop string, and transformers' stop-string matcher cannot read a
     # word-level vocabulary: the synthetic presets sample to --max-tokens without one
@@ -466,7 +519,10 @@ def main() -> None:
     clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
     def load(*a):
-        return clients_process.submit(client_run, *a).result()
+        wall, results = clients_process.submit(stream_run if args.stream else client_run, *a).result()
+        if not args.stream:
+            return wall, [(lat, q, data["choices"][0], None, None) for lat, q, data in results]
+        return wall, results
 
     with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
         for side in ("score", "plain"):  # warm-up, both sides at the most clients: first calls, allocator, kernels
@@ -474,7 +530,8 @@ def main() -> None:
             load(srv.url, "bench", questions, max(args.clients), max(args.clients), args.max_tokens)
         for clients in args.clients:
             requests = clients * args.rounds
-            sides: dict[str, dict[str, list]] = {s: {"p50": [], "p90": [], "tput": []} for s in ("score", "plain")}
+            keys = ("p50", "p90", "tput", "ttft", "per_token")
+            sides: dict[str, dict[str, list]] = {s: {k: [] for k in keys} for s in ("score", "plain")}
             batches = {"score": 0, "plain": 0}
             for _ in range(args.repeats):
                 for side in ("score", "plain"):
@@ -486,9 +543,20 @@ def main() -> None:
                     sides[side]["p50"].append(statistics.median(latency))
                     sides[side]["p90"].append(latency[int(0.9 * (len(latency) - 1))])
                     sides[side]["tput"].append(len(results) / wall)
+                    if args.stream:
+                        sides[side]["ttft"].append(statistics.median(r[3] for r in results))
+                        sides[side]["per_token"].append(statistics.median(r[4] for r in results if r[4] == r[4]))
                     if side == "score":
-                        checked += [(q, data["choices"][0]) for _, q, data in results]
-            med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in sides.items()}
+                        checked += [(q, choice) for _, q, choice, _, _ in results]
+            med = {s: {k: statistics.median(v) for k, v in d.items() if v} for s, d in sides.items()}
+            streamed = {}
+            if args.stream:
+                streamed = {
+                    "ttft_s_p50": {s: round(m["ttft"], 4) for s, m in med.items()},
+                    "per_token_s_p50": {s: round(m["per_token"], 5) for s, m in med.items()},
+                    "ttft_ratio": round(med["score"]["ttft"] / med["plain"]["ttft"], 3),
+                    "per_token_ratio": round(med["score"]["per_token"] / med["plain"]["per_token"], 3),
+                }
             emit(
                 {
                     "bench": "serve",
@@ -504,6 +572,8 @@ def main() -> None:
                     "answers_per_pass": {s: round(requests * args.repeats / max(b, 1), 1) for s, b in batches.items()},
                     "latency_ratio": round(med["score"]["p50"] / med["plain"]["p50"], 3),
                     "throughput_ratio": round(med["score"]["tput"] / med["plain"]["tput"], 3),
+                    "stream": args.stream,
+                    **streamed,
                 }
             )
     failed = check_served(scorer, checked, args.preset, args.atol, scorer.model, tokenizer=scorer.tokenizer)
