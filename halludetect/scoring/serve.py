@@ -963,7 +963,7 @@ class Service:
         if not any(j.stream for j in group):
             return None
         from halludetect.lm.hf_models import eos_ids
-        from halludetect.scoring.streaming import RoundStream, RowText, StreamedRow
+        from halludetect.scoring.streaming import RoundStream, RowText, RunningPool, StreamedRow
 
         s, p = self.scorer, group[0].params
         ends = set(eos_ids(s.model, s.tokenizer)) | {s.tokenizer.eos_token_id, s.tokenizer.pad_token_id}
@@ -977,7 +977,8 @@ class Service:
                 rows |= {at + c: row for c, row in enumerate(j.streamed)}
             at += len(j.keys)
         score = (lambda bags: s.bundle.seed_logits(bags).mean(0)) if self.scoring else None  # the seeds' mean logit
-        return RoundStream(rows, score, s.bundle.positions, s.min_tokens, s.states_dtype)
+        running = RunningPool.of(s.bundle) if self.scoring else None  # max and mean pooling: kept, not recomputed
+        return RoundStream(rows, score, s.bundle.positions, s.min_tokens, s.states_dtype, running)
 
     def _sample_only(self, prompts: list[list[int]], keys: list[tuple], first: Job, stream=None) -> list[dict]:
         from halludetect.activations.sampled_states import sample_with_states

@@ -14,9 +14,11 @@ answer a request without `stream` gets (the same seed: the same answer):
 - the bytes of a character spelled over several tokens are held until it is whole.
 
 The running score, after each sent token: the detector on the answer so far, i.e. its bag of the
-states the sampling pass computed up to there (activations/sampled_states.py keeps them). For max
-pooling that is the element-wise max so far under the head; for mean pooling, attention, HaMI's
-top-k and the probes, the same network on the bag so far. With `generated` positions the state of a
+states the sampling pass computed up to there (activations/sampled_states.py keeps them). For the
+paper's max and mean pooling networks it is kept, not recomputed (`RunningPool`): each new state goes
+through every seed's feature layer at once, into the element-wise max (or sum) so far, under the
+heads: one small product per token. For attention, HaMI's top-k and the probes it is the same
+network on the bag so far. With `generated` positions the state of a
 token is computed with the next one, so that convention's running score is one token behind. The
 last chunk carries the answer's own `hallucination` object, computed as without `stream`.
 """
@@ -32,6 +34,8 @@ from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from halludetect.activations.bags import Bags
+from halludetect.detectors import networks
+from halludetect.detectors.pooling import segment_max, segment_mean
 
 
 @dataclass
@@ -82,6 +86,47 @@ class RowText:
         return answer[len(self.sent) :], answer_ids[sent_ids:]
 
 
+class RunningPool:
+    """The bundle's seeds of a max or mean pooling network (networks.PoolingNet, feature Linear-ReLU-
+    Dropout), their running score kept per row: every seed's feature layer stacked into one
+    [S * D, d] product, the pooled vector so far per row (max, or sum and count), the heads after it.
+    The same arithmetic as the network's forward on the bag so far, to float rounding."""
+
+    def __init__(self, nets: list[networks.PoolingNet]):
+        self.weight = torch.cat([n.feature[0].weight for n in nets]).detach()  # [S * D, d]
+        self.bias = torch.cat([n.feature[0].bias for n in nets]).detach()  # [S * D]
+        self.head = torch.stack([n.head.weight[0] for n in nets]).detach()  # [S, D]
+        self.head_bias = torch.cat([n.head.bias for n in nets]).detach()  # [S]
+        self.max = nets[0].pool is segment_max
+
+    @classmethod
+    def of(cls, bundle) -> RunningPool | None:
+        """For a bundle whose every seed is such a network (exactly: a subclass may differ), else None."""
+        nets = [bundle.detectors[s] for s in bundle.seeds]
+        for n in nets:
+            if type(n) is not networks.PoolingNet or n.pool not in (segment_max, segment_mean):
+                return None
+            kinds = [type(m) for m in n.feature]
+            if kinds != [torch.nn.Linear, torch.nn.ReLU, networks.Dropout]:
+                return None
+        return cls(nets)
+
+    def add(self, pooled: dict, h: torch.Tensor) -> float:
+        """Take the states h [n, d] into a row's pooled values (`pooled`, kept by the caller); its score."""
+        with torch.no_grad():
+            u = torch.relu(h.to(self.weight) @ self.weight.T + self.bias)  # [n, S * D]
+            if self.max:
+                top = u.max(0).values
+                pooled["v"] = top if "v" not in pooled else torch.maximum(pooled["v"], top)
+                v = pooled["v"]
+            else:
+                pooled["v"] = u.sum(0) + pooled.get("v", 0)
+                pooled["n"] = pooled.get("n", 0) + len(h)
+                v = pooled["v"] / pooled["n"]
+            z = (v.view(len(self.head), -1) * self.head).sum(1) + self.head_bias  # [S]
+            return float(z.double().mean())
+
+
 @dataclass
 class StreamedRow:
     """A round row that is streamed: where its chunks go, and what it has sent."""
@@ -91,6 +136,8 @@ class StreamedRow:
     cancelled: threading.Event
     text: RowText
     states: list[torch.Tensor] = field(default_factory=list)  # [d] the state at column W - 1 + j, j = 0, 1, ...
+    pooled: dict = field(default_factory=dict)  # RunningPool's values so far
+    fed: int = 0  # states taken into `pooled`
 
 
 class RoundStream:
@@ -100,8 +147,10 @@ class RoundStream:
     alone), `positions` the bundle's bag convention, `min_tokens` the fewest tokens it scores,
     `states_dtype` the dtype the dump stores (a bag's values are read as the dump's)."""
 
-    def __init__(self, rows: dict[int, StreamedRow], score, positions: str, min_tokens: int, states_dtype):
-        self.streamed, self.score = rows, score
+    def __init__(
+        self, rows: dict[int, StreamedRow], score, positions: str, min_tokens: int, states_dtype, running=None
+    ):
+        self.streamed, self.score, self.running = rows, score, running  # running: a RunningPool, or None
         self.positions, self.min_tokens, self.states_dtype = positions, min_tokens, states_dtype
         self.index: list[int] | None = None  # None: the round's own rows, in order
 
@@ -124,6 +173,7 @@ class RoundStream:
             if row is not None:
                 row.text = RowText(row.text.tokenizer, row.text.stop, row.text.ends)
                 row.states.clear()
+                row.pooled, row.fed = {}, 0
         return _Streamer(self, steps), _Cancelled(self)
 
     # ------------------------------------------------------------------ one step
@@ -149,10 +199,21 @@ class RoundStream:
         if self.score is None:
             return {}
         lag = 1 if self.positions == "generated" else 0  # a token's own state comes with the next one
+        if self.running is not None:
+            out = {}
+            for row in rows:
+                k = min(len(row.text.ids), len(row.states) - lag)  # the tokens whose states are there
+                if k > row.fed:
+                    new = torch.stack(row.states[row.fed + lag : k + lag]).to(self.states_dtype).float()
+                    row.pooled["z"] = self.running.add(row.pooled, new)
+                    row.fed = k
+                if row.fed >= max(1, self.min_tokens):
+                    out[id(row)] = row.pooled["z"]
+            return out
         bags, which = [], []
         for row in rows:
-            k = len(row.text.ids)
-            if k >= max(1, self.min_tokens) and len(row.states) >= k + lag:
+            k = min(len(row.text.ids), len(row.states) - lag)  # the tokens whose states are there
+            if k >= max(1, self.min_tokens):
                 bags.append(torch.stack(row.states[lag : k + lag]))
                 which.append(row)
         if not bags:
