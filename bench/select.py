@@ -48,13 +48,6 @@ def cell_scores(model: str, dataset: str, method: str) -> pl.DataFrame | None:
     )
 
 
-def complete_questions(judgments: pl.DataFrame, n: int) -> pl.DataFrame:
-    """The test answers of the questions whose n answers were all judged (kept), with their labels."""
-    test = judgments.filter(pl.col("split") == "test")
-    full = test.group_by("question_id").agg(pl.col("kept").all() & (pl.len() == n)).filter(pl.col("kept"))
-    return test.join(full.select("question_id"), on="question_id").select("question_id", "sample_index", "label")
-
-
 def greedy_accuracy(params, model: str, dataset: str, questions: list[str]) -> float:
     """The greedy answers of `questions` judged by the DAG's judge (two passes where it has them)."""
     from halludetect.labels.judges import judge_from, two_pass
@@ -78,7 +71,7 @@ def row(name: str, chosen: pl.DataFrame, curve: bool) -> dict:
 
 def cell(params, model: str, dataset: str, greedy: bool) -> dict:
     judgments = pl.read_parquet(f"data/labels/{model}/{dataset}/judgments.parquet")
-    answers = complete_questions(judgments, params.generate.n_samples)
+    answers = selection.complete(judgments)
     ids = answers["question_id"].unique().sort()
     rows = [row("one sample", selection.first_sample(answers), curve=False)]
     if greedy:

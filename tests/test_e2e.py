@@ -95,6 +95,7 @@ def test_dag_writes_the_comparison_table(repo):
         "sensitivity_hami_sp.png",
         "sensitivity_hami.png",
         "margins_by_epoch.png",
+        "selection.png",
         "evidence.png",
         "sparsity.png",
         "gradient_ratio.png",

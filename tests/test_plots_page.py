@@ -46,6 +46,7 @@ def test_every_plot_has_a_title_axis_names_and_a_template_of_the_repository():
     defs = definitions()
     assert [path for path, _ in defs] == [
         "metrics/plots/layers",
+        "metrics/plots/selection",
         "metrics/plots/roc",
         "metrics/plots/epochs",
         "metrics/plots/scores",
@@ -166,6 +167,7 @@ def write_plot_data(repo):
             pl.DataFrame({"fpr": np.linspace(0, 1, 11), "series": m, "tpr": np.linspace(0, 1, 11) ** 0.5})
             for m in methods
         ),
+        "selection": figures.selection_data({m: np.linspace(0.9, 0.6, 20) for m in methods}, np.linspace(0.05, 1, 20)),
         "epochs": pl.DataFrame(
             [
                 {"epoch": e, "series": f"{m} ({s})", "margin": 0.1 * e}

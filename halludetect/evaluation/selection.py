@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 
 COVERAGES = (1.0, 0.9, 0.8, 0.5)  # the abstention curve's points the tables print
+COVERAGE_GRID = np.round(np.linspace(0.05, 1.0, 20), 2)  # the points the figure draws
 
 
 def check(frame: pl.DataFrame, what: str) -> pl.DataFrame:
@@ -71,3 +72,22 @@ def abstention_curve(chosen: pl.DataFrame, coverages=COVERAGES) -> dict[str, flo
     out = {f"accuracy_at_{c:g}": float(running[max(1, int(np.ceil(c * len(correct)))) - 1]) for c in coverages}
     out["area"] = float(running.mean())
     return out
+
+
+def complete(judgments: pl.DataFrame, split: str = "test") -> pl.DataFrame:
+    """The answers of `split`'s questions whose answers were all judged (kept) and that have as many
+    as the most any question has (n): question_id, sample_index, label. A choice among them is a
+    choice among the same n answers for every question and every detector."""
+    part = judgments.filter(pl.col("split") == split)
+    counts = part.group_by("question_id").agg(pl.col("kept").all().alias("all_kept"), pl.len().alias("k"))
+    n = int(counts["k"].max() or 0)
+    full = counts.filter(pl.col("all_kept") & (pl.col("k") == n)).select("question_id")
+    return part.join(full, on="question_id").select("question_id", "sample_index", "label")
+
+
+def curve(chosen: pl.DataFrame, coverages=COVERAGE_GRID) -> np.ndarray:
+    """[len(coverages)] the accuracy of the answered questions at each coverage (`abstention_curve`'s rule)."""
+    ranked = chosen.sort("score", "question_id")
+    correct = (ranked["label"] == 0).to_numpy().astype(float)
+    running = np.cumsum(correct) / np.arange(1, len(correct) + 1)
+    return np.array([running[max(1, int(np.ceil(c * len(correct)))) - 1] for c in coverages])

@@ -3,7 +3,7 @@
 Reads each trained detector's evaluate metrics (its best layer, chosen on validation), train's
 per-response test scores at that layer (checked: its seeds are train.seeds), the scores' (those
 with nothing to train: their train stage's answers.parquet) on the test responses, and the
-labelled answers' lengths and P_sem; draws the five
+labelled answers' lengths and P_sem; draws the six
 PNGs of figures.py and writes their data as DVC plots. (The sensitivity distributions of the
 analysed HaMI detectors are the analyze stage's.)
 """
@@ -21,6 +21,7 @@ from halludetect.activations.layer_format import layer_filename
 from halludetect.config import GridParams
 from halludetect.core.artifacts import read_parquet
 from halludetect.core.errors import DataError
+from halludetect.evaluation import selection
 from halludetect.evaluation.plot_data import class_histogram_data
 from halludetect.evaluation.score_tables import read_scores
 from halludetect.labels.readers import read_clusters, read_judgments
@@ -57,10 +58,17 @@ def draw_cell(
     figs, plots = Path(figures_dir), Path(plots_dir)
 
     curves, aurocs, score_panels, score_data = {}, {}, {}, {}
+    answer_scores: dict[str, pl.DataFrame] = {}  # method -> rid, score (its test answers)
     for m in detectors:
         # train's per-response scores at the best layer (checked: its seeds are train.seeds)
         path = Path(scores_dir) / m / layer_filename(best[m]).replace(".h5", ".parquet")
         y, per_seed, _ = read_scores(path, seeds)["test"]
+        answer_scores[m] = (
+            pl.read_parquet(path, columns=["response_id", "split", "score"])
+            .filter(pl.col("split") == "test")
+            .group_by(pl.col("response_id").alias("rid"))
+            .agg(pl.col("score").mean())  # the seeds' mean logit, as a bundle scores
+        )
         curves[m] = (y, per_seed)
         a = evals[m]["test"]["auroc"]
         aurocs[m] = f"{a['mean']:.3f}" + (f" ± {a['stderr']:.3f}" if a.get("stderr") is not None else "")
@@ -73,6 +81,7 @@ def draw_cell(
         s = s.filter((pl.col("split") == "test") & pl.col("score").is_not_null() & pl.col("score").is_finite())
         y, score = s["label"].to_numpy(), s["score"].to_numpy()
         curves[name] = (y, [score])
+        answer_scores[name] = s.select(pl.col("response_id").alias("rid"), "score")
         aurocs[name] = f"{auroc(y, score):.3f}, baseline"
 
     # Answer length and P_sem (detectors.p_sem.variant) by class, per split, over the labelled responses.
@@ -137,6 +146,26 @@ def draw_cell(
     figures.save_csv(figures.roc_data(curves), plots / "roc" / model / f"{dataset}.csv")
     # One file per cell and purpose, a `panel` column per method (or quantity): DVC draws one chart
     # of panels from it (.dvc/plots/panels.json), where a file per panel made a chart each.
+    # Choosing among a question's n answers by each method's score, and abstaining (evaluation/selection.py).
+    answers = selection.complete(judged)
+    keyed = answers.with_columns(response_ids(answers).alias("rid"))
+    chosen_curves = {}
+    for m, frame in answer_scores.items():
+        scored = keyed.join(frame, on="rid", how="inner").drop("rid")
+        if scored.height == answers.height and answers.height:  # every answer scored (EigenScore's groups may not be)
+            chosen_curves[m] = selection.curve(selection.best_of_n(scored))
+    n = int(answers.group_by("question_id").len()["len"].max() or 0)
+    one = selection.accuracy(selection.first_sample(answers)) if answers.height else float("nan")
+    best_possible = selection.oracle(answers) if answers.height else float("nan")
+    if not chosen_curves:  # drawn all the same (a stage output): the baselines alone, said in the log
+        log("%s: no method scored every judged test answer of a complete question: no selection curve", cell)
+    title = f"Best of {n} by each score, then abstaining, test, {cell}\n"
+    title += f"({answers['question_id'].n_unique()} questions whose {n} answers were all judged)"
+    figures.save_png(
+        figures.selection(chosen_curves, selection.COVERAGE_GRID, one, best_possible, n, title), figs / "selection.png"
+    )
+    data = figures.selection_data(chosen_curves, selection.COVERAGE_GRID)
+    figures.save_csv(data, plots / "selection" / model / f"{dataset}.csv")
     for sub, data in (("scores", score_data), ("responses", response_data)):
         frame = pl.concat([f.with_columns(pl.lit(name).alias("panel")) for name, f in data.items()])
         figures.save_csv(frame, plots / sub / model / f"{dataset}.csv")

@@ -10,6 +10,10 @@
   margins_by_epoch   the train and validation margins mean(y z) after every epoch at each
                      method's best layer, mean over seeds: the paper's Theorem 1 (training expands
                      them) and its claim that max pooling expands them faster than mean pooling
+  selection          each method choosing among a question's n answers (the lowest score) and
+                     abstaining on the questions its choice scores highest: accuracy of the
+                     answered ones by coverage, beside one sample and the oracle
+                     (evaluation/selection.py; `halludetect serve`'s select)
 
 PNGs are drawn with matplotlib's object API on the Agg canvas (no display, no global pyplot
 state) and written atomically without the Software/date metadata, so the same data gives the same
@@ -138,6 +142,37 @@ def roc(curves: dict[str, tuple[np.ndarray, list[np.ndarray]]], aurocs: dict[str
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7.5, loc="lower right", title="test AUROC, mean over seeds", title_fontsize=7.5)
+    return fig
+
+
+# ----------------------------------------------------------------------------- choosing by the score
+def selection_data(curves: dict[str, np.ndarray], coverages: np.ndarray) -> pl.DataFrame:
+    """{method: accuracy at each coverage} -> long frame: coverage, series, accuracy, colour."""
+    if not curves:
+        schema = {"coverage": pl.Float64, "series": pl.String, "accuracy": pl.Float64}
+        return with_colours(pl.DataFrame(schema=schema))
+    return with_colours(
+        pl.concat([pl.DataFrame({"coverage": coverages, "series": m, "accuracy": acc}) for m, acc in curves.items()])
+    )
+
+
+def selection(
+    curves: dict[str, np.ndarray], coverages: np.ndarray, one: float, oracle: float, n: int, title: str
+) -> Figure:
+    fig = Figure(figsize=(8.6, 5.0), layout="constrained")
+    ax = fig.subplots()
+    for method, acc in curves.items():
+        ax.plot(coverages, acc, lw=1.6, color=method_colour(method), label=method)
+    ax.axhline(one, color="black", lw=1.0, ls="--", label=f"one sample ({one:.3f})")
+    ax.axhline(oracle, color="grey", lw=1.0, ls=":", label=f"oracle: any of the {n} right ({oracle:.3f})")
+    ax.set(
+        xlabel="coverage (share of questions answered, lowest-scored first)",
+        ylabel=f"accuracy of the answered (best of {n} by the score)",
+        title=title,
+        xlim=(0, 1.0),
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: the curves fill the axes
     return fig
 
 

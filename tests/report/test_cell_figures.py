@@ -131,7 +131,15 @@ def test_figures_stage_draws_every_figure_and_writes_the_plot_data(tmp_path):
         "responses.png",
         "roc.png",
         "scores.png",
+        "selection.png",
     ]
+    chosen = pl.read_csv(tmp_path / "plots" / "selection" / "m" / "d.csv")  # a curve per method scoring every answer
+    assert chosen.columns == ["coverage", "series", "accuracy", "colour"] and set(chosen["series"]) <= {
+        *methods,
+        "p_sem",
+        "length",
+    }
+    assert chosen.height and chosen["accuracy"].is_between(0, 1).all()
     epochs = pl.read_csv(tmp_path / "plots" / "epochs" / "m" / "d.csv")
     assert epochs.columns == ["epoch", "series", "margin", "colour"] and epochs.height == 2 * 2 * 10
     assert epochs.filter(pl.col("series") == "hami_sp (train)")["margin"].to_list()[-1] == pytest.approx(2.0)
