@@ -739,6 +739,7 @@ class Service:
             }
 
     def _take_slot(self) -> None:
+        """One of the --max-concurrency slots, or a 429 (counted)."""
         if not self._slots.acquire(blocking=False):
             with self._lock:
                 self.stats["refused"] += 1
@@ -750,14 +751,7 @@ class Service:
 
     def answer(self, body: object, chat: bool) -> dict:
         """A request's response (ApiError for a refused one): queued, sampled and scored, shaped."""
-        if not self._slots.acquire(blocking=False):
-            with self._lock:
-                self.stats["refused"] += 1
-            raise ApiError(
-                429,
-                f"more than {self.limits.max_concurrency} requests in flight (--max-concurrency): retry shortly",
-                kind="rate_limit_error",
-            )
+        self._take_slot()
         try:
             job = self.job(body, chat)
             if self.engine is not None:
