@@ -169,6 +169,16 @@ def synthetic(shape: str, device: str, layer: int, out: Path):
 
 
 # ------------------------------------------------------------------ the load
+def spread(worker, clients: int, requests: int) -> tuple[float, list]:
+    """Requests 0..requests-1 dealt round-robin to `clients` threads, each running `worker(its share)`:
+    (wall seconds, every result)."""
+    shares = [list(range(c, requests, clients)) for c in range(clients)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for part in pool.map(worker, shares) for r in part]
+    return time.perf_counter() - t0, results
+
+
 def client_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
     """`requests` requests from `clients` threads, request i asking question i (mod) with seed i:
     (wall seconds, [(latency, question, response)])."""
@@ -188,11 +198,7 @@ def client_run(url: str, name: str, questions: list[str], clients: int, requests
         conn.close()
         return out
 
-    shares = [list(range(c, requests, clients)) for c in range(clients)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = [r for part in pool.map(worker, shares) for r in part]
-    return time.perf_counter() - t0, results
+    return spread(worker, clients, requests)
 
 
 def stream_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
@@ -229,11 +235,7 @@ def stream_run(url: str, name: str, questions: list[str], clients: int, requests
             out.append((times[-1], body["prompt"], choice, times[0], per_token))
         return out
 
-    shares = [list(range(c, requests, clients)) for c in range(clients)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = [r for part in pool.map(worker, shares) for r in part]
-    return time.perf_counter() - t0, results
+    return spread(worker, clients, requests)
 
 
 # ------------------------------------------------------------------ --engine: in front of the fake vLLM

@@ -66,12 +66,21 @@ def abstention_curve(chosen: pl.DataFrame, coverages=COVERAGES) -> dict[str, flo
     """Answer the questions whose chosen answer scores lowest and abstain on the rest: at each
     coverage c, the accuracy of the answered ceil(c x questions) (ties broken by question id), and
     `area`, the mean accuracy over every coverage k/Q (the area under the accuracy-coverage curve)."""
-    ranked = chosen.sort("score", "question_id")
-    correct = (ranked["label"] == 0).to_numpy().astype(float)
-    running = np.cumsum(correct) / np.arange(1, len(correct) + 1)  # [Q] accuracy of the first k answered
-    out = {f"accuracy_at_{c:g}": float(running[max(1, int(np.ceil(c * len(correct)))) - 1]) for c in coverages}
+    running = _answered_accuracy(chosen)
+    out = {f"accuracy_at_{c:g}": float(a) for c, a in zip(coverages, _at(running, coverages), strict=True)}
     out["area"] = float(running.mean())
     return out
+
+
+def _answered_accuracy(chosen: pl.DataFrame) -> np.ndarray:
+    """[Q] the accuracy of the k questions whose chosen answer scores lowest, k = 1..Q (ties: question id)."""
+    correct = (chosen.sort("score", "question_id")["label"] == 0).to_numpy().astype(float)
+    return np.cumsum(correct) / np.arange(1, len(correct) + 1)
+
+
+def _at(running: np.ndarray, coverages) -> np.ndarray:
+    """`running` read at each coverage c: ceil(c x Q) questions answered, at least one."""
+    return np.array([running[max(1, int(np.ceil(c * len(running)))) - 1] for c in coverages])
 
 
 def complete(judgments: pl.DataFrame, split: str = "test") -> pl.DataFrame:
@@ -87,7 +96,4 @@ def complete(judgments: pl.DataFrame, split: str = "test") -> pl.DataFrame:
 
 def curve(chosen: pl.DataFrame, coverages=COVERAGE_GRID) -> np.ndarray:
     """[len(coverages)] the accuracy of the answered questions at each coverage (`abstention_curve`'s rule)."""
-    ranked = chosen.sort("score", "question_id")
-    correct = (ranked["label"] == 0).to_numpy().astype(float)
-    running = np.cumsum(correct) / np.arange(1, len(correct) + 1)
-    return np.array([running[max(1, int(np.ceil(c * len(correct)))) - 1] for c in coverages])
+    return _at(_answered_accuracy(chosen), coverages)

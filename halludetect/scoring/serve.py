@@ -676,10 +676,7 @@ class Service:
         self._take_slot()
         try:
             job = self.job(body, chat)
-            with self._queue_lock:
-                if self._stopping.is_set():
-                    raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
-                self._jobs.put(job)
+            self._queue(job)
         except BaseException:
             self._slots.release()
             raise
@@ -738,6 +735,13 @@ class Service:
                 "detector": whole["detector"]
             }
 
+    def _queue(self, job: Job) -> None:
+        """The job handed to the model thread, before a stop's last sentinel, or refused (503)."""
+        with self._queue_lock:
+            if self._stopping.is_set():
+                raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
+            self._jobs.put(job)
+
     def _take_slot(self) -> None:
         """One of the --max-concurrency slots, or a 429 (counted)."""
         if not self._slots.acquire(blocking=False):
@@ -759,10 +763,7 @@ class Service:
                     raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
                 results = self._from_engine(job)
             else:
-                with self._queue_lock:  # a job is queued before a stop's last sentinel, or refused
-                    if self._stopping.is_set():
-                        raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
-                    self._jobs.put(job)
+                self._queue(job)
                 results = job.future.result()
         finally:
             self._slots.release()
