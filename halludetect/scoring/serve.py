@@ -45,7 +45,10 @@ per token whose text is certain to be the answer's, each with the detector's run
 network on the answer so far: scoring/streaming.py), the last chunk of each choice with its
 finish_reason and the `hallucination` object a request without `stream` gets, then `data: [DONE]`.
 A client that goes away mid-stream frees its slot at once, and its rows stop at the next step.
-Not with `select` (it chooses among finished answers), not yet through `--engine`.
+Through `--engine` the chunks are the engine's tokens as it streams them (decoded and held back as
+above), with `running_score` null: vLLM writes an answer's states when it ends, so the score comes
+in the last chunk; a client that goes closes the engine's stream, which aborts the request there.
+Not with `select` (it chooses among finished answers).
 
 Limits and refusals, each a JSON error `{"error": {"message", "type", "param", "code"}}`, never a
 crash: a body over `max_request_bytes` (413), more than `max_concurrency` requests in flight (429 and
@@ -177,6 +180,13 @@ class Job:
     events: queue.Queue = field(default_factory=queue.Queue)  # streaming: Chunk, then None at the round's end
     cancelled: threading.Event = field(default_factory=threading.Event)  # streaming: the client has gone
     streamed: list = field(default_factory=list)  # streaming: each choice's StreamedRow, set by the model thread
+    hangup: Callable[[], None] = lambda: None  # streaming through --engine: closes the engine's stream
+
+    def hung_up_by(self, close: Callable[[], None]) -> None:
+        """`close` is what `hangup` calls from now on; called at once where the client has already gone."""
+        self.hangup = close
+        if self.cancelled.is_set():
+            close()
 
     @property
     def batch_key(self) -> tuple:
@@ -244,6 +254,30 @@ def _unicode(text: str, param: str) -> str:
             400, f"'{param}' is not valid Unicode text: a lone surrogate at character {e.start}", param
         ) from None
     return text
+
+
+def _events(r, deadline: float, max_line: int = 1 << 20):
+    """The data of each server-sent event of response `r` (bytes; multi-line data joined by a newline;
+    comments and other fields skipped), until the stream ends; ApiError 502 for a line over `max_line`
+    bytes or a stream still going at `deadline` (time.monotonic)."""
+    data: list[bytes] = []
+    while True:
+        line = r.readline(max_line + 1)
+        if time.monotonic() > deadline:
+            raise ApiError(502, "the engine's stream ran past the engine timeout")
+        if not line:
+            return
+        if len(line) > max_line:
+            raise ApiError(502, f"the engine sent a stream line over {max_line} bytes")
+        line = line.rstrip(b"\r\n")
+        if not line:  # an event ends at a blank line
+            if data:
+                yield b"\n".join(data)
+                data = []
+        elif not line.startswith(b":"):  # ": keep-alive" (vLLM's sse_keep_alive.py) and other comments
+            name, _, value = line.partition(b":")
+            if name == b"data":
+                data.append(value[1:] if value.startswith(b" ") else value)
 
 
 class EngineClient:
@@ -322,10 +356,8 @@ class EngineClient:
                 "bundle's base model"
             )
 
-    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int, states: str) -> dict:
-        """One answer, its states written at `states`: the reply's first choice, with `kv_transfer_params`
-        (ApiError 502 on failure)."""
-        body = {
+    def _body(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int, states: str) -> dict:
+        return {
             "model": self.model,
             "prompt": prompt,
             "n": 1,
@@ -345,18 +377,18 @@ class EngineClient:
             "skip_special_tokens": True,
             "kv_transfer_params": {"include_output_tokens": True, "hidden_states_path": states},
         }
-        try:
-            status, text = self._call("/completions", body)
-            data = json.loads(text) if status == 200 else None
-        except (OSError, ValueError) as e:
-            raise ApiError(502, f"the engine did not answer ({type(e).__name__})") from None
-        if status != 200:  # its message is the engine's own (a context too long, say): passed on, cut, and
-            # without our states path, which the request carried and an engine or proxy may echo
-            text = re.sub(r"hd-[0-9a-f]{24}\.safetensors", "<file>", text.replace(str(states), "<states file>"))
-            if self.states is not None:
-                text = text.replace(str(self.states.path), "<states directory>")
-            raise ApiError(502, f"the engine answered {status}: {text[:300]}")
-        choice = (data.get("choices") or [None])[0]
+
+    def _unnamed(self, text: str, states: str) -> str:
+        """An engine's message passed on, cut, and without our states path, which the request carried
+        and an engine or proxy may echo."""
+        text = re.sub(r"hd-[0-9a-f]{24}\.safetensors", "<file>", text.replace(str(states), "<states file>"))
+        if self.states is not None:
+            text = text.replace(str(self.states.path), "<states directory>")
+        return text[:300]
+
+    @staticmethod
+    def _finished(choice, transfer, params: GenerateParams) -> dict:
+        """The reply's choice checked as an answer the engine finished, with the reply's `kv_transfer_params`."""
         if not isinstance(choice, dict) or not isinstance(choice.get("token_ids"), list):
             raise ApiError(502, "the engine gave no token ids (vLLM >= 0.10.2 returns them)")
         if choice.get("finish_reason") not in ("stop", "length"):
@@ -365,7 +397,116 @@ class EngineClient:
             raise ApiError(
                 502, f"the engine returned {len(choice['token_ids'])} tokens for max_tokens {params.max_new_tokens}"
             )
-        return {**choice, "kv_transfer_params": data.get("kv_transfer_params")}
+        return {**choice, "kv_transfer_params": transfer}
+
+    def complete(self, prompt: list[int], params: GenerateParams, greedy: bool, seed: int, states: str) -> dict:
+        """One answer, its states written at `states`: the reply's first choice, with `kv_transfer_params`
+        (ApiError 502 on failure)."""
+        try:
+            status, text = self._call("/completions", self._body(prompt, params, greedy, seed, states))
+            data = json.loads(text) if status == 200 else None
+        except (OSError, ValueError) as e:
+            raise ApiError(502, f"the engine did not answer ({type(e).__name__})") from None
+        if status != 200:  # its message is the engine's own (a context too long, say)
+            raise ApiError(502, f"the engine answered {status}: {self._unnamed(text, states)}")
+        if not isinstance(data, dict):
+            raise ApiError(502, "the engine's reply is not a JSON object")
+        return self._finished((data.get("choices") or [None])[0], data.get("kv_transfer_params"), params)
+
+    def stream(
+        self,
+        prompt: list[int],
+        params: GenerateParams,
+        greedy: bool,
+        seed: int,
+        states: str,
+        on_tokens: Callable[[list[int]], None],
+        hangup: Callable[[Callable[[], None]], None],
+    ) -> dict:
+        """One answer streamed (vLLM's `completion_stream_generator`: halludetect/testing/fake_vllm.py
+        says what it sends): `on_tokens` gets each chunk's token ids as they come; the answer comes
+        back as `complete` gives it. `hangup` is handed the function that closes the engine's stream
+        from another thread (a client that left: vLLM then aborts the request). Everything the engine
+        sends is untrusted: a line over 1 MiB, more chunks than `max_tokens` allows, an error object,
+        malformed JSON, tokens after the end, a stream that ends before the answer or runs past the
+        timeout are each a 502."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        conn = kind(url.netloc, timeout=self.timeout)
+        body = self._body(prompt, params, greedy, seed, states) | {"stream": True}
+
+        def close() -> None:  # from any thread: a blocked read wakes with an error
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+        hangup(close)
+        try:
+            try:
+                conn.request("POST", url.path + "/completions", json.dumps(body).encode(), self._headers)
+                r = conn.getresponse()
+                if r.status != 200:
+                    text = r.read(64 * 1024).decode(errors="replace")
+                    raise ApiError(502, f"the engine answered {r.status}: {self._unnamed(text, states)}")
+                return self._read_stream(r, params, states, on_tokens)
+            except (OSError, http.client.HTTPException) as e:
+                raise ApiError(502, f"the engine's stream broke off ({type(e).__name__})") from None
+        finally:
+            hangup(lambda: None)
+            conn.close()
+
+    def _read_stream(self, r, params: GenerateParams, states: str, on_tokens) -> dict:
+        """The answer assembled from the engine's server-sent events (see `stream`)."""
+        deadline, most = time.monotonic() + self.timeout, params.max_new_tokens + 8  # vLLM: a chunk per step
+        ids: list[int] = []
+        lps: list | None = []
+        finish = transfer = None
+        chunks = 0
+        for data in _events(r, deadline):
+            if data == b"[DONE]":
+                break
+            try:
+                event = json.loads(data)
+            except (ValueError, RecursionError):
+                raise ApiError(502, "the engine sent a stream chunk that is not JSON") from None
+            if not isinstance(event, dict):
+                raise ApiError(502, "the engine sent a stream chunk that is not a JSON object")
+            if "error" in event:  # vLLM's error mid-stream (serving.py:613-620)
+                error = event["error"]
+                message = error.get("message") if isinstance(error, dict) else error
+                raise ApiError(502, f"the engine failed mid-stream: {self._unnamed(str(message), states)}")
+            choices = event.get("choices")
+            if choices == [] and "usage" in event:  # stream_options' usage chunk
+                continue
+            chunks += 1
+            if chunks > most:
+                raise ApiError(502, f"the engine sent more than {most} chunks for max_tokens {params.max_new_tokens}")
+            choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+            if not isinstance(choice, dict) or choice.get("index") != 0:
+                raise ApiError(502, "the engine sent a stream chunk without its one choice")
+            if finish is not None:
+                raise ApiError(502, "the engine sent more of the answer after it finished it")
+            step = choice.get("token_ids")
+            if not isinstance(step, list):
+                raise ApiError(502, "the engine gave no token ids (vLLM >= 0.10.2 returns them)")
+            if len(ids) + len(step) > params.max_new_tokens:
+                raise ApiError(502, f"the engine returned over {params.max_new_tokens} tokens for max_tokens "
+                               f"{params.max_new_tokens}")  # fmt: skip
+            given = choice.get("logprobs")
+            step_lps = given.get("token_logprobs") if isinstance(given, dict) else None
+            lps = lps + step_lps if isinstance(step_lps, list) and lps is not None else None
+            ids += step
+            if step:
+                on_tokens(step)
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                transfer = event.get("kv_transfer_params")
+        if finish is None:
+            raise ApiError(502, "the engine's stream ended before the answer finished")
+        choice = {"token_ids": ids, "finish_reason": finish, "logprobs": lps and {"token_logprobs": lps}}
+        return self._finished(choice, transfer, params)
 
     def read_states(self, name: str, named, prompt: list[int], ids: list[int], max_tokens: int, hidden: int):
         """The checked states [len(prompt) + len(ids) - 1, k, d] of our file `name`, whatever path the reply
@@ -590,8 +731,6 @@ class Service:
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise ApiError(400, f"'stream' must be true or false, got {stream!r}", "stream")
-        if stream and self.engine is not None:
-            raise ApiError(400, "streaming through --engine is not implemented yet: send stream false", "stream")
         question = _question(body, chat)
         if held := [t for t in self._control_tokens() if t in question]:
             # tokenized, they would be the model's control tokens (an end of text, padding), states the
@@ -676,7 +815,10 @@ class Service:
         self._take_slot()
         try:
             job = self.job(body, chat)
-            self._queue(job)
+            if self.engine is not None:
+                self._stream_from_engine(job)
+            else:
+                self._queue(job)
         except BaseException:
             self._slots.release()
             raise
@@ -686,6 +828,7 @@ class Service:
         """The stream's slot freed (the client has its answer, or has gone: its rows then stop)."""
         if not job.future.done():
             job.cancelled.set()
+            job.hangup()
         self._slots.release()
 
     def stream_chunks(self, job: Job, chat: bool):
@@ -806,6 +949,44 @@ class Service:
         }
 
     # ------------------------------------------------------------------ in front of vLLM
+    def _stream_from_engine(self, job: Job) -> None:
+        """A streamed request answered from the engine on a thread of its own: each choice's tokens go
+        through a RowText (the same hold-back as in-process) into the job's events, as they come."""
+        from halludetect.scoring.streaming import RowText, StreamedRow
+
+        if self._stopping.is_set():
+            raise ApiError(503, "the server is stopping: retry on another", kind="service_unavailable")
+        t = self._tokenizer
+        ends = (set(self._eos()) | {t.eos_token_id, t.pad_token_id}) - {None}  # trim_answer's
+        job.streamed = [
+            StreamedRow(c, job.events, job.cancelled, RowText(t, job.params.stop, ends)) for c in range(len(job.keys))
+        ]
+
+        def run() -> None:
+            try:
+                job.future.set_result(self._from_engine(job))
+            except BaseException as e:  # noqa: BLE001  (said in the stream by stream_chunks)
+                job.future.set_exception(e)
+            finally:
+                job.events.put(None)
+
+        threading.Thread(target=run, name="halludetect-serve-engine-stream", daemon=True).start()
+
+    def _stream_tokens(self, row, ids: list[int]) -> None:
+        """A chunk of the engine's ids taken into a streamed row: its certain text sent (no running score)."""
+        from halludetect.scoring.streaming import Chunk
+
+        if row.cancelled.is_set():  # the client has gone: the engine's stream is closed by the raise
+            raise ApiError(499, "the client has gone")
+        self._check_ids(ids)
+        text, sent = "", []
+        with self._tokenizer_lock:
+            for token in ids:
+                if (out := row.text.push(token)) is not None:
+                    text, sent = text + out[0], sent + out[1]
+        if sent:
+            row.events.put(Chunk(row.choice, text, sent, None))
+
     def _from_engine(self, job: Job) -> list[dict]:
         """The request's answers from the engine, each scored from the states file it was asked to write."""
         try:
@@ -824,7 +1005,14 @@ class Service:
         for i, key in enumerate(job.keys):
             name = engine.states.new()
             try:
-                choice = engine.complete(job.prompt, p, job.greedy, row_seed(*key) >> 33, engine.states.full(name))
+                seed, path = row_seed(*key) >> 33, engine.states.full(name)
+                if job.stream:
+                    if job.cancelled.is_set():
+                        raise ApiError(499, "the client has gone")
+                    take = lambda ids, row=job.streamed[i]: self._stream_tokens(row, ids)  # noqa: E731
+                    choice = engine.stream(job.prompt, p, job.greedy, seed, path, take, job.hung_up_by)
+                else:
+                    choice = engine.complete(job.prompt, p, job.greedy, seed, path)
                 ids, logprobs = self._engine_tokens(choice)
                 transfer = choice.get("kv_transfer_params")
                 named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
@@ -866,9 +1054,8 @@ class Service:
     def _engine_tokens(self, choice: dict) -> tuple[list[int], list[float]]:
         """The engine's token ids and their log-probs, checked before anything reads them: ids inside the
         bundle tokenizer's vocabulary, one finite log-prob <= 0 per id where it gives them (ApiError 502)."""
-        ids, vocab = choice["token_ids"], len(self._tokenizer)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ApiError(502, f"the engine returned token ids that are not ids of the model's vocabulary ({vocab})")
+        ids = choice["token_ids"]
+        self._check_ids(ids)
         given = (choice.get("logprobs") or {}) if isinstance(choice.get("logprobs"), dict) else {}
         lps = given.get("token_logprobs") or []
         if not isinstance(lps, list) or (lps and len(lps) != len(ids)):
@@ -878,6 +1065,11 @@ class Service:
                    for v in lps):  # fmt: skip
             raise ApiError(502, "the engine returned log-probs that are not finite numbers <= 0")
         return ids, [float(v) for v in lps]
+
+    def _check_ids(self, ids: list) -> None:
+        vocab = len(self._tokenizer)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ApiError(502, f"the engine returned token ids that are not ids of the model's vocabulary ({vocab})")
 
     def _eos(self) -> list[int]:
         if not hasattr(self, "_eos_ids"):

@@ -16,9 +16,27 @@ on 127.0.0.1: for the tests, the benchmark and offline demos of `generate.backen
 - `GET /v1/models` lists the served name with `root` and `max_model_len`;
 - errors in vLLM's shape, `{"error": {"message", "type", "param", "code"}}`: 404 for a model name
   it does not serve, 400 for a request longer than the context, a prompt id outside the
-  vocabulary, or a parameter this fake does not implement (streaming, echo, penalties, min_p).
+  vocabulary, or a parameter this fake does not implement (echo, penalties, min_p).
 
-Switches to misbehave, for the bad-input tests: `fault(body, n)` returns a `Fault` (any status,
+`"stream": true` streams as vLLM 0.34.0's `completion_stream_generator` does
+(entrypoints/openai/completion/serving.py:343-626): server-sent events over a chunked response, one
+`data: <chunk>` per engine step (`stream_step` tokens a step, 1 by default; 2 is a step that
+accepted a draft token), then a usage chunk when `stream_options.include_usage` asks for it, then
+`data: [DONE]`. A chunk is the `CompletionStreamResponse` of `model_dump_json(exclude_unset=True)`:
+`id`, `object`, `created`, `model`, `choices` (one: `index`, `text`, `logprobs`, `finish_reason`,
+`stop_reason`, `prompt_token_ids` on the first chunk with `return_token_ids`, `token_ids` the step's
+ids with it, `weight_versions`) and `kv_transfer_params`, null except on a choice's last chunk, where
+it is what the unstreamed reply carries (null after a stop string: 531-535). A step's text is the
+detokenizer's new text less the last `max(len(stop)) - 1` characters, held back until the answer
+ends (v1/engine/detokenizer.py:90, 163-178); the ids of the step that completes a stop string end
+with that token (output_processor.py:900-918); `logprobs` cover the step's ids, their `text_offset`
+going on from the previous chunk's (serving.py:459-479). The answer is computed first and its steps
+sent `stream_delay` seconds apart; a client that leaves mid-stream is counted in `streams_left`
+(vLLM aborts the request then: its states file is written all the same).
+
+Switches to misbehave, for the bad-input tests: `mutate_stream(frames, body, n)` returns the
+server-sent frames to send instead of vLLM's (each `data: ...\n\n`, or any bytes as text: a comment,
+an error object mid-stream, no `[DONE]`, ids outside the vocabulary); `fault(body, n)` returns a `Fault` (any status,
 Retry-After, a raw or cut body, a delay, a trickle) or None, and may block to hold a request (a
 200 without a body is computed first, its states file included, and delivered late);
 `mutate(response, body, n)` returns the response to send instead (fewer choices, ids outside
@@ -264,6 +282,9 @@ class FakeVLLM:
         run_ahead: int = 1,
         states_mode: str = "vllm",
         states_writer: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
+        stream_step: int = 1,
+        stream_delay: float = 0.0,
+        mutate_stream: Callable[[list[str], dict, int], list[str]] | None = None,
     ):
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"logprobs_mode {logprobs_mode!r}: raw_logprobs or processed_logprobs")
@@ -271,6 +292,8 @@ class FakeVLLM:
             raise ValueError(f"token_ids {token_ids!r}: one of {TOKEN_ID_MODES}")
         if states_mode not in STATES_MODES:
             raise ValueError(f"states_mode {states_mode!r}: one of {STATES_MODES}")
+        if isinstance(stream_step, bool) or not isinstance(stream_step, int) or stream_step < 1:
+            raise ValueError(f"stream_step {stream_step!r}: tokens per engine step, 1 or more")
         if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 0:
             raise ValueError(f"run_ahead {run_ahead!r}: a count of tokens, 0 or more")
         model_dir = Path(model_dir)
@@ -288,6 +311,8 @@ class FakeVLLM:
         self.engine = _Engine(model_dir, Path(tokenizer_dir or model_dir), dtype, weight_noise)
         self.latency, self.logprobs_mode, self.token_ids, self.batch = latency, logprobs_mode, token_ids, batch
         self.fault, self.mutate, self.models_latency = fault, mutate, models_latency
+        self.stream_step, self.stream_delay, self.mutate_stream = stream_step, stream_delay, mutate_stream
+        self.streams_left = 0  # streamed replies whose client went before [DONE]
         self.requests: list[dict] = []  # every POST body, in arrival order
         self.headers: list[dict[str, str]] = []  # their headers, names lower-cased
         self.batches = 0  # generate calls (several requests each when batch > 1)
@@ -605,7 +630,7 @@ class FakeVLLM:
         model, tokenizer = self.engine.get()
         if body.get("model") != self.name:
             raise RequestError(404, "NotFoundError", f"The model `{body.get('model')}` does not exist.", "model")
-        for unsupported in ("stream", "echo"):
+        for unsupported in ("echo",):
             if body.get(unsupported):
                 raise RequestError(
                     400, "BadRequestError", f"fake vLLM: `{unsupported}` is not implemented", unsupported
@@ -665,6 +690,18 @@ class FakeVLLM:
             job.paths = self._states_paths(body, headers or {}, transfer, n)
         return job
 
+    def _transfer(self, job: _Job, choices: list[dict]) -> dict | None:
+        """The reply's `kv_transfer_params` (serving.py:767): the last-finished child's, None unless the
+        engine ended it (a stop string ended it in the front end: counted in `stop_string_endings`)."""
+        if job.paths is None:
+            return None
+        last = max(range(len(choices)), key=lambda i: (len(choices[i]["ids"]), i))
+        if choices[last]["named"]:
+            return {"hidden_states_path": choices[last]["states_path"]}
+        with self._lock:
+            self.stop_string_endings += 1
+        return None
+
     def _response(self, body: dict, job: _Job, choices: list[dict], number: int) -> dict:
         tokenizer = self.engine.tokenizer
         want_ids = body.get("return_token_ids") and self.token_ids in ("both", "return_token_ids")
@@ -691,16 +728,8 @@ class FakeVLLM:
                 choice["prompt_token_ids"] = job.prompt
             out.append(choice)
         completion = sum(len(c["ids"]) for c in choices)
-        transfer = None  # serving.py:767: the last-finished child's, None unless the engine ended it
-        if job.paths is not None:
-            last = max(range(len(choices)), key=lambda i: (len(choices[i]["ids"]), i))
-            if choices[last]["named"]:
-                transfer = {"hidden_states_path": choices[last]["states_path"]}
-            else:
-                with self._lock:
-                    self.stop_string_endings += 1
         return {
-            "kv_transfer_params": transfer,
+            "kv_transfer_params": self._transfer(job, choices),
             "id": f"cmpl-{number}",
             "object": "text_completion",
             "created": 0,
@@ -712,6 +741,71 @@ class FakeVLLM:
                 "total_tokens": len(job.prompt) + completion,
             },
         }
+
+    def _frames(self, body: dict, job: _Job, choices: list[dict], number: int) -> list[str]:
+        """The server-sent frames of a streamed reply (see the docstring): each choice's steps, the
+        children's steps interleaved as they advance together, then the usage chunk if asked, [DONE]."""
+        tokenizer = self.engine.tokenizer
+        stop = job.params.stop
+        held = max((len(s) for s in stop), default=1) - 1  # detokenizer.py:90: stop_buffer_length
+        want_ids = body.get("return_token_ids") and self.token_ids in ("both", "return_token_ids")
+        as_ids = body.get("return_tokens_as_token_ids") and self.token_ids in ("both", "tokens_as_ids")
+        transfer = self._transfer(job, choices)
+        head = {"id": f"cmpl-{number}", "object": "text_completion", "created": 0, "model": self.name}
+        per_choice = []
+        for i, c in enumerate(choices):
+            ids, frames, sent, offset = c["ids"], [], 0, 0
+            bounds = list(range(self.stream_step, len(ids), self.stream_step)) + [len(ids)]
+            start = 0
+            for end in bounds:
+                last = end == len(ids)
+                if last:
+                    text = c["text"]  # the finished text: cut before the stop string (detokenizer.py:163-171)
+                else:
+                    text = tokenizer.decode(ids[:end], skip_special_tokens=True).rstrip("\ufffd")
+                    text = text[: max(len(text) - held, 0)]
+                delta = text[sent:] if len(text) > sent else ""
+                sent = max(sent, len(text))
+                step = ids[start:end]
+                logprobs = None
+                if body.get("logprobs") is not None:
+                    tokens = [f"token_id:{t}" if as_ids else tokenizer.decode([t]) for t in step]
+                    offsets = []
+                    for t in tokens:
+                        offsets.append(offset)
+                        offset += len(t)
+                    lps = [float(x) for x in c["logprobs"][start:end]]
+                    logprobs = {
+                        "text_offset": offsets,
+                        "token_logprobs": lps,
+                        "tokens": tokens,
+                        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)],
+                    }
+                choice = {
+                    "index": i,
+                    "text": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": c["finish"] if last else None,
+                    "stop_reason": c["stop"] if last else None,
+                    "prompt_token_ids": job.prompt if want_ids and start == 0 else None,
+                    "token_ids": step if want_ids else None,
+                    "weight_versions": None,
+                }
+                frames.append(head | {"choices": [choice], "kv_transfer_params": transfer if last else None})
+                start = end
+            if "".join(f["choices"][0]["text"] for f in frames) != c["text"]:  # a bug of this fake, said
+                raise RuntimeError(f"fake vLLM: streamed text of choice {i} is not its text {c['text']!r}")
+            per_choice.append(frames)
+        ordered = []  # step k of every choice that has one, then step k + 1
+        for k in range(max(map(len, per_choice))):
+            ordered += [frames[k] for frames in per_choice if k < len(frames)]
+        out = [f"data: {json.dumps(f, ensure_ascii=False)}\n\n" for f in ordered]
+        if isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"):
+            done = sum(len(c["ids"]) for c in choices)
+            usage = {"prompt_tokens": len(job.prompt), "total_tokens": len(job.prompt) + done}
+            usage["completion_tokens"] = done
+            out.append(f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n")
+        return [*out, "data: [DONE]\n\n"]
 
     def _handler(self):
         srv = self
@@ -791,6 +885,8 @@ class FakeVLLM:
                         fault.trickle,
                         fault.cut,
                     )
+                if body.get("stream"):
+                    return self._stream(body, number)
                 try:
                     text = self._complete(body, number)
                 except RequestError as e:
@@ -799,6 +895,35 @@ class FakeVLLM:
                     return self._error(RequestError(500, "InternalServerError", f"{type(e).__name__}: {e}"))
                 time.sleep(srv.latency)
                 send(self, 200, text)
+
+            def _stream(self, body: dict, number: int) -> None:
+                """A streamed reply: refused as a whole before the stream (a JSON error), else a chunked
+                text/event-stream of `srv._frames`, a frame per chunk, `stream_delay` s apart."""
+                try:
+                    job = srv._job(body, {k.lower(): v for k, v in self.headers.items()})
+                    srv._jobs.put(job)
+                    frames = srv._frames(body, job, job.future.result(), number)
+                except RequestError as e:
+                    return self._error(e)
+                except Exception as e:  # noqa: BLE001
+                    return self._error(RequestError(500, "InternalServerError", f"{type(e).__name__}: {e}"))
+                if srv.mutate_stream:
+                    frames = srv.mutate_stream(frames, body, number)
+                time.sleep(srv.latency)
+                self.close_connection = True
+                try:
+                    head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                    self.wfile.write((head + "transfer-encoding: chunked\r\n\r\n").encode())
+                    for k, frame in enumerate(frames):
+                        if k:
+                            time.sleep(srv.stream_delay)
+                        data = frame.encode()
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                except (BrokenPipeError, ConnectionResetError):  # the client went: vLLM aborts the request
+                    with srv._lock:
+                        srv.streams_left += 1
 
             def _complete(self, body: dict, number: int) -> str:
                 job = srv._job(body, {k.lower(): v for k, v in self.headers.items()})

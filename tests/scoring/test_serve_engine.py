@@ -95,12 +95,130 @@ def test_served_in_front_of_vllm_scores_equal_the_offline_scorer(engine_served, 
     assert ours(states) == [], "each states file (and its lock) is deleted once scored"
 
 
-def test_streaming_through_the_engine_is_refused_naming_the_field_before_any_engine_request(engine_served):
-    srv, engine, _ = engine_served
-    before = engine.count
-    code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 4, "stream": True})
-    assert code == 400 and out["error"]["param"] == "stream" and "--engine" in out["error"]["message"]
-    assert engine.count == before
+# ------------------------------------------------------------------------------ streaming
+def sse(response) -> list:
+    """The data of each server-sent event of an http.client response, JSON-decoded but for [DONE]."""
+    events, data = [], []
+    for line in response.read().decode().splitlines():
+        if not line:
+            if data:
+                events.append(data[0] if data == ["[DONE]"] else json.loads("\n".join(data)))
+                data = []
+        elif line.startswith("data: "):
+            data.append(line[6:])
+    return events
+
+
+def stream_post(url_or_srv, body, route="/v1/completions"):
+    """(status, headers, events) of a streamed POST to the fake (its /v1 URL) or to our server."""
+    if isinstance(url_or_srv, str):
+        host, port = url_or_srv.split("//")[1].split("/")[0].split(":")
+    else:
+        host, port = url_or_srv.http.server_address
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, {k.lower(): v for k, v in r.getheaders()}, sse(r)
+    conn.close()
+    return out
+
+
+# every key of vLLM 0.34.0's chunk (CompletionStreamResponse, model_dump_json(exclude_unset=True):
+# entrypoints/openai/completion/serving.py:499-536, protocol.py:725-760)
+CHUNK_KEYS = {"id", "object", "created", "model", "choices", "kv_transfer_params"}
+CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids",
+               "weight_versions"}  # fmt: skip
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["token_a_step", "two_tokens_a_step"])
+def test_the_fakes_stream_is_vllms_chunks_adding_up_to_its_unstreamed_reply(step, tiny_model_dir, tmp_path):
+    """The test double itself: for the same seed, the streamed chunks' texts, ids and log-probs add up to
+    the unstreamed reply's; every chunk has vLLM's keys, the prompt's ids come once, the reply's
+    kv_transfer_params only on the last chunk (null where a stop string ended the answer), the text
+    of a step held back by the longest stop string's length less one, then usage and [DONE]."""
+    options = {"hidden_states": [0, 3], "allow_custom_save_path": True, "stream_step": step}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        endings = set()
+        for seed in range(8):
+            body = {"model": engine.name, "prompt": QUESTION, "max_tokens": 12, "seed": seed, "stop": STOPS,
+                    "logprobs": 1, "return_token_ids": True, "temperature": 1.0,
+                    "kv_transfer_params": {"include_output_tokens": True,
+                                           "hidden_states_path": str(tmp_path / f"s{seed}.safetensors")}}  # fmt: skip
+            whole = json.loads(_post_json(engine.url, body))  # the same request, unstreamed
+            code, headers, events = stream_post(
+                engine.url, body | {"stream": True, "stream_options": {"include_usage": True}}
+            )
+            assert code == 200 and headers["content-type"].startswith("text/event-stream")
+            assert headers["transfer-encoding"] == "chunked"
+            assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and "usage" in events[-2]
+            chunks, w = events[:-2], whole["choices"][0]
+            assert all(set(c) == CHUNK_KEYS and set(c["choices"][0]) == CHOICE_KEYS for c in chunks)
+            assert "".join(c["choices"][0]["text"] for c in chunks) == w["text"]
+            assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == w["token_ids"]
+            lps = sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks), [])
+            assert lps == pytest.approx(w["logprobs"]["token_logprobs"])
+            assert all(len(c["choices"][0]["token_ids"]) <= step for c in chunks)
+            assert [c["choices"][0]["prompt_token_ids"] is not None for c in chunks] == [True] + [False] * (
+                len(chunks) - 1
+            )
+            assert all(
+                c["kv_transfer_params"] is None and c["choices"][0]["finish_reason"] is None for c in chunks[:-1]
+            )
+            assert chunks[-1]["kv_transfer_params"] == whole["kv_transfer_params"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == w["finish_reason"]
+            endings.add(whole["kv_transfer_params"] is None)
+        engine.wait_writes()
+    assert endings == {True, False}, "both a stop string's ending (no path) and the engine's (its path) were seen"
+
+
+def _post_json(url: str, body: dict) -> str:
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_through_the_engine_is_the_unstreamed_answer_with_its_score_last(engine_served, chat):
+    """stream=True through the openai client in front of the engine: each choice's chunks add up to the
+    answer the same seed gives without stream (text and ids), each chunk before the last has a null
+    running score (vLLM writes the states when the answer ends), the last the unstreamed `hallucination`;
+    the engine was asked to stream, and no file of ours is left."""
+    from tests.scoring.test_serve import _streamed
+
+    srv, engine, states = engine_served
+    c = OpenAI(base_url=srv.url, api_key="-", max_retries=0)
+    ask = {"model": "tiny", "n": 3, "seed": 11, "max_tokens": 8}
+    if chat:
+        messages = [{"role": "user", "content": QUESTION}]
+        whole = c.chat.completions.create(messages=messages, **ask)
+        before = engine.count
+        chunks = list(c.chat.completions.create(messages=messages, stream=True, **ask))
+        answers = [ch.message.content for ch in whole.choices]
+    else:
+        whole = c.completions.create(prompt=QUESTION, **ask)
+        before = engine.count
+        chunks = list(c.completions.create(prompt=QUESTION, stream=True, **ask))
+        answers = [ch.text for ch in whole.choices]
+    assert [b.get("stream") for b in engine.requests[before:]] == [True] * 3
+    got = _streamed(chunks)
+    assert sorted(got) == [0, 1, 2]
+    for i, w in enumerate(whole.choices):
+        g = got[i]
+        assert g["text"] == answers[i] and g["ids"] == w.token_ids
+        assert set(g["running"]) <= {None}
+        h, final = w.hallucination, g["last"].hallucination
+        assert g["last"].finish_reason == w.finish_reason and set(final) == set(h)
+        assert final["flag"] == h["flag"] and final["reason"] == h["reason"]
+        if h["score"] is not None:
+            assert final["score"] == pytest.approx(h["score"], abs=1e-6)
+    engine.wait_writes()
+    srv.service.engine.states.sweep()
+    assert ours(states) == []
 
 
 def test_a_server_that_cannot_give_usable_states_is_refused_at_start(bundle_path, tiny_model_dir, tmp_path):
@@ -328,4 +446,136 @@ def test_token_ids_and_log_probs_an_engine_sends_are_checked_before_use(
             engine.mutate = mutate
             code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 3})
     assert code == 502 and says in out["error"]["message"], out
+    assert ours(tmp_path / "ours") == []
+
+
+def test_a_client_that_leaves_a_stream_through_the_engine_frees_its_slot_and_the_engines_stream(
+    bundle_path, tiny_model_dir, tmp_path
+):
+    """One slot; the engine streams a step every 50 ms. A client reads its first chunk and closes the
+    connection: the next request gets the slot (not a 429), and our server closed the engine's stream
+    well before its last step (the fake counts a client that left mid-stream; vLLM aborts the request)."""
+    import socket
+    import time
+
+    from halludetect.scoring.serve import Limits
+
+    options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=tmp_path / "ours")
+        limits = Limits(max_tokens=90, max_n=2, max_batch=4, max_concurrency=1)
+        s = scorer(bundle_path, tiny_model_dir, max_new_tokens=90, stop=[])
+        service = Service(s, name="tiny", limits=limits, engine=client, log=lambda *_: None)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            engine.stream_delay = 0.05  # after the start's probe
+            body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stream": True,
+                    "stop": ["nothing like this"], "temperature": 1.0}  # fmt: skip
+            data = json.dumps(body).encode()
+            sock = socket.create_connection(srv.http.server_address, timeout=60)
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+            sock.sendall(head.encode() + data)
+            seen = b""
+            while b"data: " not in seen:
+                got = sock.recv(4096)
+                assert got, f"the stream ended before its first chunk: {seen!r}"
+                seen += got
+            sock.close()  # the client goes
+            deadline = time.monotonic() + 30
+            while True:
+                code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
+                if code != 429 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert code == 200, out
+            engine.wait_writes()
+            assert engine.streams_left == 1, "the engine's stream was read to its end"
+    assert ours(tmp_path / "ours") == []
+
+
+def _frames_with(edit):
+    """A `mutate_stream` applying `edit(chunks)` to the decoded data chunks (before [DONE])."""
+
+    def mutate(frames, body, n):
+        chunks = [json.loads(f[6:]) for f in frames if f.startswith("data: {")]
+        return [f"data: {json.dumps(c)}\n\n" if isinstance(c, dict) else c for c in edit(chunks)] + ["data: [DONE]\n\n"]
+
+    return mutate
+
+
+def _outside_vocabulary(chunks):
+    chunks[0]["choices"][0]["token_ids"] = [10**6]
+    return chunks
+
+
+def _error_naming_our_path(chunks):
+    path = chunks[-1]["kv_transfer_params"]["hidden_states_path"]  # the length ended it: the engine names it
+    return chunks[:1] + [{"error": {"message": f"CUDA out of memory while writing {path}", "code": 500}}]
+
+
+def _no_end(chunks):
+    return chunks[:-1]
+
+
+def _after_the_end(chunks):
+    return chunks + chunks[-1:]
+
+
+def _empty_chunks(chunks):
+    blank = json.loads(json.dumps(chunks[0]))
+    blank["choices"][0] |= {"token_ids": [], "text": "", "logprobs": None}
+    return [blank] * 200 + chunks
+
+
+def _huge_line(chunks):
+    chunks[0]["choices"][0]["text"] = "x" * (1 << 21)
+    return chunks
+
+
+def _keep_alives(chunks):
+    return [x for c in chunks for x in (": keep-alive\n\n", c)]
+
+
+def _not_json(chunks):
+    return ["data: {not json\n\n", *chunks]
+
+
+HOSTILE_STREAMS = {
+    "outside_vocabulary": (_outside_vocabulary, "not ids of the model's vocabulary"),
+    "error_mid_stream": (_error_naming_our_path, "the engine failed mid-stream: CUDA out of memory"),
+    "no_end": (_no_end, "ended before the answer finished"),
+    "after_the_end": (_after_the_end, "after it finished"),
+    "empty_chunks": (_empty_chunks, "more than 14 chunks for max_tokens 6"),
+    "huge_line": (_huge_line, "a stream line over 1048576 bytes"),
+    "not_json": (_not_json, "not JSON"),
+    "keep_alives": (_keep_alives, None),  # vLLM's --sse-keep-alive-interval comments: skipped, the answer is whole
+}
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("case", sorted(HOSTILE_STREAMS))
+def test_a_hostile_engine_stream_ends_ours_with_an_error_object_naming_it(case, bundle_path, tiny_model_dir, tmp_path):
+    """Whatever an engine streams is checked as it comes: ids outside the vocabulary (before any is decoded),
+    an error object, no end, more after the end, chunks past what max_tokens allows, a line over 1 MiB, a
+    chunk that is not JSON: our stream ends with an error object saying so (then [DONE]), and no file of ours
+    is left. Keep-alive comments are skipped and the answer is the unstreamed one."""
+    edit, says = HOSTILE_STREAMS[case]
+    options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=tmp_path / "ours")
+        service = Service(scorer(bundle_path, tiny_model_dir, stop=[]), name="tiny", engine=client, log=lambda *_: None)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 3}
+            whole = post(srv, body)[1]
+            engine.mutate_stream = _frames_with(edit)
+            code, _, events = stream_post(srv, body | {"stream": True})
+        engine.wait_writes()
+    assert code == 200 and events[-1] == "[DONE]"
+    if says is None:
+        assert "error" not in events[-2], events[-2]
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == whole["choices"][0]["text"]
+        assert events[-2]["choices"][0]["hallucination"]["score"] == whole["choices"][0]["hallucination"]["score"]
+    else:
+        assert events[-2]["error"]["code"] == 502 and says in events[-2]["error"]["message"], events[-2]
+        assert str(tmp_path) not in json.dumps(events)
     assert ours(tmp_path / "ours") == []
