@@ -411,7 +411,9 @@ class EngineClient:
             raise ApiError(502, f"the engine answered {status}: {self._unnamed(text, states)}")
         if not isinstance(data, dict):
             raise ApiError(502, "the engine's reply is not a JSON object")
-        return self._finished((data.get("choices") or [None])[0], data.get("kv_transfer_params"), params)
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        return self._finished(choice, data.get("kv_transfer_params"), params)
 
     def stream(
         self,

@@ -113,18 +113,34 @@ class RunningPool:
 
     def add(self, pooled: dict, h: torch.Tensor) -> float:
         """Take the states h [n, d] into a row's pooled values (`pooled`, kept by the caller); its score."""
+        return self.add_rows([pooled], h, [len(h)])[0]
+
+    def add_rows(self, pooled: list[dict], h: torch.Tensor, counts: list[int]) -> list[float]:
+        """Take each row's new states into its pooled values, all rows in one product: h [N, d] holds
+        row i's `counts[i]` (>= 1) states in turn; each row's score. A step of R streamed rows is a
+        fixed handful of tensor operations, not a handful per row."""
         with torch.no_grad():
-            u = torch.relu(h.to(self.weight) @ self.weight.T + self.bias)  # [n, S * D]
-            if self.max:
-                top = u.max(0).values
-                pooled["v"] = top if "v" not in pooled else torch.maximum(pooled["v"], top)
-                v = pooled["v"]
+            u = torch.relu(h.to(self.weight) @ self.weight.T + self.bias)  # [N, S * D], >= 0
+            if max(counts) == 1:  # a state per row: the usual step
+                part = u  # [R, S * D]
+            elif self.max:
+                part = torch.stack([x.max(0).values for x in u.split(counts)])
             else:
-                pooled["v"] = u.sum(0) + pooled.get("v", 0)
-                pooled["n"] = pooled.get("n", 0) + len(h)
-                v = pooled["v"] / pooled["n"]
-            z = (v.view(len(self.head), -1) * self.head).sum(1) + self.head_bias  # [S]
-            return float(z.double().mean())
+                part = torch.stack([x.sum(0) for x in u.split(counts)])
+            zero = torch.zeros_like(self.bias)  # [S * D]: the pool of no state (u >= 0, so max-neutral too)
+            old = torch.stack([p.get("v", zero) for p in pooled])  # [R, S * D]
+            if self.max:
+                v = torch.maximum(old, part)
+                for p, row in zip(pooled, v.unbind(0)):
+                    p["v"] = row
+            else:
+                total = old + part
+                n = torch.tensor([p.get("n", 0) + c for p, c in zip(pooled, counts)], dtype=u.dtype)  # [R]
+                for p, row, c in zip(pooled, total.unbind(0), counts):
+                    p["v"], p["n"] = row, p.get("n", 0) + c
+                v = total / n[:, None]
+            z = (v.view(len(pooled), len(self.head), -1) * self.head).sum(-1) + self.head_bias  # [R, S]
+            return z.double().mean(1).tolist()
 
 
 @dataclass
@@ -180,13 +196,14 @@ class RoundStream:
     def step(self, tokens: list[int], steps: list[torch.Tensor]) -> None:
         """Each streamed row's next token: its state kept, its certain text sent with the running score."""
         sent: list[tuple[StreamedRow, tuple[str, list[int]]]] = []
-        last = steps[-1] if steps else None  # [R, w, d] the forward that gave these tokens
+        # [R] views of [d]: each row's state at the forward that gave these tokens (one op, not one per row)
+        last = steps[-1][:, -1].unbind(0) if steps else None
         for r, token in enumerate(tokens):
             row = self.streamed.get(self.row_of(r))
             if row is None or row.text.done:
                 continue
             if last is not None:
-                row.states.append(last[r, -1])
+                row.states.append(last[r])
             out = row.text.push(token)
             if out is not None:
                 sent.append((row, out))
@@ -199,17 +216,20 @@ class RoundStream:
         if self.score is None:
             return {}
         lag = 1 if self.positions == "generated" else 0  # a token's own state comes with the next one
-        if self.running is not None:
-            out = {}
+        if self.running is not None:  # the step's new states of every row in one stack and one product
+            feed, states, counts = [], [], []
             for row in rows:
                 k = min(len(row.text.ids), len(row.states) - lag)  # the tokens whose states are there
                 if k > row.fed:
-                    new = torch.stack(row.states[row.fed + lag : k + lag]).to(self.states_dtype).float()
-                    row.pooled["z"] = self.running.add(row.pooled, new)
+                    feed.append(row)
+                    states += row.states[row.fed + lag : k + lag]
+                    counts.append(k - row.fed)
                     row.fed = k
-                if row.fed >= max(1, self.min_tokens):
-                    out[id(row)] = row.pooled["z"]
-            return out
+            if feed:
+                h = torch.stack(states).to(self.states_dtype).float()  # [N, d]
+                for row, z in zip(feed, self.running.add_rows([r.pooled for r in feed], h, counts), strict=True):
+                    row.pooled["z"] = z
+            return {id(row): row.pooled["z"] for row in rows if row.fed >= max(1, self.min_tokens)}
         bags, which = [], []
         for row in rows:
             k = min(len(row.text.ids), len(row.states) - lag)  # the tokens whose states are there

@@ -84,6 +84,17 @@ def test_the_kept_running_score_is_the_network_on_the_answer_so_far(pool):
         with torch.no_grad():
             expected = torch.stack([n(bag) for n in nets]).mean().item()
         assert z == pytest.approx(expected, abs=1e-5)
+    # several rows at once, one or several states each: each row's score is its own network's
+    g = torch.randn(9, 16)
+    rows, bags = [{}, {}, {}], [g[:1], g[1:2], g[2:4]]
+    running.add_rows(rows, torch.cat(bags), [1, 1, 2])
+    more = [g[4:5], g[5:8], g[8:9]]
+    zs = running.add_rows(rows, torch.cat(more), [1, 3, 1])
+    for z, a, b in zip(zs, bags, more):
+        whole = torch.cat([a, b])
+        with torch.no_grad():
+            expected = torch.stack([n(Bags(whole, torch.tensor([len(whole)]))) for n in nets]).mean().item()
+        assert z == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_network_of_another_shape_is_not_kept_running():
