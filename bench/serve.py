@@ -50,6 +50,12 @@ in the states directory (`hd-*`), nor any in the engine's own.
 
     python -m bench.serve --engine                          # the world in front of the fake vLLM
     python -m bench.serve --engine --extra-stop a           # ... with replies that name no file
+    python -m bench.serve --engine --stream                 # ... every answer streamed from the engine
+
+With `--stream` every request streams through the engine too (each answer one streamed engine
+request): the same checks, and the time to the first chunk and per chunk after it. The fake
+computes an answer before it sends its first chunk, so these times are its answers' latency and
+what the server adds per chunk, not a real vLLM's time to first token.
 
 `--stream`: every request streams (`stream: true`, server-sent events, read as they arrive), and
 each side reports, beside the whole answer's latency, the time to the first chunk (time to first
@@ -369,13 +375,17 @@ def engine_main(args, threads: int) -> None:
     first = engine_stats()
 
     def load(*a):
-        return clients_process.submit(client_run, *a).result()
+        wall, results = clients_process.submit(stream_run if args.stream else client_run, *a).result()
+        if not args.stream:
+            return wall, [(lat, q, data["choices"][0], None, None) for lat, q, data in results]
+        return wall, results
 
     with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
         load(srv.url, "bench", questions, max(args.clients), max(args.clients), args.max_tokens)  # warm-up
         for clients in args.clients:
             requests = clients * args.rounds
-            runs: dict[str, list] = {k: [] for k in ("p50", "p90", "tput", "trip", "direct", "waited", "sweep")}
+            keys = ("p50", "p90", "tput", "trip", "direct", "waited", "sweep", "ttft", "per_token")
+            runs: dict[str, list] = {k: [] for k in keys}
             before = engine_stats()
             for _ in range(args.repeats):
                 client.reset()
@@ -394,7 +404,10 @@ def engine_main(args, threads: int) -> None:
                     runs["direct"].append(statistics.fmean(direct))
                 runs["waited"].append(sum(waited for _, waited in trips))
                 runs["sweep"].append(statistics.fmean(sweeps))  # one after each request
-                checked += [(q, data["choices"][0]) for _, q, data in results]
+                if args.stream:
+                    runs["ttft"].append(statistics.median(r[3] for r in results))
+                    runs["per_token"].append(statistics.median(r[4] for r in results if r[4] == r[4]))
+                checked += [(q, choice) for _, q, choice, _, _ in results]
             after = engine_stats()
             med = {k: statistics.median(v) if v else None for k, v in runs.items()}
             emit(
@@ -422,6 +435,12 @@ def engine_main(args, threads: int) -> None:
                     "sweep_us_per_request": round(med["sweep"] * 1e6, 1),
                     "stop_string_endings": f"{after['stop_string_endings'] - before['stop_string_endings']}/"
                     f"{after['requests'] - before['requests']}",
+                    "stream": args.stream,
+                    **(
+                        {"ttft_s_p50": round(med["ttft"], 4), "per_token_s_p50": round(med["per_token"], 5)}
+                        if args.stream
+                        else {}
+                    ),
                 }
             )
         conn.send("drain")  # every states file written before the server's last sweep
@@ -498,8 +517,6 @@ def main() -> None:
     if args.engine:
         if args.preset != "world":
             ap.error("--engine serves the world (the fake vLLM runs its model)")
-        if args.stream:
-            ap.error("--stream: serve does not stream through --engine yet")
         return engine_main(args, threads)
     # random weights never write a stop string, and transformers' stop-string matcher cannot read a
     # word-level vocabulary: the synthetic presets sample to --max-tokens without one

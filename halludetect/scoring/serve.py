@@ -1166,7 +1166,9 @@ class Service:
                 rows |= {at + c: row for c, row in enumerate(j.streamed)}
             at += len(j.keys)
         score = (lambda bags: s.bundle.seed_logits(bags).mean(0)) if self.scoring else None  # the seeds' mean logit
-        running = RunningPool.of(s.bundle) if self.scoring else None  # max and mean pooling: kept, not recomputed
+        if not hasattr(self, "_running_pool"):  # the bundle's weights stacked once, not per round
+            self._running_pool = RunningPool.of(s.bundle)
+        running = self._running_pool if self.scoring else None  # max and mean pooling: kept, not recomputed
         return RoundStream(rows, score, s.bundle.positions, s.min_tokens, s.states_dtype, running)
 
     def _sample_only(self, prompts: list[list[int]], keys: list[tuple], first: Job, stream=None) -> list[dict]:
