@@ -570,15 +570,17 @@ class Scorer:
         greedy: bool,
         explain: bool = False,
         stream=None,
+        prompts: list[list[int]] | None = None,
     ) -> list[dict]:
         """One sampled answer per row (its question), scored from the sampling pass's own states:
         what `halludetect serve` runs for a batch of requests. `keys` are the rows' random-stream
         keys (seed, id, sample index, attempt), `params` the batch's sampling settings (checked by
         the caller), `explain` adds each token's contribution (the bundle must have evidence),
-        `stream` follows the rows' tokens as they are sampled (activations/sampled_states.py)."""
+        `stream` follows the rows' tokens as they are sampled (activations/sampled_states.py),
+        `prompts` the rows' prompt ids where the caller has them (else each question is encoded)."""
         self.load()
         out = [self._blank(r, explain) for r in rows]
-        self._score_sampled(rows, out, keys, params, greedy, explain, stream)
+        self._score_sampled(rows, out, keys, params, greedy, explain, stream, prompts)
         return out
 
     def _score_forced(self, batch: list[tuple], rows: list[AnswerRow], out: list[dict]) -> None:
@@ -629,6 +631,7 @@ class Scorer:
         greedy: bool,
         explain: bool,
         stream=None,
+        prompts: list[list[int]] | None = None,
     ) -> None:
         """Sample one answer per question; its bag comes from the sampling pass itself."""
         from halludetect.activations.sampled_states import sample_with_states
@@ -638,7 +641,7 @@ class Scorer:
         todo = []
         for i, r in enumerate(rows):
             out[i] |= {"answer": None, "answer_token_ids": None, "finish_reason": None}
-            prompt = self._prompt(r.question)
+            prompt = self._prompt(r.question) if prompts is None else prompts[i]
             if self.context is not None and len(prompt) + p.max_new_tokens > self.context:
                 self._skip(
                     out[i],

@@ -1138,7 +1138,8 @@ class Service:
         stream = self._round_stream(group)
         if self.scoring:
             explain = any(j.explain for j in group)
-            out = self.scorer.sample_and_score(rows, keys, first.params, first.greedy, explain, stream)
+            prompts = [j.prompt for j in group for _ in j.keys]  # encoded by `job`, as the scorer would
+            out = self.scorer.sample_and_score(rows, keys, first.params, first.greedy, explain, stream, prompts)
         else:
             out = self._sample_only([j.prompt for j in group for _ in j.keys], keys, first, stream)
         per_job, at = [], 0
