@@ -93,10 +93,11 @@ class RunningPool:
     The same arithmetic as the network's forward on the bag so far, to float rounding."""
 
     def __init__(self, nets: list[networks.PoolingNet]):
-        self.weight = torch.cat([n.feature[0].weight for n in nets]).detach()  # [S * D, d]
+        self.weight = torch.cat([n.feature[0].weight for n in nets]).T.contiguous().detach()  # [d, S * D]
         self.bias = torch.cat([n.feature[0].bias for n in nets]).detach()  # [S * D]
-        self.head = torch.stack([n.head.weight[0] for n in nets]).detach()  # [S, D]
-        self.head_bias = torch.cat([n.head.bias for n in nets]).detach()  # [S]
+        # the seeds' mean logit, mean_s (v_s . w_s + b_s), is one product: v . (w / S) + mean(b)
+        self.head = (torch.cat([n.head.weight[0] for n in nets]) / len(nets)).detach()  # [S * D]
+        self.head_bias = torch.cat([n.head.bias for n in nets]).mean().detach()  # []
         self.max = nets[0].pool is segment_max
 
     @classmethod
@@ -120,27 +121,25 @@ class RunningPool:
         row i's `counts[i]` (>= 1) states in turn; each row's score. A step of R streamed rows is a
         fixed handful of tensor operations, not a handful per row."""
         with torch.no_grad():
-            u = torch.relu(h.to(self.weight) @ self.weight.T + self.bias)  # [N, S * D], >= 0
+            u = torch.addmm(self.bias, h.to(self.weight), self.weight).relu_()  # [N, S * D], >= 0
             if max(counts) == 1:  # a state per row: the usual step
                 part = u  # [R, S * D]
             elif self.max:
                 part = torch.stack([x.max(0).values for x in u.split(counts)])
             else:
                 part = torch.stack([x.sum(0) for x in u.split(counts)])
-            zero = torch.zeros_like(self.bias)  # [S * D]: the pool of no state (u >= 0, so max-neutral too)
-            old = torch.stack([p.get("v", zero) for p in pooled])  # [R, S * D]
-            if self.max:
-                v = torch.maximum(old, part)
-                for p, row in zip(pooled, v.unbind(0)):
-                    p["v"] = row
-            else:
-                total = old + part
-                n = torch.tensor([p.get("n", 0) + c for p, c in zip(pooled, counts)], dtype=u.dtype)  # [R]
-                for p, row, c in zip(pooled, total.unbind(0), counts):
-                    p["v"], p["n"] = row, p.get("n", 0) + c
-                v = total / n[:, None]
-            z = (v.view(len(pooled), len(self.head), -1) * self.head).sum(-1) + self.head_bias  # [R, S]
-            return z.double().mean(1).tolist()
+            before = [p.get("v") for p in pooled]
+            if all(b is None for b in before):  # the rows' first states (a row's first token, say)
+                v = part
+            else:  # zeros stand for no state: u >= 0, so they are neutral to the max as to the sum
+                old = torch.stack([torch.zeros_like(self.bias) if b is None else b for b in before])  # [R, S * D]
+                v = torch.maximum(old, part) if self.max else old + part
+            rows = v.unbind(0)
+            for p, row, c in zip(pooled, rows, counts):
+                p["v"], p["n"] = row, p.get("n", 0) + c
+            if not self.max:  # the mean so far: the sums over the counts
+                v = v / torch.tensor([p["n"] for p in pooled], dtype=v.dtype)[:, None]
+            return torch.addmv(self.head_bias, v, self.head).tolist()  # [R]
 
 
 @dataclass
