@@ -185,15 +185,16 @@ def spread(worker, clients: int, requests: int) -> tuple[float, list]:
     return time.perf_counter() - t0, results
 
 
-def client_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
-    """`requests` requests from `clients` threads, request i asking question i (mod) with seed i:
-    (wall seconds, [(latency, question, response)])."""
+def client_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int, n=1):
+    """`requests` requests from `clients` threads, request i asking question i (mod) with seed i, `n`
+    answers each: (wall seconds, [(latency, question, response)])."""
     host, port = url.split("//")[1].split("/")[0].split(":")
 
     def worker(share: list[int]):
         conn, out = http.client.HTTPConnection(host, int(port), timeout=600), []
         for i in share:
             body = {"model": name, "prompt": questions[i % len(questions)], "seed": i, "max_tokens": max_tokens}
+            body |= {"n": n} if n > 1 else {}
             t0 = time.perf_counter()
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
@@ -207,23 +208,23 @@ def client_run(url: str, name: str, questions: list[str], clients: int, requests
     return spread(worker, clients, requests)
 
 
-def stream_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int):
-    """`client_run` with `stream: true`: (wall seconds, [(latency, question, choice, ttft, per_token)]),
-    the choice rebuilt from the chunks (text and token ids joined, the last chunk's hallucination)."""
+def stream_run(url: str, name: str, questions: list[str], clients: int, requests: int, max_tokens: int, n=1):
+    """`client_run` with `stream: true`: (wall seconds, [(latency, question, choices, ttft, per_token)]),
+    each choice rebuilt from its chunks (text and token ids joined, the last chunk's hallucination)."""
     host, port = url.split("//")[1].split("/")[0].split(":")
 
     def worker(share: list[int]):
         out = []
         for i in share:
             body = {"model": name, "prompt": questions[i % len(questions)], "seed": i, "max_tokens": max_tokens}
-            body["stream"] = True
+            body |= {"stream": True} | ({"n": n} if n > 1 else {})
             conn = http.client.HTTPConnection(host, int(port), timeout=600)  # a stream closes its connection
             t0 = time.perf_counter()
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"request {i}: {response.status} {response.read()[:500]!r}")
-            times, choice = [], {"text": "", "token_ids": [], "hallucination": None}
+            times, choices = [], [{"text": "", "token_ids": [], "hallucination": None} for _ in range(n)]
             for line in response:
                 if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                     continue
@@ -232,13 +233,14 @@ def stream_run(url: str, name: str, questions: list[str], clients: int, requests
                 if "error" in chunk:
                     raise RuntimeError(f"request {i}: {chunk}")
                 c = chunk["choices"][0]
+                choice = choices[c["index"]]
                 choice["text"] += c["text"]
                 choice["token_ids"] += c["token_ids"]
                 if c["finish_reason"] is not None:
                     choice["hallucination"] = c.get("hallucination")
             conn.close()
             per_token = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-            out.append((times[-1], body["prompt"], choice, times[0], per_token))
+            out.append((times[-1], body["prompt"], choices, times[0], per_token))
         return out
 
     return spread(worker, clients, requests)
@@ -374,10 +376,10 @@ def engine_main(args, threads: int) -> None:
     clients_process = ProcessPoolExecutor(1, mp_context=spawn)
     first = engine_stats()
 
-    def load(*a):
-        wall, results = clients_process.submit(stream_run if args.stream else client_run, *a).result()
+    def load(*a):  # per request: (latency, question, its choices, ttft, per token)
+        wall, results = clients_process.submit(stream_run if args.stream else client_run, *a, args.n).result()
         if not args.stream:
-            return wall, [(lat, q, data["choices"][0], None, None) for lat, q, data in results]
+            return wall, [(lat, q, data["choices"], None, None) for lat, q, data in results]
         return wall, results
 
     with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
@@ -392,12 +394,12 @@ def engine_main(args, threads: int) -> None:
                 wall, results = load(srv.url, "bench", questions, clients, requests, args.max_tokens)
                 with client._clock:
                     trips, sweeps = list(client.trips), list(client.sweeps)
-                if len(trips) != requests:
-                    raise SystemExit(f"{len(trips)} round trips timed for {requests} answers")
+                if len(trips) != requests * args.n:
+                    raise SystemExit(f"{len(trips)} round trips timed for {requests * args.n} answers")
                 latency = sorted(r[0] for r in results)
                 runs["p50"].append(statistics.median(latency))
                 runs["p90"].append(latency[int(0.9 * (len(latency) - 1))])
-                runs["tput"].append(len(results) / wall)
+                runs["tput"].append(len(results) * args.n / wall)
                 runs["trip"].append(statistics.fmean(t for t, _ in trips))
                 direct = [t for t, waited in trips if not waited]
                 if direct:  # none when every answer's read waited for the writer
@@ -407,7 +409,7 @@ def engine_main(args, threads: int) -> None:
                 if args.stream:
                     runs["ttft"].append(statistics.median(r[3] for r in results))
                     runs["per_token"].append(statistics.median(r[4] for r in results if r[4] == r[4]))
-                checked += [(q, choice) for _, q, choice, _, _ in results]
+                checked += [(q, choice) for _, q, choices, _, _ in results for choice in choices]
             after = engine_stats()
             med = {k: statistics.median(v) if v else None for k, v in runs.items()}
             emit(
@@ -417,6 +419,7 @@ def engine_main(args, threads: int) -> None:
                     "threads": threads,
                     "clients": clients,
                     "requests_per_run": requests,
+                    "n": args.n,
                     "max_tokens": args.max_tokens,
                     "engine_layers": layers,
                     "engine_batch": args.engine_batch,
@@ -431,7 +434,7 @@ def engine_main(args, threads: int) -> None:
                     "round_trip_us_per_answer": round(med["trip"] * 1e6, 1),
                     "round_trip_share_of_latency": round(med["trip"] / med["p50"], 5),
                     "round_trip_us_not_waiting": None if med["direct"] is None else round(med["direct"] * 1e6, 1),
-                    "round_trip_waited": f"{sum(runs['waited'])}/{requests * args.repeats}",
+                    "round_trip_waited": f"{sum(runs['waited'])}/{requests * args.repeats * args.n}",
                     "sweep_us_per_request": round(med["sweep"] * 1e6, 1),
                     "stop_string_endings": f"{after['stop_string_endings'] - before['stop_string_endings']}/"
                     f"{after['requests'] - before['requests']}",
@@ -512,12 +515,15 @@ def main() -> None:
     ap.add_argument("--extra-stop", nargs="+", default=[], help="--engine: stop strings added to the defaults")
     ap.add_argument("--engine-states-delay", type=float, default=0.0, help="--engine: s the fake's writer waits")
     ap.add_argument("--stream", action="store_true", help="every request streams: time to first token, per token")
+    ap.add_argument("--n", type=int, default=1, help="--engine: answers per request (the server asks them at once)")
     args = ap.parse_args()
     threads = setup_threads()
     if args.engine:
         if args.preset != "world":
             ap.error("--engine serves the world (the fake vLLM runs its model)")
         return engine_main(args, threads)
+    if args.n != 1:
+        ap.error("--n: the in-process comparison asks one answer a request (with --engine, any)")
     # random weights never write a stop string, and transformers' stop-string matcher cannot read a
     # word-level vocabulary: the synthetic presets sample to --max-tokens without one
     generate = GenerateParams(max_new_tokens=args.max_tokens, **({} if args.preset == "world" else {"stop": []}))
@@ -541,7 +547,7 @@ def main() -> None:
         wall, results = clients_process.submit(stream_run if args.stream else client_run, *a).result()
         if not args.stream:
             return wall, [(lat, q, data["choices"][0], None, None) for lat, q, data in results]
-        return wall, results
+        return wall, [(lat, q, choices[0], ttft, tok) for lat, q, choices, ttft, tok in results]
 
     with Server(service, port=0, log=lambda *_: None) as srv, clients_process:
         for side in ("score", "plain"):  # warm-up, both sides at the most clients: first calls, allocator, kernels

@@ -59,7 +59,8 @@ every request needs `Authorization: Bearer <the variable's value>` (401 otherwis
 from the environment and never logged. The server binds 127.0.0.1 unless told otherwise.
 
 In front of vLLM (`engine=EngineClient(...)`, `halludetect serve --engine URL --engine-layers ...`):
-no model is loaded here. Each answer is one request to a vLLM server started with hidden-state
+no model is loaded here. Each answer is one request (a request's n at once, each on a thread of its own,
+so that vLLM batches them) to a vLLM server started with hidden-state
 extraction and `allow_custom_save_path` (docs/models-and-generation.md, "States from the engine"),
 asking `kv_transfer_params: {"include_output_tokens": true, "hidden_states_path": <ours>}`: a fresh
 name in the states directory this server owns (lm/engine_states.py's `StatesDir`). That file is read
@@ -89,7 +90,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -180,12 +181,19 @@ class Job:
     events: queue.Queue = field(default_factory=queue.Queue)  # streaming: Chunk, then None at the round's end
     cancelled: threading.Event = field(default_factory=threading.Event)  # streaming: the client has gone
     streamed: list = field(default_factory=list)  # streaming: each choice's StreamedRow, set by the model thread
-    hangup: Callable[[], None] = lambda: None  # streaming through --engine: closes the engine's stream
+    closers: set = field(default_factory=set)  # streaming through --engine: what closes each engine stream
 
-    def hung_up_by(self, close: Callable[[], None]) -> None:
-        """`close` is what `hangup` calls from now on; called at once where the client has already gone."""
-        self.hangup = close
+    def hung_up_by(self, close: Callable[[], None]) -> Callable[[], None]:
+        """`close` is one of what `hangup` calls (at once where the client has already gone); the
+        function that takes it back."""
+        self.closers.add(close)
         if self.cancelled.is_set():
+            close()
+        return lambda: self.closers.discard(close)
+
+    def hangup(self) -> None:
+        """The client has gone: every engine stream of this request is closed."""
+        for close in list(self.closers):
             close()
 
     @property
@@ -423,12 +431,13 @@ class EngineClient:
         seed: int,
         states: str,
         on_tokens: Callable[[list[int]], None],
-        hangup: Callable[[Callable[[], None]], None],
+        hangup: Callable[[Callable[[], None]], Callable[[], None]],
     ) -> dict:
         """One answer streamed (vLLM's `completion_stream_generator`: halludetect/testing/fake_vllm.py
         says what it sends): `on_tokens` gets each chunk's token ids as they come; the answer comes
         back as `complete` gives it. `hangup` is handed the function that closes the engine's stream
-        from another thread (a client that left: vLLM then aborts the request). Everything the engine
+        from another thread (a client that left: vLLM then aborts the request), and returns the one
+        that takes it back. Everything the engine
         sends is untrusted: a line over 1 MiB, more chunks than `max_tokens` allows, an error object,
         malformed JSON, tokens after the end, a stream that ends before the answer or runs past the
         timeout are each a 502."""
@@ -444,7 +453,7 @@ class EngineClient:
             with contextlib.suppress(OSError, AttributeError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
-        hangup(close)
+        let_go = hangup(close)
         try:
             try:
                 conn.request("POST", url.path + "/completions", json.dumps(body).encode(), self._headers)
@@ -456,7 +465,7 @@ class EngineClient:
             except (OSError, http.client.HTTPException) as e:
                 raise ApiError(502, f"the engine's stream broke off ({type(e).__name__})") from None
         finally:
-            hangup(lambda: None)
+            let_go()
             conn.close()
 
     def _read_stream(self, r, params: GenerateParams, states: str, on_tokens) -> dict:
@@ -998,60 +1007,68 @@ class Service:
                 self.engine.states.sweep()
 
     def _answers_from_engine(self, job: Job) -> list[dict]:
-        from halludetect.lm.generation import row_seed, trim_answer
-
-        s, b, p, engine = self.scorer, self.scorer.bundle, job.params, self.engine
-        top = int(b.meta["base_model"]["num_hidden_layers"])
-        at = engine.layers.index(b.layer)  # the file's columns are the ids in ascending order
-        rows, bags, answers, lps, reasons = [], [], [], [], []
-        for i, key in enumerate(job.keys):
-            name = engine.states.new()
-            try:
-                seed, path = row_seed(*key) >> 33, engine.states.full(name)
-                if job.stream:
-                    if job.cancelled.is_set():
-                        raise ApiError(499, "the client has gone")
-                    take = lambda ids, row=job.streamed[i]: self._stream_tokens(row, ids)  # noqa: E731
-                    choice = engine.stream(job.prompt, p, job.greedy, seed, path, take, job.hung_up_by)
-                else:
-                    choice = engine.complete(job.prompt, p, job.greedy, seed, path)
-                ids, logprobs = self._engine_tokens(choice)
-                transfer = choice.get("kv_transfer_params")
-                named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
-                try:
-                    states = engine.read_states(name, named, job.prompt, ids, p.max_new_tokens, self._hidden)
-                except StatesProblem as e:  # the operator's log has the file; the client learns no path
-                    self.log(f"the engine's states file {engine.states.full(name)}: {e}")
-                    raise ApiError(502, "the engine's states file cannot be used (the server's log says why)") from None
-            finally:
-                engine.states.release(name)  # read or not, ours goes (one the engine writes later, the sweep takes)
-            with self._tokenizer_lock:  # the request threads' tokenizer, one at a time
-                t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
-            n, w = len(t.token_ids), len(job.prompt)
-            first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
-            x = states[first : first + n, at]  # [<= n, d]: rows up to the output's last token but one
-            reason = None
-            if n == 0:
-                reason = "empty_answer"
-            elif n < s.min_tokens:
-                reason = "too_short"
-            elif len(x) < n:  # a generated bag's last state: no pass saw the output's last token
-                reason = "no_last_state"
-            if reason is None and b.layer == top:
-                x = self._head.norm(x)
-            rows.append(AnswerRow(row=i, where=f"choice {i}", id=None, question=job.question, answer=t.text,
-                                  token_ids=None, p_sem=None))  # fmt: skip
-            bags.append(None if reason else x)
-            answers.append(t.token_ids)
-            lps.append(logprobs[:n])
-            reasons.append((t, reason))
+        """The request's n answers asked of the engine at once (vLLM batches them; one after the
+        other, a request of n would take n answers' time), then scored together."""
+        if len(job.keys) == 1:
+            parts = [self._engine_answer(job, 0, job.keys[0])]
+        else:  # the first failure is raised once every answer is done (each releases its file)
+            with ThreadPoolExecutor(len(job.keys), thread_name_prefix="halludetect-serve-engine") as pool:
+                futures = [pool.submit(self._engine_answer, job, i, key) for i, key in enumerate(job.keys)]
+                parts = [f.result() for f in futures]
+        rows, bags, answers, lps, reasons = (list(x) for x in zip(*parts, strict=True))
         with self._score_lock:
-            out = s.score_states(rows, bags, answers, lps, job.explain)
+            out = self.scorer.score_states(rows, bags, answers, lps, job.explain)
         for o, (t, reason), ids in zip(out, reasons, answers):
             o |= {"answer": t.text, "answer_token_ids": ids, "finish_reason": t.finish_reason}
             if reason:
                 o["reason"] = reason
         return out
+
+    def _engine_answer(self, job: Job, i: int, key: tuple) -> tuple:
+        """Answer i from the engine, its states file read and released: (row, bag or None, answer ids,
+        log-probs, (trimmed answer, why it is not scored or None))."""
+        from halludetect.lm.generation import row_seed, trim_answer
+
+        s, b, p, engine = self.scorer, self.scorer.bundle, job.params, self.engine
+        top = int(b.meta["base_model"]["num_hidden_layers"])
+        at = engine.layers.index(b.layer)  # the file's columns are the ids in ascending order
+        name = engine.states.new()
+        try:
+            seed, path = row_seed(*key) >> 33, engine.states.full(name)
+            if job.stream:
+                if job.cancelled.is_set():
+                    raise ApiError(499, "the client has gone")
+                take = lambda ids, row=job.streamed[i]: self._stream_tokens(row, ids)  # noqa: E731
+                choice = engine.stream(job.prompt, p, job.greedy, seed, path, take, job.hung_up_by)
+            else:
+                choice = engine.complete(job.prompt, p, job.greedy, seed, path)
+            ids, logprobs = self._engine_tokens(choice)
+            transfer = choice.get("kv_transfer_params")
+            named = transfer.get("hidden_states_path") if isinstance(transfer, dict) else None
+            try:
+                states = engine.read_states(name, named, job.prompt, ids, p.max_new_tokens, self._hidden)
+            except StatesProblem as e:  # the operator's log has the file; the client learns no path
+                self.log(f"the engine's states file {engine.states.full(name)}: {e}")
+                raise ApiError(502, "the engine's states file cannot be used (the server's log says why)") from None
+        finally:
+            engine.states.release(name)  # read or not, ours goes (one the engine writes later, the sweep takes)
+        with self._tokenizer_lock:  # the request threads' tokenizer, one at a time
+            t = trim_answer(self._tokenizer, ids, p.stop, p.max_new_tokens, self._eos())
+        n, w = len(t.token_ids), len(job.prompt)
+        first = w - 1 if b.positions == "predicting" else w  # the bag's first row in the file
+        x = states[first : first + n, at]  # [<= n, d]: rows up to the output's last token but one
+        reason = None
+        if n == 0:
+            reason = "empty_answer"
+        elif n < s.min_tokens:
+            reason = "too_short"
+        elif len(x) < n:  # a generated bag's last state: no pass saw the output's last token
+            reason = "no_last_state"
+        if reason is None and b.layer == top:
+            x = self._head.norm(x)
+        row = AnswerRow(row=i, where=f"choice {i}", id=None, question=job.question, answer=t.text, token_ids=None,
+                        p_sem=None)  # fmt: skip
+        return row, None if reason else x, t.token_ids, logprobs[:n], (t, reason)
 
     def _engine_tokens(self, choice: dict) -> tuple[list[int], list[float]]:
         """The engine's token ids and their log-probs, checked before anything reads them: ids inside the

@@ -579,3 +579,32 @@ def test_a_hostile_engine_stream_ends_ours_with_an_error_object_naming_it(case, 
         assert events[-2]["error"]["code"] == 502 and says in events[-2]["error"]["message"], events[-2]
         assert str(tmp_path) not in json.dumps(events)
     assert ours(tmp_path / "ours") == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_n_answers_of_a_request_are_asked_of_the_engine_at_once(stream, bundle_path, tiny_model_dir, tmp_path):
+    """vLLM batches the requests it has: the server sends a request's n answers together. The fake
+    holds each of the 4 until all 4 have arrived (one after the other, the first would wait in vain
+    and fail the request); the answers are those of the same seed asked one at a time (n = 1 each)."""
+    import threading
+
+    options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
+    with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
+        client = EngineClient(engine.url, None, ENGINE_LAYERS, states_dir=tmp_path / "ours")
+        service = Service(scorer(bundle_path, tiny_model_dir), name="tiny", engine=client, log=lambda *_: None)
+        with Server(service, port=0, log=lambda *_: None) as srv:
+            body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 8, "seed": 4, "n": 4}
+            alone = post(srv, body)[1]["choices"]
+            together = threading.Barrier(4, timeout=60)
+            engine.fault = lambda body, n: (together.wait(), None)[1]  # after the start's probe
+            if stream:
+                code, _, events = stream_post(srv, body | {"stream": True})
+                assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2:]
+                texts = ["".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == i)
+                         for i in range(4)]  # fmt: skip
+            else:
+                code, out = post(srv, body)
+                texts = [c["text"] for c in out["choices"]]
+        engine.wait_writes()
+    assert code == 200 and texts == [c["text"] for c in alone]
+    assert ours(tmp_path / "ours") == []
