@@ -51,6 +51,7 @@ in the states directory (`hd-*`), nor any in the engine's own.
     python -m bench.serve --engine                          # the world in front of the fake vLLM
     python -m bench.serve --engine --extra-stop a           # ... with replies that name no file
     python -m bench.serve --engine --stream                 # ... every answer streamed from the engine
+    python -m bench.serve --engine --n 4                    # ... 4 answers a request, asked at once
 
 With `--stream` every request streams through the engine too (each answer one streamed engine
 request): the same checks, and the time to the first chunk and per chunk after it. The fake

@@ -439,8 +439,8 @@ class EngineClient:
         from another thread (a client that left: vLLM then aborts the request), and returns the one
         that takes it back. Everything the engine
         sends is untrusted: a line over 1 MiB, more chunks than `max_tokens` allows, an error object,
-        malformed JSON, tokens after the end, a stream that ends before the answer or runs past the
-        timeout are each a 502."""
+        malformed JSON, tokens after the end, a reply that is not a stream, a stream that ends before
+        the answer or runs past the timeout are each a 502."""
         import http.client
         from urllib.parse import urlsplit
 
@@ -461,6 +461,9 @@ class EngineClient:
                 if r.status != 200:
                     text = r.read(64 * 1024).decode(errors="replace")
                     raise ApiError(502, f"the engine answered {r.status}: {self._unnamed(text, states)}")
+                kind = r.getheader("Content-Type", "")
+                if not kind.startswith("text/event-stream"):  # a server or proxy that ignores `stream`
+                    raise ApiError(502, f"the engine did not stream its answer (Content-Type {kind[:60]!r})")
                 return self._read_stream(r, params, states, on_tokens)
             except (OSError, http.client.HTTPException) as e:
                 raise ApiError(502, f"the engine's stream broke off ({type(e).__name__})") from None

@@ -547,6 +547,7 @@ HOSTILE_STREAMS = {
     "empty_chunks": (_empty_chunks, "more than 14 chunks for max_tokens 6"),
     "huge_line": (_huge_line, "a stream line over 1048576 bytes"),
     "not_json": (_not_json, "not JSON"),
+    "not_streamed": (None, "did not stream its answer (Content-Type 'application/json')"),
     "keep_alives": (_keep_alives, None),  # vLLM's --sse-keep-alive-interval comments: skipped, the answer is whole
 }
 
@@ -556,7 +557,8 @@ HOSTILE_STREAMS = {
 def test_a_hostile_engine_stream_ends_ours_with_an_error_object_naming_it(case, bundle_path, tiny_model_dir, tmp_path):
     """Whatever an engine streams is checked as it comes: ids outside the vocabulary (before any is decoded),
     an error object, no end, more after the end, chunks past what max_tokens allows, a line over 1 MiB, a
-    chunk that is not JSON: our stream ends with an error object saying so (then [DONE]), and no file of ours
+    chunk that is not JSON, a reply in one piece (a server that ignores `stream`): our stream ends with an
+    error object saying so (then [DONE]), and no file of ours
     is left. Keep-alive comments are skipped and the answer is the unstreamed one."""
     edit, says = HOSTILE_STREAMS[case]
     options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
@@ -566,7 +568,10 @@ def test_a_hostile_engine_stream_ends_ours_with_an_error_object_naming_it(case, 
         with Server(service, port=0, log=lambda *_: None) as srv:
             body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 6, "seed": 3}
             whole = post(srv, body)[1]
-            engine.mutate_stream = _frames_with(edit)
+            if case == "not_streamed":  # a reply in one piece, as a server that ignores `stream` sends it
+                engine.fault = lambda body, n: Fault(200, body=json.dumps(whole))
+            else:
+                engine.mutate_stream = _frames_with(edit)
             code, _, events = stream_post(srv, body | {"stream": True})
         engine.wait_writes()
     assert code == 200 and events[-1] == "[DONE]"
