@@ -44,7 +44,8 @@ Streaming (`stream: true`, completions and chat): server-sent events as OpenAI s
 per token whose text is certain to be the answer's, each with the detector's running score (the
 network on the answer so far: scoring/streaming.py), the last chunk of each choice with its
 finish_reason and the `hallucination` object a request without `stream` gets, then `data: [DONE]`.
-A client that goes away mid-stream frees its slot at once, and its rows stop at the next step.
+A client that goes away mid-stream frees its slot at once (noticed within a quarter second, though
+nothing is being sent to it), and its rows stop at the next step.
 Through `--engine` the chunks are the engine's tokens as it streams them (decoded and held back as
 above), with `running_score` null: vLLM writes an answer's states when it ends, so the score comes
 in the last chunk; a client that goes closes the engine's stream, which aborts the request there.
@@ -84,6 +85,7 @@ import os
 import queue
 import re
 import secrets
+import select
 import socket
 import sys
 import tempfile
@@ -845,10 +847,12 @@ class Service:
             job.hangup()
         self._slots.release()
 
-    def stream_chunks(self, job: Job, chat: bool):
+    def stream_chunks(self, job: Job, chat: bool, alive: Callable[[], bool] = lambda: True):
         """The chunks of a streamed request, as they come: a chunk per certain token of each choice
         with its running score, then each choice's last chunk (finish_reason, the `hallucination` of
-        the unstreamed answer); an error object where the round failed."""
+        the unstreamed answer); an error object where the round failed. While no chunk comes (the
+        request waits for a round, the engine is slow, text is held back), `alive()` is asked every
+        quarter second: a client gone raises ConnectionResetError, as a write to it would."""
         from halludetect.scoring.streaming import Chunk
 
         head = {
@@ -870,7 +874,15 @@ class Service:
                 choice["hallucination"] = verdict
             return head | {"choices": [choice]}
 
-        while (event := job.events.get()) is not None:
+        while True:
+            try:
+                event = job.events.get(timeout=0.25)
+            except queue.Empty:
+                if alive():
+                    continue
+                raise ConnectionResetError("the client has gone") from None
+            if event is None:
+                break
             assert isinstance(event, Chunk)
             verdict = {"running_score": event.running_score} if self.scoring else None
             yield chunk(event.choice, event.text, event.token_ids, None, verdict)
@@ -1323,6 +1335,15 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
                 return self._refuse(ApiError(500, f"{type(e).__name__}: {e}"), t0)
             self._done(200, response, t0)
 
+        def _client_alive(self) -> bool:
+            """Whether the client's end of the connection is still open (it sends nothing more on a
+            stream: readable with nothing to read is its close)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+            except OSError:
+                return False
+
         def _stream(self, job: Job, chat: bool, t0: float) -> None:
             """Server-sent events, each `data: <chunk>`, then `data: [DONE]`; the connection closes after."""
             self.close_connection = True
@@ -1333,7 +1354,7 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Connection", "close")
                 self.end_headers()
-                for payload in service.stream_chunks(job, chat):
+                for payload in service.stream_chunks(job, chat, self._client_alive):
                     self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")

@@ -287,6 +287,53 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_row_stops(bundle
         assert len(steps) < 60, f"the left request's row ran {len(steps)} steps of its 90"
 
 
+def test_a_client_that_leaves_before_its_first_chunk_frees_its_slot_while_it_waits(
+    bundle_path, tiny_model_dir, monkeypatch
+):
+    """A streamed request waits behind a long round (each step of the model slowed) and its client goes
+    before any chunk is written: the server notices without writing (the closed connection is readable)
+    and frees the slot while that round still runs, not once the request's first chunk fails to send."""
+    import socket
+    import threading
+
+    generate = GenerateParams(max_new_tokens=90, stop=[])
+    scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=generate, batch_size=4)
+    limits = Limits(max_tokens=90, max_n=2, max_batch=4, max_concurrency=2)
+    service = Service(scorer, name="tiny", limits=limits, log=lambda *_: None)
+    with Server(service, port=0, log=lambda *_: None) as srv:
+        model, steps = scorer.model, []
+        forward = model.forward
+
+        def slow(*a, **kw):
+            steps.append(1)
+            time.sleep(0.05)
+            return forward(*a, **kw)
+
+        monkeypatch.setattr(model, "forward", slow)
+        long = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stop": ["nothing like this"],
+                "temperature": 1.0}  # fmt: skip
+        first = threading.Thread(target=post_plain, args=(srv, long))
+        first.start()
+        while not steps:  # the long round has started
+            time.sleep(0.01)
+        data = json.dumps(long | {"seed": 2, "stream": True}).encode()
+        sock = socket.create_connection(srv.http.server_address, timeout=60)
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode() + data)
+        deadline = time.monotonic() + 30
+        while service._jobs.qsize() == 0 and time.monotonic() < deadline:  # the streamed request is queued
+            time.sleep(0.01)
+        sock.close()  # the client goes before any chunk
+        left_at = len(steps)
+        while service._slots._value < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        freed_at = len(steps)
+        first.join(60)
+    assert service._slots._value == 2
+    assert freed_at - left_at < 30, f"the slot was freed {freed_at - left_at} steps after the client left"
+    assert freed_at < 85, "the slot was freed only after the long round"
+
+
 def post_plain(srv, body) -> tuple[int, dict]:
     return post(srv, "/v1/completions", body, key=None)
 
