@@ -1337,7 +1337,8 @@ def handler_class(service: Service, api_key: str | None, log: Callable[[str], No
 
         def _client_alive(self) -> bool:
             """Whether the client's end of the connection is still open (it sends nothing more on a
-            stream: readable with nothing to read is its close)."""
+            stream: readable with nothing to read is its close). A client that half-closes its side
+            after the request (no HTTP client we know does) reads as gone."""
             try:
                 readable, _, _ = select.select([self.connection], [], [], 0)
                 return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
