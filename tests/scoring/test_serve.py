@@ -231,11 +231,48 @@ def test_a_streamed_answer_is_the_unstreamed_one_with_a_running_score_and_its_sc
     assert running_seen, "no running score in any chunk"
 
 
+# a request whose answer runs long (no stop the tiny model writes, sampled): 90 tokens of a slowed model
+LONG = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stop": ["nothing like this"],
+        "temperature": 1.0}  # fmt: skip
+
+
+def send_raw(srv, body: dict):
+    """A socket that has sent `body` as a POST to /v1/completions of the server `srv`."""
+    import socket
+
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(srv.http.server_address, timeout=60)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def leave_after_first_chunk(srv, body: dict) -> bytes:
+    """A streamed request whose client reads up to its first chunk and closes the connection: what it read."""
+    sock, seen = send_raw(srv, body), b""
+    while b"data: " not in seen:
+        got = sock.recv(4096)
+        assert got, f"the stream ended before its first chunk: {seen!r}"
+        seen += got
+    sock.close()  # the client goes
+    return seen
+
+
+def until_not_429(ask, wait_s: float = 60.0) -> tuple[int, dict]:
+    """`ask()` ((status, body)) again every 50 ms while it is refused with a 429, at most `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        code, out = ask()
+        if code != 429 or time.monotonic() > deadline:
+            return code, out
+        time.sleep(0.05)
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_row_stops(bundle_path, tiny_model_dir, monkeypatch):
     """One slot: a streamed request whose client reads a chunk and closes the connection; the next
     request gets the slot (not a 429), and the left row stopped well before its 90 tokens (each step
     of the model is slowed, so that the client leaves early in its answer)."""
-    import socket
 
     generate = GenerateParams(max_new_tokens=90, stop=[])  # the tiny model's context: 128 tokens
     scorer = Scorer(bundle_path, str(tiny_model_dir), device="cpu", generate=generate, batch_size=4)
@@ -252,37 +289,11 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_row_stops(bundle
             return forward(*a, **kw)
 
         monkeypatch.setattr(model, "forward", slow)
-        host, port = srv.http.server_address
-        body = json.dumps(
-            {
-                "model": "tiny",
-                "prompt": QUESTION,
-                "max_tokens": 90,
-                "seed": 1,
-                "stream": True,
-                "stop": ["nothing like this"],
-                "temperature": 1.0,
-            }
-        ).encode()
-        sock = socket.create_connection((host, port), timeout=60)
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        seen = b""
-        while b"data: " not in seen:
-            got = sock.recv(4096)
-            assert got, f"the stream ended before its first chunk: {seen!r}"
-            seen += got
-        sock.close()  # the client goes
+        seen = leave_after_first_chunk(srv, LONG | {"stream": True})
         assert b"HTTP/1.1 200" in seen and b"text/event-stream" in seen
-        deadline = time.monotonic() + 60
-        while True:
-            code, out = post_plain(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
-            if code != 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        code, out = until_not_429(
+            lambda: post_plain(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
+        )
         assert code == 200, out
         assert len(steps) < 60, f"the left request's row ran {len(steps)} steps of its 90"
 
@@ -293,7 +304,6 @@ def test_a_client_that_leaves_before_its_first_chunk_frees_its_slot_while_it_wai
     """A streamed request waits behind a long round (each step of the model slowed) and its client goes
     before any chunk is written: the server notices without writing (the closed connection is readable)
     and frees the slot while that round still runs, not once the request's first chunk fails to send."""
-    import socket
     import threading
 
     generate = GenerateParams(max_new_tokens=90, stop=[])
@@ -310,16 +320,11 @@ def test_a_client_that_leaves_before_its_first_chunk_frees_its_slot_while_it_wai
             return forward(*a, **kw)
 
         monkeypatch.setattr(model, "forward", slow)
-        long = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stop": ["nothing like this"],
-                "temperature": 1.0}  # fmt: skip
-        first = threading.Thread(target=post_plain, args=(srv, long))
+        first = threading.Thread(target=post_plain, args=(srv, LONG))
         first.start()
         while not steps:  # the long round has started
             time.sleep(0.01)
-        data = json.dumps(long | {"seed": 2, "stream": True}).encode()
-        sock = socket.create_connection(srv.http.server_address, timeout=60)
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
-        sock.sendall(head.encode() + data)
+        sock = send_raw(srv, LONG | {"seed": 2, "stream": True})
         deadline = time.monotonic() + 30
         while service._jobs.qsize() == 0 and time.monotonic() < deadline:  # the streamed request is queued
             time.sleep(0.01)

@@ -455,10 +455,8 @@ def test_a_client_that_leaves_a_stream_through_the_engine_frees_its_slot_and_the
     """One slot; the engine streams a step every 50 ms. A client reads its first chunk and closes the
     connection: the next request gets the slot (not a 429), and our server closed the engine's stream
     well before its last step (the fake counts a client that left mid-stream; vLLM aborts the request)."""
-    import socket
-    import time
-
     from halludetect.scoring.serve import Limits
+    from tests.scoring.test_serve import LONG, leave_after_first_chunk, until_not_429
 
     options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
     with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
@@ -468,24 +466,10 @@ def test_a_client_that_leaves_a_stream_through_the_engine_frees_its_slot_and_the
         service = Service(s, name="tiny", limits=limits, engine=client, log=lambda *_: None)
         with Server(service, port=0, log=lambda *_: None) as srv:
             engine.stream_delay = 0.05  # after the start's probe
-            body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stream": True,
-                    "stop": ["nothing like this"], "temperature": 1.0}  # fmt: skip
-            data = json.dumps(body).encode()
-            sock = socket.create_connection(srv.http.server_address, timeout=60)
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n"
-            sock.sendall(head.encode() + data)
-            seen = b""
-            while b"data: " not in seen:
-                got = sock.recv(4096)
-                assert got, f"the stream ended before its first chunk: {seen!r}"
-                seen += got
-            sock.close()  # the client goes
-            deadline = time.monotonic() + 30
-            while True:
-                code, out = post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
-                if code != 429 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+            leave_after_first_chunk(srv, LONG | {"stream": True})
+            code, out = until_not_429(
+                lambda: post(srv, {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "seed": 2})
+            )
             assert code == 200, out
             engine.wait_writes()
             assert engine.streams_left == 1, "the engine's stream was read to its end"
