@@ -77,7 +77,9 @@ same repository reproduced that way (its lock compared byte for byte with the fi
 entry-wise rewrite timed on the measured and on the grid's synthesised lock, and the grid's DVC time
 with that rewrite after every stage (the same fixed part per stage; the rewrite at the full lock's
 size, an upper bound). `--measure-entrywise-grid` runs the whole grid that way too (a few minutes
-at the paper's grid, where DVC's own writer would take most of an hour), and times its `dvc status`.
+at the paper's grid, where DVC's own writer would take most of an hour), and times its `dvc status`,
+then again on a copy with every stage's `params:` removed (`without_params`: what the per-stage
+parse of params.yaml costs status).
 
 When the grid is small enough, everything is measured on it (the bookkeeping share alone is
 modelled). The last line is one JSON object: both designs' figures, and new / baseline ratios.
@@ -465,6 +467,27 @@ def entrywise_rewrite(lock: Path, scratch: Path, runs: int) -> float:
     return min(times)
 
 
+def without_params(repo: Path, dest: Path) -> dict:
+    """What DVC's per-stage params cost `dvc status`: a copy of the finished repository with every
+    stage's `params:` removed from dvc.yaml and from its dvc.lock entry (what a design that folds each
+    stage's params into a digest file it depends on, as the code stage does for code, would leave),
+    its `dvc status` and lock. DVC parses params.yaml once per stage that lists params
+    (dvc/dependency/param.py `read_param_file`, 3.67.1) and looks each key up by walking the whole
+    tree (dpath), which this measures away."""
+    from ruamel.yaml import YAML
+
+    copy = dest / "without-params"
+    shutil.copytree(repo, copy, symlinks=True)
+    y = YAML()
+    for name in ("dvc.yaml", "dvc.lock"):
+        data = y.load((copy / name).read_text())
+        for stage in data["stages"].values():
+            (stage.get("do") or stage).pop("params", None)
+        with open(copy / name, "w") as f:
+            y.dump(data, f)
+    return {**status(copy), "lock_bytes": (copy / "dvc.lock").stat().st_size}
+
+
 def lock_stats(lock: Path) -> dict:
     from halludetect.runner.dvc_internals import load_yaml
 
@@ -796,11 +819,17 @@ def main() -> None:
             measured.update(status(full["repo"]))
             measured.update(lock_stats(full["repo"] / "dvc.lock"))
             measured["stages"] = len(full["stages"])
+            measured["without_params"] = without_params(full["repo"], work)
             results["design"]["grid"]["entrywise"]["measured_grid"] = measured
             log(
                 f"  measured: {measured['stages']} stages, wall {measured['repro_wall_s']:.1f} s, DVC "
                 f"{measured['dvc_s']:.1f} s = {measured['dvc_per_stage_s'] * 1000:.0f} ms/stage, dvc.lock "
                 f"{measured['lock_bytes'] / 1e6:.2f} MB, dvc status {measured['status_min_s']:.1f} s"
+            )
+            wp = measured["without_params"]
+            log(
+                f"  the same without any stage's params (dvc.yaml and dvc.lock): dvc status {wp['status_min_s']:.1f} s"
+                f" ({'clean' if wp['status_clean'] else 'NOT CLEAN'}), dvc.lock {wp['lock_bytes'] / 1e6:.2f} MB"
             )
         if not a.no_baseline:
             results["baseline"] = design(

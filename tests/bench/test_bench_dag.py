@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_dag_bench_tiny_grid():
     cmd = [sys.executable, "-m", "bench.dag", "--no-baseline", "--models", "1", "--datasets", "1"]
-    cmd += ["--methods", "probe", "--layers", "1", "--status-runs", "1"]
+    cmd += ["--methods", "probe", "--layers", "1", "--status-runs", "1", "--measure-entrywise-grid"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -28,3 +28,7 @@ def test_dag_bench_tiny_grid():
     assert g["stages"] == m["stages"] and g["extrapolated"] == ["bookkeeping_s"]  # small: measured
     assert 0 < g["bookkeeping_s"] < m["dvc_s"] * 2
     assert "baseline" not in out
+    whole = g["entrywise"]["measured_grid"]  # the grid again through runner/dvc_lock.py, then without params
+    assert whole["stages"] == m["stages"] and whole["status_clean"] and whole["lock_bytes"] == m["lock_bytes"]
+    bare = whole["without_params"]
+    assert bare["status_clean"] and 0 < bare["lock_bytes"] < whole["lock_bytes"]
