@@ -69,7 +69,10 @@ its paper-scale figures are EXTRAPOLATED, labelled so in the output:
   bookkeeping: the sum over stages (in repro order) of one rewrite at the lock's size after
   that stage;
 - `dvc status`: start-up + (reduced status - start-up - reduced lock load) x stages ratio +
-  one load of the grid's lock.
+  one load of the grid's lock;
+- `split_bookkeeping`: the same bookkeeping with the stages spread over several dvc.yaml files,
+  each with its own lock (DVC rewrites only the lock of the stage's file): one file per stage
+  family, and one per family and model.
 
 Beside DVC's own writer, each design is also run through halludetect/runner/dvc_lock.py (what
 `halludetect repro` runs: dvc.lock written entry by entry, the same bytes): a second build of the
@@ -587,13 +590,40 @@ def synthesise(b: dict, path: Path, max_bytes: float) -> dict:
     }
 
 
-def bookkeeping(sizes: list[int], header: int, scale: float, rewrite) -> float:
-    """Sum over stages of one lock rewrite at the lock's size after that stage."""
-    total, acc = 0.0, header
-    for s in sizes:
-        acc += s * scale
-        total += rewrite(acc)
+def bookkeeping(sizes: list[int], header: int, scale: float, rewrite, groups: list[str] | None = None) -> float:
+    """Sum over stages of one lock rewrite at the lock's size after that stage. `groups`: the dvc.yaml
+    each stage would live in, each file with its own lock (DVC rewrites only the lock of the stage's
+    file), for a layout of several files; None: one file."""
+    total, acc = 0.0, defaultdict(lambda: float(header))
+    for s, g in zip(sizes, groups or [""] * len(sizes), strict=True):
+        acc[g] += s * scale
+        total += rewrite(acc[g])
     return total
+
+
+def split_layouts(stages: list[dict], models: list[str]) -> dict[str, list[str]]:
+    """Which file each stage would be in, for two layouts of several dvc.yaml files (each with its own
+    dvc.lock): one per stage family (train, evaluate, ...: the same files whatever the grid), and one
+    per family and model (a stage whose outputs name no model of the grid in the family's file)."""
+
+    def model_of(s: dict) -> str:
+        for o in s["outs"]:
+            for m in models:
+                if f"/{m}/" in f"/{o}/" or o.endswith(f"/{m}.json"):
+                    return m
+        return ""
+
+    family = [s["name"].split("@")[0] for s in stages]
+    return {"family": family, "family_model": [f"{f}/{model_of(s)}" for f, s in zip(family, stages, strict=True)]}
+
+
+def split_bookkeeping(stages: list[dict], models: list[str], sizes: list, header: int, scale: float, rewrite) -> dict:
+    """The lock bookkeeping if the stages were spread over several dvc.yaml files (split_layouts),
+    each its own lock, modelled as `bookkeeping` models one file, at today's entries."""
+    return {
+        name: {"files": len(set(groups)), "bookkeeping_s": bookkeeping(sizes, header, scale, rewrite, groups)}
+        for name, groups in split_layouts(stages, models).items()
+    }
 
 
 def design(
@@ -648,7 +678,9 @@ def design(
         return lambda s: t * s / size
 
     if measured_full:
-        book = bookkeeping(syn["sizes"], header, correction, line(m["rewrite_s"], m["lock_bytes"]))
+        rewrite = line(m["rewrite_s"], m["lock_bytes"])
+        book = bookkeeping(syn["sizes"], header, correction, rewrite)
+        split = split_bookkeeping(full["stages"], grid_args["models"], syn["sizes"], header, correction, rewrite)
         result["grid"] = {
             "how": "measured on the grid itself (bookkeeping_s modelled)",
             "extrapolated": ["bookkeeping_s"],
@@ -661,6 +693,7 @@ def design(
             "dvc_per_stage_s": m["dvc_per_stage_s"],
             "dvc_s": m["dvc_s"],
             "bookkeeping_s": book,
+            "split_bookkeeping": split,
             "lock_bytes_by_family": {k: round(v * correction) for k, v in syn["by_family"].items()},
             "entrywise": {
                 "rewrite_s": m["entrywise_rewrite_s"],
@@ -683,6 +716,7 @@ def design(
     fixed = max(m["dvc_s"] - floor - book_small, 0.0) / n
     book = bookkeeping(g["sizes"], header, correction, rewrite)
     dvc_s = floor + fixed * n_full + book
+    split = split_bookkeeping(full["stages"], grid_args["models"], g["sizes"], header, correction, rewrite)
     status_s = floor + max(m["status_min_s"] - floor - m["load_s"], 0.0) * n_full / n + load(g_bytes)
     extrapolated = ["lock_bytes", "status_s", "dvc_per_stage_s", "dvc_s", "bookkeeping_s", "fixed_per_stage_s"]
     if not g["exact"]:
@@ -706,6 +740,7 @@ def design(
         "dvc_s": dvc_s,
         "bookkeeping_s": book,
         "fixed_per_stage_s": fixed,
+        "split_bookkeeping": split,
         "lock_bytes_by_family": {k: round(v * correction) for k, v in g["by_family"].items()},
     }
     # Through runner/dvc_lock.py: the same fixed part per stage, and one warm entry-wise rewrite per stage
@@ -749,6 +784,11 @@ def report(r: dict) -> None:
         f"{m['entrywise_rewrite_s'] * 1000:.0f} ms; at the grid one rewrite {e['rewrite_s'] * 1000:.0f} ms, "
         f"DVC {e['dvc_per_stage_s']:.2f} s/stage = {e['dvc_s'] / 60:.1f} min of repro"
     )
+    for name, sp in g.get("split_bookkeeping", {}).items():
+        print(
+            f"  the same stages in {sp['files']} dvc.yaml files ({name.replace('_', ' x ')}), a lock each: lock "
+            f"bookkeeping {sp['bookkeeping_s'] / 60:.1f} min (extrapolated)"
+        )
     top = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in list(g["lock_bytes_by_family"].items())[:5])
     print(f"  grid's dvc.lock by stage family (MB): {top}")
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +29,12 @@ def test_dag_bench_tiny_grid():
     assert abs(m["synth_lock_error"]) < 0.1  # the synthesised lock is close to DVC's own
     assert g["stages"] == m["stages"] and g["extrapolated"] == ["bookkeeping_s"]  # small: measured
     assert 0 < g["bookkeeping_s"] < m["dvc_s"] * 2
+    # spread over a dvc.yaml per family (and per family and model: the one model here), a lock each,
+    # every rewrite is of a smaller lock
+    family, by_model = g["split_bookkeeping"]["family"], g["split_bookkeeping"]["family_model"]
+    assert 1 < family["files"] == by_model["files"] <= m["stages"]
+    assert family["bookkeeping_s"] == pytest.approx(by_model["bookkeeping_s"])
+    assert 0 < family["bookkeeping_s"] < g["bookkeeping_s"]
     assert "baseline" not in out
     whole = g["entrywise"]["measured_grid"]  # the grid again through runner/dvc_lock.py, then without params
     assert whole["stages"] == m["stages"] and whole["status_clean"] and whole["lock_bytes"] == m["lock_bytes"]
