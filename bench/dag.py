@@ -82,7 +82,8 @@ with that rewrite after every stage (the same fixed part per stage; the rewrite 
 size, an upper bound). `--measure-entrywise-grid` runs the whole grid that way too (a few minutes
 at the paper's grid, where DVC's own writer would take most of an hour), and times its `dvc status`,
 then again on a copy with every stage's `params:` removed (`without_params`: what the per-stage
-parse of params.yaml costs status).
+parse of params.yaml costs status) and on one where each stage depends on a file of its params'
+values instead (`digests`).
 
 When the grid is small enough, everything is measured on it (the bookkeeping share alone is
 modelled). The last line is one JSON object: both designs' figures, and new / baseline ratios.
@@ -471,24 +472,44 @@ def entrywise_rewrite(lock: Path, scratch: Path, runs: int) -> float:
 
 
 def without_params(repo: Path, dest: Path) -> dict:
-    """What DVC's per-stage params cost `dvc status`: a copy of the finished repository with every
-    stage's `params:` removed from dvc.yaml and from its dvc.lock entry (what a design that folds each
-    stage's params into a digest file it depends on, as the code stage does for code, would leave),
-    its `dvc status` and lock. DVC parses params.yaml once per stage that lists params
-    (dvc/dependency/param.py `read_param_file`, 3.67.1) and looks each key up by walking the whole
-    tree (dpath), which this measures away."""
+    """What DVC's per-stage params cost `dvc status`, and what a params digest per stage would cost
+    instead. DVC parses params.yaml once per stage that lists params (dvc/dependency/param.py
+    `read_param_file`, 3.67.1) and looks each key up by walking the whole tree (dpath). Two copies of
+    the finished repository:
+
+    - `without_params`: every stage's `params:` removed from dvc.yaml and from its dvc.lock entry;
+    - `digests`: the same, and each stage depends instead on `data/params/<stage>.json`, a file of its
+      params' values (what a stage that reads params.yaml once would write, as the code stage writes
+      a code digest per stage), recorded in its lock entry.
+
+    Returns each copy's `dvc status` and lock bytes."""
     from ruamel.yaml import YAML
 
-    copy = dest / "without-params"
-    shutil.copytree(repo, copy, symlinks=True)
     y = YAML()
-    for name in ("dvc.yaml", "dvc.lock"):
-        data = y.load((copy / name).read_text())
-        for stage in data["stages"].values():
-            (stage.get("do") or stage).pop("params", None)
-        with open(copy / name, "w") as f:
-            y.dump(data, f)
-    return {**status(copy), "lock_bytes": (copy / "dvc.lock").stat().st_size}
+    out = {}
+    for label in ("without_params", "digests"):
+        copy = dest / label.replace("_", "-")
+        shutil.copytree(repo, copy, symlinks=True)
+        spec, lock = y.load((copy / "dvc.yaml").read_text()), y.load((copy / "dvc.lock").read_text())
+        for family, stage in spec["stages"].items():
+            had = stage.pop("params", None)
+            if label == "digests" and had:  # the stage's name as DVC expands it: family@v1-v2-... in matrix order
+                name = family + ("@" + "-".join(f"${{item.{k}}}" for k in stage["matrix"]) if "matrix" in stage else "")
+                stage.setdefault("deps", []).append(f"data/params/{name}.json")
+        for name, entry in lock["stages"].items():
+            had = entry.pop("params", None)
+            if label == "digests" and had:
+                data = json.dumps(had, sort_keys=True).encode()
+                rel = f"data/params/{name}.json"
+                (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+                (copy / rel).write_bytes(data)
+                dep = {"path": rel, "hash": "md5", "md5": hashlib.md5(data).hexdigest(), "size": len(data)}
+                entry["deps"] = sorted([*entry.get("deps", []), dep], key=lambda d: d["path"])
+        for name, data in (("dvc.yaml", spec), ("dvc.lock", lock)):
+            with open(copy / name, "w") as f:
+                y.dump(data, f)
+        out[label] = {**status(copy), "lock_bytes": (copy / "dvc.lock").stat().st_size}
+    return out
 
 
 def lock_stats(lock: Path) -> dict:
@@ -859,18 +880,22 @@ def main() -> None:
             measured.update(status(full["repo"]))
             measured.update(lock_stats(full["repo"] / "dvc.lock"))
             measured["stages"] = len(full["stages"])
-            measured["without_params"] = without_params(full["repo"], work)
+            measured.update(without_params(full["repo"], work))
             results["design"]["grid"]["entrywise"]["measured_grid"] = measured
             log(
                 f"  measured: {measured['stages']} stages, wall {measured['repro_wall_s']:.1f} s, DVC "
                 f"{measured['dvc_s']:.1f} s = {measured['dvc_per_stage_s'] * 1000:.0f} ms/stage, dvc.lock "
                 f"{measured['lock_bytes'] / 1e6:.2f} MB, dvc status {measured['status_min_s']:.1f} s"
             )
-            wp = measured["without_params"]
-            log(
-                f"  the same without any stage's params (dvc.yaml and dvc.lock): dvc status {wp['status_min_s']:.1f} s"
-                f" ({'clean' if wp['status_clean'] else 'NOT CLEAN'}), dvc.lock {wp['lock_bytes'] / 1e6:.2f} MB"
-            )
+            for label, what in (
+                ("without_params", "without any stage's params (dvc.yaml and dvc.lock)"),
+                ("digests", "with a params digest file per stage instead"),
+            ):
+                w = measured[label]
+                log(
+                    f"  the same {what}: dvc status {w['status_min_s']:.1f} s "
+                    f"({'clean' if w['status_clean'] else 'NOT CLEAN'}), dvc.lock {w['lock_bytes'] / 1e6:.2f} MB"
+                )
         if not a.no_baseline:
             results["baseline"] = design(
                 "baseline", a.baseline_rev, grid_args, reduced_args, a.max_repro_stages, a.synth_max_mb * 1e6, work
