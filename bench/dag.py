@@ -505,9 +505,9 @@ def without_params(repo: Path, dest: Path) -> dict:
                 (copy / rel).write_bytes(data)
                 dep = {"path": rel, "hash": "md5", "md5": hashlib.md5(data).hexdigest(), "size": len(data)}
                 entry["deps"] = sorted([*entry.get("deps", []), dep], key=lambda d: d["path"])
-        for name, data in (("dvc.yaml", spec), ("dvc.lock", lock)):
-            with open(copy / name, "w") as f:
-                y.dump(data, f)
+        for file, doc in (("dvc.yaml", spec), ("dvc.lock", lock)):
+            with open(copy / file, "w") as f:
+                y.dump(doc, f)
         out[label] = {**status(copy), "lock_bytes": (copy / "dvc.lock").stat().st_size}
     return out
 

@@ -2,7 +2,8 @@
 
 Test modules never import each other: what two of them need lives here (the random packed bags
 and detectors of the property tests live in detector_support.py, the end-to-end repository in
-e2e_support.py, the miniature DAG in contract_layout.py).
+e2e_support.py, the miniature DAG in contract_layout.py, the serve tests' client helpers in
+serve_support.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from openai import OpenAI
+from serve_support import LONG, QUESTION, leave_after_first_chunk, send_raw, streamed, until_not_429
 from support import ROOT
 
 from halludetect.config import GenerateParams
@@ -26,7 +27,6 @@ from halludetect.scoring.scorer import OptionError, Scorer, score_answers
 from halludetect.scoring.serve import Limits, Server, Service
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-QUESTION = "Where was Tavo Mir born?"
 
 
 @pytest.fixture(scope="module")
@@ -175,24 +175,6 @@ def test_abstain_refuses_where_every_answer_is_flagged_and_answers_where_one_is_
     assert kept.choices[0].text == best.choices[0].text
 
 
-def _streamed(chunks) -> dict[int, dict]:
-    """Per choice: the texts and token ids of its chunks, their running scores, and its last chunk."""
-    out: dict[int, dict] = {}
-    for ch in chunks:
-        assert len(ch.choices) == 1
-        c = ch.choices[0]
-        got = out.setdefault(c.index, {"text": "", "ids": [], "running": [], "last": None})
-        delta = c.delta.content if hasattr(c, "delta") else c.text
-        got["text"] += delta or ""
-        got["ids"] += c.token_ids
-        if c.finish_reason is None:
-            got["running"].append(c.hallucination["running_score"])
-        else:
-            assert got["last"] is None, "one last chunk per choice"
-            got["last"] = c
-    return out
-
-
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_a_streamed_answer_is_the_unstreamed_one_with_a_running_score_and_its_score_last(served, chat):
     """stream=True through the openai client: each choice's chunks concatenate to the answer the same
@@ -210,7 +192,7 @@ def test_a_streamed_answer_is_the_unstreamed_one_with_a_running_score_and_its_sc
         whole = c.completions.create(prompt=QUESTION, **ask)
         chunks = list(c.completions.create(prompt=QUESTION, stream=True, **ask))
         answers = [ch.text for ch in whole.choices]
-    got = _streamed(chunks)
+    got = streamed(chunks)
     assert sorted(got) == [0, 1, 2]
     running_seen = 0
     for i, w in enumerate(whole.choices):
@@ -229,44 +211,6 @@ def test_a_streamed_answer_is_the_unstreamed_one_with_a_running_score_and_its_sc
         if scored and not last.token_ids:  # nothing after the last running score: it scored the whole answer
             assert scored[-1] == pytest.approx(final["score"], abs=1e-4)
     assert running_seen, "no running score in any chunk"
-
-
-# a request whose answer runs long (no stop the tiny model writes, sampled): 90 tokens of a slowed model
-LONG = {"model": "tiny", "prompt": QUESTION, "max_tokens": 90, "seed": 1, "stop": ["nothing like this"],
-        "temperature": 1.0}  # fmt: skip
-
-
-def send_raw(srv, body: dict):
-    """A socket that has sent `body` as a POST to /v1/completions of the server `srv`."""
-    import socket
-
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(srv.http.server_address, timeout=60)
-    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(data)}\r\n\r\n"
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def leave_after_first_chunk(srv, body: dict) -> bytes:
-    """A streamed request whose client reads up to its first chunk and closes the connection: what it read."""
-    sock, seen = send_raw(srv, body), b""
-    while b"data: " not in seen:
-        got = sock.recv(4096)
-        assert got, f"the stream ended before its first chunk: {seen!r}"
-        seen += got
-    sock.close()  # the client goes
-    return seen
-
-
-def until_not_429(ask, wait_s: float = 60.0) -> tuple[int, dict]:
-    """`ask()` ((status, body)) again every 50 ms while it is refused with a 429, at most `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        code, out = ask()
-        if code != 429 or time.monotonic() > deadline:
-            return code, out
-        time.sleep(0.05)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_row_stops(bundle_path, tiny_model_dir, monkeypatch):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from openai import OpenAI
 from safetensors.torch import save_file
+from serve_support import LONG, QUESTION, leave_after_first_chunk, streamed, until_not_429
 
 from halludetect.config import GenerateParams
 from halludetect.scoring.scorer import Scorer, score_answers
@@ -28,7 +29,6 @@ from halludetect.scoring.serve import EngineClient, Server, Service
 from halludetect.testing.fake_vllm import FakeVLLM, Fault
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-QUESTION = "Where was Tavo Mir born?"
 ENGINE_LAYERS = [3, 0, 2, 1]  # the tiny model's every layer (3 blocks), listed out of order
 STOPS = ["\n", "Question:", "a"]  # the defaults, and a letter the tiny model's words often hold
 
@@ -188,8 +188,6 @@ def test_a_stream_through_the_engine_is_the_unstreamed_answer_with_its_score_las
     answer the same seed gives without stream (text and ids), each chunk before the last has a null
     running score (vLLM writes the states when the answer ends), the last the unstreamed `hallucination`;
     the engine was asked to stream, and no file of ours is left."""
-    from tests.scoring.test_serve import _streamed
-
     srv, engine, states = engine_served
     c = OpenAI(base_url=srv.url, api_key="-", max_retries=0)
     ask = {"model": "tiny", "n": 3, "seed": 11, "max_tokens": 8}
@@ -205,7 +203,7 @@ def test_a_stream_through_the_engine_is_the_unstreamed_answer_with_its_score_las
         chunks = list(c.completions.create(prompt=QUESTION, stream=True, **ask))
         answers = [ch.text for ch in whole.choices]
     assert [b.get("stream") for b in engine.requests[before:]] == [True] * 3
-    got = _streamed(chunks)
+    got = streamed(chunks)
     assert sorted(got) == [0, 1, 2]
     for i, w in enumerate(whole.choices):
         g = got[i]
@@ -456,7 +454,6 @@ def test_a_client_that_leaves_a_stream_through_the_engine_frees_its_slot_and_the
     connection: the next request gets the slot (not a 429), and our server closed the engine's stream
     well before its last step (the fake counts a client that left mid-stream; vLLM aborts the request)."""
     from halludetect.scoring.serve import Limits
-    from tests.scoring.test_serve import LONG, leave_after_first_chunk, until_not_429
 
     options = {"hidden_states": [0, 1, 2, 3], "allow_custom_save_path": True}
     with FakeVLLM(tiny_model_dir, states_dir=tmp_path / "shm", **options) as engine:
