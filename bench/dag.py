@@ -482,12 +482,15 @@ def without_params(repo: Path, dest: Path) -> dict:
       params' values (what a stage that reads params.yaml once would write, as the code stage writes
       a code digest per stage), recorded in its lock entry.
 
-    Returns each copy's `dvc status` and lock bytes."""
+    Returns each copy's `dvc status` and lock bytes; `digests` is None for a design that has the
+    params stage already (stages/params.py since issue 53: the copy would be the design itself)."""
     from ruamel.yaml import YAML
 
     y = YAML()
-    out = {}
-    for label in ("without_params", "digests"):
+    spec = y.load((repo / "dvc.yaml").read_text())
+    has_params_stage = any(PARAMS_OUT in (s.get("outs") or []) for s in spec["stages"].values())
+    out = {"digests": None}
+    for label in ("without_params",) if has_params_stage else ("without_params", "digests"):
         copy = dest / label.replace("_", "-")
         shutil.copytree(repo, copy, symlinks=True)
         spec, lock = y.load((copy / "dvc.yaml").read_text()), y.load((copy / "dvc.lock").read_text())
@@ -510,6 +513,9 @@ def without_params(repo: Path, dest: Path) -> dict:
                 y.dump(doc, f)
         out[label] = {**status(copy), "lock_bytes": (copy / "dvc.lock").stat().st_size}
     return out
+
+
+PARAMS_OUT = "data/params"  # the params stage's output (halludetect/runner/params_digests.py)
 
 
 def lock_stats(lock: Path) -> dict:
@@ -559,9 +565,11 @@ def synthesise(b: dict, path: Path, max_bytes: float) -> dict:
         if s["deps"]:
             e["deps"] = [item(p, "dep") for p in sorted(s["deps"])]
         if s["params"]:
-            # a copy each: shared objects would be dumped as YAML anchors and aliases, which DVC's lock has not
+            # a copy each: shared objects would be dumped as YAML anchors and aliases, which DVC's lock has
+            # not; no keys is the whole file (the params stage's `- params.yaml:`), as DVC records it
             e["params"] = {
-                f: {k: copy.deepcopy(lookup(params, k)) for k in sorted(keys)} for f, keys in s["params"].items()
+                f: {k: copy.deepcopy(lookup(params, k)) for k in sorted(keys)} if keys else copy.deepcopy(params)
+                for f, keys in s["params"].items()
             }
         if s["outs"]:
             e["outs"] = [item(p, s["name"]) for p in sorted(s["outs"])]
@@ -892,6 +900,9 @@ def main() -> None:
                 ("digests", "with a params digest file per stage instead"),
             ):
                 w = measured[label]
+                if w is None:
+                    log(f"  the same {what}: the design itself (its params stage)")
+                    continue
                 log(
                     f"  the same {what}: dvc status {w['status_min_s']:.1f} s "
                     f"({'clean' if w['status_clean'] else 'NOT CLEAN'}), dvc.lock {w['lock_bytes'] / 1e6:.2f} MB"
