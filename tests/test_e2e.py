@@ -23,7 +23,19 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from e2e_support import LAYERS, METHODS, SCORES, SP_METHODS, changed, ran, run, set_params, shared_dag, stage_cmd
+from e2e_support import (
+    LAYERS,
+    METHODS,
+    SCORES,
+    SP_METHODS,
+    changed,
+    ran,
+    run,
+    set_params,
+    shared_dag,
+    stage_cmd,
+    stale_after_params,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -284,13 +296,15 @@ def test_the_tables_state_their_conventions_and_training_is_measured_by_epoch(re
 
 def test_training_param_reruns_only_training_and_after(repo):
     set_params(repo, {"detectors": {"max": {"lr": 0.001}}})
-    assert changed(repo) == {"train@world-world-max", "code"}  # code: it reads detectors for the plugins' keys
-    # `halludetect repro`'s plan works out the code stage's digests (runner/repro.py) instead of counting
-    # every stage below it as running: the stages that will run are max's and what reads its evaluation
+    # DVC sees params.yaml change for the params stage, and `detectors` for the code stage (the plugins' keys)
+    assert changed(repo) == {"params", "code"}
+    # `halludetect repro`'s plan works out both stages' files (runner/repro.py) instead of counting every
+    # stage below them as running: the stages that will run are max's and what reads its evaluation
     plan = "import json; from halludetect.runner.repro import plan; print(json.dumps(plan([])))"
     fates = dict(json.loads(run([sys.executable, "-c", plan], repo)))
     assert {s for s, f in fates.items() if f == "run"} == {
         "code",
+        "params",
         "train@world-world-max",
         "evaluate@world-world-max",
         "figures@world-world",
@@ -299,7 +313,7 @@ def test_training_param_reruns_only_training_and_after(repo):
         "report",
     }, fates
     log = run([sys.executable, "-m", "dvc", "repro", "evaluate@world-world-max"], repo)
-    assert ran(log) == {"code", "train@world-world-max", "evaluate@world-world-max"}
+    assert ran(log) == {"code", "params", "train@world-world-max", "evaluate@world-world-max"}
     # what reads the evaluation is stale now (what `dvc repro` runs next), and nothing else
     assert changed(repo) == {"figures@world-world", "evidence@world-world", "transfer@world-world-world", "report"}
     restore(repo)
@@ -363,7 +377,7 @@ def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_on
         repo / "metrics/tables/transfer_hami_sp.tex"
     ).exists()
     set_params(repo, {"transfer": {"ece_bins": 5}})
-    assert changed(repo) == {"transfer@world-world-world"}
+    assert stale_after_params(repo) == {"transfer@world-world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert ran(log) == {"transfer@world-world-world", "report"}
     restore(repo)
@@ -371,7 +385,7 @@ def test_the_transfer_diagonal_is_the_evaluation_and_a_transfer_param_re_runs_on
 
 def test_judge_param_leaves_generation_dump_and_cluster(repo):
     set_params(repo, {"judge": {"match": {"lenient_recall": 0.9}}})
-    assert changed(repo) == {"judge@world-world"}
+    assert stale_after_params(repo) == {"judge@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro"], repo)
     assert "judge@world-world" in ran(log)
     assert not ran(log) & {"generate@world-world", "dump@world-world", "cluster@world-world", "world"}
@@ -383,11 +397,12 @@ def test_the_engines_transport_re_runs_nothing_and_the_served_model_re_runs_samp
     saved = (repo / "params.yaml").read_text()
     transport = {"base_url": ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"], "concurrency": 3}
     set_params(repo, {"generate": {"endpoint": transport | {"timeout": 5, "max_retries": 1, "api_key_env": "K"}}})
-    assert changed(repo) == set()
+    assert stale_after_params(repo) == set()
     set_params(repo, {"generate": {"endpoint": {"model": "another-name"}}})
-    assert changed(repo) == {"generate@world-world"}
+    assert stale_after_params(repo) == {"generate@world-world"}
     (repo / "params.yaml").write_text(saved)
-    assert changed(repo) == set()
+    assert stale_after_params(repo) == set()
+    restore(repo)
 
 
 def restore(repo: Path) -> None:
@@ -400,7 +415,7 @@ def restore(repo: Path) -> None:
 def test_generation_param_reruns_generation_and_everything_after(repo):
     set_params(repo, {"generate": {"temperature": 0.7}})
     # the latency stage samples with these settings itself
-    assert changed(repo) == {"generate@world-world", "latency@world-world"}
+    assert stale_after_params(repo) == {"generate@world-world", "latency@world-world"}
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)
     assert ran(log) == {"generate@world-world", "dump@world-world"}
     # Everything after is now stale (what `dvc repro` would re-run), nothing before: checked
@@ -417,7 +432,7 @@ def test_cluster_param_retrains_only_the_methods_that_read_p_sem(repo):
     """...or the semantic entropy (the SE probe), and the scores of the clustering (P_sem).
     Checked as the generation test checks it: the clustering re-run, then what is stale."""
     set_params(repo, {"cluster": {"equivalence": "strict"}})
-    assert changed(repo) == {"cluster@world-world", "latency@world-world"}  # latency makes the NLI calls itself
+    assert stale_after_params(repo) == {"cluster@world-world", "latency@world-world"}  # latency: its own NLI calls
     log = run([sys.executable, "-m", "dvc", "repro", "cluster@world-world"], repo)
     assert ran(log) == {"cluster@world-world"}
     # Stale now: what reads the clustering's outputs (its timings change on every run; on this small
@@ -439,7 +454,7 @@ def test_dump_param_reruns_dump_but_not_sampling_or_labels(repo):
     set_params(repo, {"dump": {"positions": "generated"}})
     # the bundles record the position convention their detectors read; the scores' evaluate stages share
     # the family's params (a DVC matrix gives all its stages the same: docs/pipeline.md), seconds each
-    assert changed(repo) == {"dump@world-world"} | {
+    assert stale_after_params(repo) == {"dump@world-world"} | {
         f"evaluate@world-world-{m}" for m in (*METHODS, *SP_METHODS, *SCORES)
     }
     log = run([sys.executable, "-m", "dvc", "repro", "dump@world-world"], repo)

@@ -244,9 +244,15 @@ def params_read(module_path: Path) -> set[str]:
     return {k for k in keys if not any(o != k and o.startswith(k + ".") for o in keys)}
 
 
+def listed_params(stage: dict) -> list:
+    """The params keys a stage names: its `meta.params` (runner/params_digests.py), or DVC `params:`
+    for the code and params stages."""
+    return (stage.get("meta") or {}).get("params") or stage.get("params") or []
+
+
 def declared(stage: dict) -> list[str]:
     out = []
-    for p in stage.get("params", []):
+    for p in listed_params(stage):
         out += list(p) if isinstance(p, dict) else [p]
     return [re.sub(r"\$\{item\.\w+\}", "*", p) for p in out]
 
@@ -289,7 +295,35 @@ def test_generate_declares_every_key_that_changes_a_sample_and_no_transport_key(
 
 
 def declared_of(stage: dict) -> list[str]:
-    return [p for p in stage.get("params", []) if isinstance(p, str)]
+    return [p for p in listed_params(stage) if isinstance(p, str)]
+
+
+OWN_PARAMS = {"code": ["detectors"], "params": [{"params.yaml": None}]}  # the two stages DVC reads params for
+
+
+def test_only_the_code_and_params_stages_list_dvc_params():
+    """Every other stage names its keys in `meta.params` and depends on its params file, so DVC parses
+    params.yaml once per `dvc status`, not once per stage (runner/params_digests.py); the params stage
+    tracks the whole file, so every key reaches `dvc params diff` and `dvc exp show`."""
+    dvc_params = {name: s["params"] for name, s in stages().items() if "params" in s}
+    assert dvc_params == OWN_PARAMS, dvc_params
+    unnamed = sorted(n for n, s in stages().items() if n not in OWN_PARAMS and "params" not in (s.get("meta") or {}))
+    assert not unnamed, f"{unnamed}: name the params each reads in meta.params (an empty list if none)"
+
+
+def test_every_stage_gets_its_params_file_from_one_parse_of_params_yaml():
+    """DVC's own expansion of dvc.yaml (each matrix item's keys resolved): every stage but the code and
+    params stages depends on exactly `data/params/<its name>.json`, and params.yaml has every key."""
+    from halludetect.runner import params_digests
+    from halludetect.runner.dvc_internals import Repo
+
+    with Repo(str(ROOT)) as repo:
+        resolved = list(repo.index.stages)
+    texts = params_digests.texts(resolved, ROOT)
+    names = {params_digests.stage_name(s, ROOT) for s in resolved}
+    assert {f"{n}.json" for n in names - set(OWN_PARAMS)} == set(texts)
+    assert '"detectors.hami"' in texts["train@world-world-hami.json"]
+    assert '"detectors.max"' not in texts["train@world-world-hami.json"]
 
 
 STAGE_SECTIONS = [

@@ -105,16 +105,19 @@ def dvc_problem(e: Exception, repo: str | Path) -> str:
 
 def render(fams: list[Family]) -> str:
     """One line per family: its name, `x N` for a matrix of N stages, and `<- ` its upstream. A
-    family that every other one reads (the code stage, whose digests every stage lists) is said once
-    on its own line and left out of the others' lists, where it would only repeat."""
-    read_by_all = {f.name for f in fams if len(fams) > 2 and all(f.name in g.upstream for g in fams if g is not f)}
+    family that every family after it reads (two or more: the code and params stages, whose files
+    every stage lists) is said once on its own line and left out of the others' lists, where it
+    would only repeat."""
+    read_by_all = {
+        f.name for k, f in enumerate(fams) if len(fams) - k > 2 and all(f.name in g.upstream for g in fams[k + 1 :])
+    }
     labels = [f.name if f.stages == 1 else f"{f.name} x {f.stages}" for f in fams]
     width = max(map(len, labels), default=0)
     lines = []
     for label, f in zip(labels, fams):
         upstream = [u for u in f.upstream if u not in read_by_all]
         if f.name in read_by_all:
-            lines.append(f"{label:<{width}}  -> every other family reads it")
+            lines.append(f"{label:<{width}}  -> every family after it reads it")
         else:
             lines.append(f"{label:<{width}}  <- {', '.join(upstream)}" if upstream else label)
     return "\n".join(lines) + "\n"

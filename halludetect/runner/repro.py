@@ -96,7 +96,7 @@ def plan(
                     fate[stage] = "skip"
                 elif changed and run_cache and _restorable(repo, stage, known):
                     fate[stage] = "restore"
-                elif changed and _predicted(stage, known):
+                elif changed and _predicted(stage, known, repo.index.stages):
                     fate[stage] = "predicted"
                 else:
                     fate[stage] = "run"
@@ -176,25 +176,31 @@ def _restorable(repo, stage, known: dict) -> bool:
     return True
 
 
-def _predicted(stage, known: dict) -> bool:
-    """The code stage's outputs are a pure function of the code and params.yaml, computed in a
-    second (core/code_deps.py): worked out here, so that an experiment that changes `detectors`
-    (which the code stage reads for plugins) does not count every stage as running."""
+def _predicted(stage, known: dict, stages=()) -> bool:
+    """The code and params stages' outputs are pure functions of the code, params.yaml and dvc.yaml,
+    computed in a second (core/code_deps.py, runner/params_digests.py): worked out here, so that an
+    experiment that changes a parameter does not count every stage below them as running, only the
+    stages whose digest or params file changes. `stages`: DVC's resolved stages (the params stage's keys)."""
     from halludetect.core import code_deps
+    from halludetect.runner import params_digests
 
-    if stage.addressing != code_deps.CODE_STAGE or len(stage.outs) != 1 or "stages.code" not in (stage.cmd or ""):
+    if len(stage.outs) != 1 or stage.outs[0].hash_name != "md5":
+        return False
+    out = stage.outs[0]
+    try:
+        if stage.addressing == code_deps.CODE_STAGE and "stages.code" in (stage.cmd or ""):
+            found = code_deps.digests()
+        elif "stages.params" in (stage.cmd or ""):
+            root = stage.repo.root_dir
+            found = params_digests.texts(stages, root, os.path.relpath(out.fs_path, root).replace(os.sep, "/"))
+        else:
+            return False
+    except Exception:  # noqa: BLE001 - the stage itself will say what is wrong
         return False
     import hashlib
 
     from halludetect.runner.dvc_internals import HashInfo, Meta
 
-    out = stage.outs[0]
-    if out.hash_name != "md5":
-        return False
-    try:
-        found = code_deps.digests()
-    except Exception:  # noqa: BLE001 - the stage itself will say what is wrong
-        return False
     for rel, text in found.items():
         data = text.encode()
         path = os.path.normpath(os.path.join(out.fs_path, *rel.split("/")))

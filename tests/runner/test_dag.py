@@ -42,8 +42,9 @@ def test_the_repositorys_dag_has_one_line_per_family_with_the_grids_counts():
     assert got["train"].stages == cells * len(g["detectors"])  # a stage per detector, every layer in it
     assert got["evaluate"].stages == cells * len(g["detectors"])
     assert got["route"].stages == cells
-    assert got["code"].upstream == [] and got["world"].upstream == ["code"]
-    assert got["train"].upstream == ["code", "dump", "judge", "route"]
+    assert got["code"].upstream == [] and got["params"].upstream == ["code"]
+    assert got["world"].upstream == ["code", "params"]
+    assert got["train"].upstream == ["code", "params", "dump", "judge", "route"]
     names = list(got)
     for f in got.values():  # every family after what it reads
         assert all(names.index(u) < names.index(f.name) for u in f.upstream), f
@@ -136,6 +137,14 @@ def test_dag_of_a_pipeline_dvc_cannot_read_is_one_line_and_exit_2(tmp_path, caps
 
 def test_a_family_every_other_reads_is_said_once_not_on_every_line():
     fams = [Family("code", 1), Family("world", 1, ["code"]), Family("train", 3, ["code", "world"])]
-    assert render(fams) == "code       -> every other family reads it\nworld\ntrain x 3  <- world\n"
+    assert render(fams) == "code       -> every family after it reads it\nworld\ntrain x 3  <- world\n"
+    # the code and the params stage: every family after each reads it (params reads code's digest)
+    fams = [Family("code", 1), Family("params", 1, ["code"]), *(Family(f, 1, ["code", "params"]) for f in "ab")]
+    fams.append(Family("c", 2, ["code", "params", "a"]))
+    assert render(fams) == (
+        "code    -> every family after it reads it\nparams  -> every family after it reads it\na\nb\nc x 2   <- a\n"
+    )
+    chain = [Family("a", 1), Family("b", 1, ["a"]), Family("c", 1, ["b"])]  # each read by the next alone
+    assert render(chain) == "a\nb  <- a\nc  <- b\n"
     two = [Family("world", 1), Family("train", 3, ["world"])]  # with two, the upstream one is just that
     assert render(two) == "world\ntrain x 3  <- world\n"
