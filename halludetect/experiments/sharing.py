@@ -279,11 +279,12 @@ def train_layer_from_remote(
             _not_dumped(repo, activations, model, dataset, layer)
             or f"grid.layers {params.grid.layers} has no layer {layer}: add it to params.yaml"
         )
-    # the layer's file of the dump directory, the labels; not the code digest (the command runs the code)
+    # the layer's file of the dump directory, the labels; not the code digest nor the params file (the
+    # command runs the code and reads params.yaml)
     deps = [
         f"{activations}/{layer_filename(layer)}" if d == activations else d
         for d in data
-        if not written_by[d].startswith("code")
+        if written_by[d] not in ("code", "params")
     ]
     cached_before = {
         oid for objects in cache_objects(repo, stage, data).values() for oid, f in objects.items() if f.exists()

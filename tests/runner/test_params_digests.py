@@ -48,9 +48,15 @@ stages:
 """
 
 
+ENV = {  # the stage's `python` is this environment's, as under make (DVC runs commands through the shell)
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}",
+}
+
+
 def dvc(repo, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True, env=env)
+    res = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True, env=ENV)
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
 
@@ -92,7 +98,7 @@ def test_dvc_re_runs_exactly_the_stages_whose_values_changed(repo):
             cwd=repo,
             capture_output=True,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=ENV,
         ).stdout
     )
     assert dict(fates) == {"params": "run", "use@a": "run", "use@b": "skip"}
@@ -143,7 +149,7 @@ def test_a_stage_whose_params_cannot_be_written_is_named_with_the_fix(repo, edit
 @pytest.mark.hostile
 def test_the_stage_says_what_is_wrong_without_a_traceback(tmp_path_factory, repo):
     (repo / "params.yaml").write_text("grid: [unclosed\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = ENV
     res = subprocess.run(
         [sys.executable, "-m", "stages.params", "--out", "data/params"],
         cwd=repo,
