@@ -17,8 +17,8 @@ files out (runner/repro.py) and names the stages that will run.
 dvc.yaml cannot be a dependency (DVC refuses it), so an edit to a stage's `meta.params` alone is seen
 at the next params.yaml change: a key added to a list then re-runs that stage once (its outputs were
 made with that key's value already, since the value did not change), a key removed likewise. A
-new stage's file does not exist until this stage runs again: `dvc repro -f params` (the error names
-the file).
+new stage's file does not exist until this stage runs again: `halludetect repro` sees that in its plan
+and runs this stage first, forced; plain `dvc repro` stops naming the file (`dvc repro -f params`).
 
     from halludetect.runner import params_digests
     params_digests.write("data/params")           # what stages/params.py runs

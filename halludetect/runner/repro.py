@@ -92,7 +92,9 @@ def plan(
                     fate[stage] = "run"  # an upper bound: what an upstream command writes is not known
                     continue
                 changed = _changed_given(stage, known) if upstream & {"restore", "predicted"} else stage.changed()
-                if changed is False:
+                if changed is False and _params_files_missing(stage, steps):
+                    fate[stage] = "force"  # a stage new to dvc.yaml: its params file is not written yet
+                elif changed is False:
                     fate[stage] = "skip"
                 elif changed and run_cache and _restorable(repo, stage, known):
                     fate[stage] = "restore"
@@ -103,6 +105,20 @@ def plan(
             return [(stage.addressing, "run" if f == "predicted" else f) for stage, f in fate.items()]
     except (Exception, SystemExit):  # noqa: BLE001 - a broken dvc.yaml, an unknown target: DVC's run says so
         return None
+
+
+def _params_files_missing(stage, steps) -> bool:
+    """Whether `stage` is the params stage and a stage of the run lacks its params file: a stage added
+    to dvc.yaml since the params stage last ran (DVC cannot track dvc.yaml itself, so nothing tells
+    it to run again: runner/params_digests.py). `halludetect repro` then runs it first, forced."""
+    if "stages.params" not in (stage.cmd or "") or len(stage.outs) != 1:
+        return False
+    out = os.path.normpath(stage.outs[0].fs_path)
+    return any(
+        os.path.normpath(d.fs_path).startswith(out + os.sep) and not os.path.exists(d.fs_path)
+        for s in steps
+        for d in s.deps
+    )
 
 
 def _changed_given(stage, known: dict) -> bool | None:
@@ -394,6 +410,8 @@ def main(
             return 2
     start = time.monotonic()
     fates = plan(args, command, set_params) if command == ("repro",) or jobs_are_ours else None
+    forced = [stage for stage, fate in fates or () if fate == "force"] if command == ("repro",) else []
+    fates = fates and [(stage, "run" if fate == "force" else fate) for stage, fate in fates]
     planned = None if fates is None else [(stage, fate == "run") for stage, fate in fates]
     if fates is None and why_unplannable is not None and (problem := why_unplannable()):
         # DVC could not even expand the stages (a matrix over a value that is no list, say): its own
@@ -408,6 +426,10 @@ def main(
         restore = f", {counts['restore']} from the run cache" if counts["restore"] else ""
         head = f"dvc {name} {' '.join(args)}".rstrip()
         print(f"{head}: {len(fates)} stages, {counts['run']} to run{restore}, {counts['skip']} unchanged", flush=True)
+    for stage in forced:  # plain `dvc repro` would stop at the new stage, naming the missing file
+        print(f"{stage}: a stage new to dvc.yaml has no params file yet: `dvc repro -f -s {stage}` first", flush=True)
+        if code := subprocess.run(dvc("repro", "-f", "-s", stage)).returncode:
+            return code
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they are written, not at exit
     env.pop(JOBS_ENV, None)
     if jobs > 1:

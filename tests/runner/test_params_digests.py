@@ -167,3 +167,22 @@ def test_the_stage_says_what_is_wrong_without_a_traceback(tmp_path_factory, repo
         env=env,
     )
     assert res.returncode == 2 and "DVC cannot read the pipeline" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.hostile
+def test_a_stage_new_to_dvc_yaml_gets_its_file_under_halludetect_repro(repo):
+    """DVC cannot track dvc.yaml, so nothing re-runs the params stage for a stage added to it: plain
+    `dvc repro` stops naming the missing file; `halludetect repro` runs the params stage first."""
+    dvc(repo, "repro")
+    extra = "  extra:\n    cmd: cat data/params/extra.json > extra.txt\n    deps:\n      - data/params/extra.json\n"
+    extra += "    meta:\n      params:\n        - shared\n    outs:\n      - extra.txt\n"
+    (repo / "dvc.yaml").write_text(DVC_YAML + extra)
+    plain = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True, env=ENV)
+    assert plain.returncode != 0 and "data/params/extra.json" in plain.stdout + plain.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "halludetect.cli", "repro"], cwd=repo, capture_output=True, text=True, env=ENV
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "params: a stage new to dvc.yaml has no params file yet" in res.stdout
+    assert json.loads((repo / "extra.txt").read_text()) == {"shared": 3}
+    assert ran(res.stdout) == {"params", "extra"} and json.loads(dvc(repo, "status", "--json")) == {}
