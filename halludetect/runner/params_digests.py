@@ -3,8 +3,8 @@
 Why not DVC's own `params:` per stage: DVC parses params.yaml once for every stage that lists params
 (dvc/dependency/param.py, `read_param_file`, DVC 3.67.1), and looks each key up by walking the whole
 tree. At the paper's grid (661 stages) that was 54% of `dvc status`, 13.7 s against 6.3 s with a file
-per stage (bench/dag.py, docs/benchmarks.md), and 41 KB of the world's dvc.lock, every stage's values
-written out again. So each stage names the keys it reads in `meta: {params: [...]}` (DVC resolves
+per stage (bench/dag.py, docs/benchmarks.md), and 50 KB of the world's 268 KB dvc.lock, every stage's
+values written out again. So each stage names the keys it reads in `meta: {params: [...]}` (DVC resolves
 `${item.*}` there as anywhere in the stage, and keeps meta out of dvc.lock) and depends on
 `data/params/<stage>.json`, written here from one parse of params.yaml; the params stage tracks the
 whole of params.yaml, so `dvc params diff`, `dvc exp show` and `dvc exp run -S` see every key.
@@ -147,12 +147,12 @@ def write(out: str = OUT, root: str | Path = ".") -> dict[str, str]:
     from halludetect.core.atomic_io import atomic_path
     from halludetect.runner.dvc_internals import DvcException, Repo
 
-    root = Path(root)
+    out = Path(out).as_posix()  # `data/params/` or `./data/params` as dvc.yaml's `data/params`
     try:
         with Repo(str(root)) as repo:
-            stages = list(repo.index.stages)
+            stages, root = list(repo.index.stages), Path(repo.root_dir)  # the root, run from a subfolder too
     except DvcException as e:  # not a DVC repository, a dvc.yaml DVC cannot read
-        raise ParamsDigestError(f"{root.resolve()}: DVC cannot read the pipeline: {e}") from None
+        raise ParamsDigestError(f"{Path(root).resolve()}: DVC cannot read the pipeline: {e}") from None
     found = texts(stages, root, out)
     with atomic_path(root / out, is_dir=True) as tmp:
         for rel, text in found.items():

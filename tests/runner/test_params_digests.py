@@ -83,6 +83,10 @@ def test_each_stage_gets_the_values_of_its_keys_and_no_other(repo):
         DVC_YAML.replace("        - x.${item.m}\n        - shared\n", "        - shared  # s\n        - x.${item.m}\n")
     )
     assert params_digests.write(root=repo) == written
+    # run from a folder of the repository, the output spelt another way: the same files at the root
+    (repo / "sub").mkdir()
+    assert params_digests.write("./data/params/", root=repo / "sub") == written
+    assert not (repo / "sub" / "data").exists() and (repo / "data/params/use@a.json").is_file()
 
 
 def test_dvc_re_runs_exactly_the_stages_whose_values_changed(repo):
