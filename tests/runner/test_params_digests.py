@@ -152,24 +152,14 @@ def test_a_stage_whose_params_cannot_be_written_is_named_with_the_fix(repo, edit
 
 @pytest.mark.hostile
 def test_the_stage_says_what_is_wrong_without_a_traceback(tmp_path_factory, repo):
+    def params_stage(cwd):
+        cmd = [sys.executable, "-m", "stages.params", "--out", "data/params"]
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=ENV)
+
     (repo / "params.yaml").write_text("grid: [unclosed\n")
-    env = ENV
-    res = subprocess.run(
-        [sys.executable, "-m", "stages.params", "--out", "data/params"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    res = params_stage(repo)
     assert res.returncode == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.stderr
-    outside = tmp_path_factory.mktemp("not-a-repo")
-    res = subprocess.run(
-        [sys.executable, "-m", "stages.params", "--out", "data/params"],
-        cwd=outside,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    res = params_stage(tmp_path_factory.mktemp("not-a-repo"))
     assert res.returncode == 2 and "DVC cannot read the pipeline" in res.stderr and "Traceback" not in res.stderr
 
 
